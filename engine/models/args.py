@@ -1,0 +1,37 @@
+"""Model hyper-parameters, read from a checkpoint's metadata by the loader."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class RopeScaling:
+    """Llama 3 style frequency scaling (rope_type "llama3")."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(slots=True)
+class ModelArgs:
+    arch: str  # "llama"
+    dim: int  # hidden size
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int  # intermediate size of the SwiGLU MLP
+    vocab_size: int
+    max_seq_len: int  # context length
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_embeddings: bool = False  # lm_head shares token embeddings
+    qkv_bias: bool = False  # Qwen2
+
+    def __post_init__(self) -> None:
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")

@@ -1,0 +1,48 @@
+"""Per-request sampling parameters, validated at the public boundary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens for one request. temperature 0 means greedy (argmax)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top alternatives to return per token; 0 = only the chosen token
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")
+        _check(self.temperature >= 0, "temperature", self.temperature, ">= 0 (0 = greedy)")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k, "an integer >= 0 (0 = off)")
+        _check(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
+        _check(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
+        _check(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "> 0 (1 = off)")
+        _check(-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "in [-2, 2]")
+        _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", self.logprobs, "None or in [0, 20]")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "a list of non-empty strings")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               self.stop_token_ids, "a list of token ids >= 0")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _check(ok: bool, name: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}={value!r} is invalid: must be {allowed}")
