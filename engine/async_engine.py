@@ -1,0 +1,127 @@
+"""AsyncLLMEngine: the engine steps in its own thread; each request is an async iterator of StepOutputs.
+
+The engine thread is the only one that touches the scheduler. Callers hand it requests and aborts through
+a command queue, and it hands chunks back to each request's asyncio queue on the caller's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import Any, AsyncIterator
+
+from cpuserve.engine.config import EngineConfig
+from cpuserve.engine.llm_engine import EngineStats, LLMEngine
+from cpuserve.engine.outputs import StepOutput
+from cpuserve.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped on an error; no request can make progress."""
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="cpuserve-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, model: str | None = None, **config: Any) -> "AsyncLLMEngine":
+        return cls(LLMEngine(EngineConfig.from_kwargs(model=model, **config)))
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                       priority: int = 0) -> AsyncIterator[StepOutput]:
+        """Yields one StepOutput per new token; the last has finished=True. Raises ValueError on bad input
+        before anything is queued. Leaving the iteration early (cancel, disconnect) aborts the request."""
+        if self.error is not None:
+            raise EngineDeadError(f"engine stopped: {self.error!r}")
+        if request_id in self._streams:
+            raise ValueError(f"request_id={request_id!r} is already running; give each request a unique id")
+        request = self.engine.make_request(prompt, params, request_id, priority)
+        chunks: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), chunks)
+        self._send(("add", request))
+        finished = False
+        try:
+            while not finished:
+                chunk = await chunks.get()
+                if isinstance(chunk, ValueError):
+                    raise chunk
+                if isinstance(chunk, BaseException):
+                    raise EngineDeadError(f"engine stopped: {chunk!r}") from chunk
+                finished = chunk.finished
+                yield chunk
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._send(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wakeup.set()
+        self._thread.join(timeout=10)
+
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopped:
+                self._drain_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.wait(timeout=1.0)
+                    self._wakeup.clear()
+                    continue
+                for chunk in self.engine.step():
+                    self._deliver(chunk)
+        except BaseException as e:  # the engine is broken: fail every waiting request rather than hang it
+            log.exception("engine thread died")
+            self.error = e
+            for request_id in list(self._streams):
+                self._deliver_error(request_id, e)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                try:
+                    self.engine.add(arg)
+                except ValueError as e:  # e.g. an id still held by an aborting request: fail only this one
+                    self._deliver_error(arg.request_id, e)
+            else:
+                chunk = self.engine.abort_request(arg)
+                if chunk is not None:
+                    self._deliver(chunk)
+
+    def _deliver(self, chunk: StepOutput) -> None:
+        target = self._streams.get(chunk.request_id)
+        if target is not None:
+            loop, chunks = target
+            loop.call_soon_threadsafe(chunks.put_nowait, chunk)
+
+    def _deliver_error(self, request_id: str, error: BaseException) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, chunks = target
+            loop.call_soon_threadsafe(chunks.put_nowait, error)

@@ -1,0 +1,137 @@
+"""KV block bookkeeping: a free queue, reference counts and a prefix cache keyed by block hash.
+
+The scheduler reaches the KV pool only through this class. Block ids index the runner's pool tensors;
+nothing here touches torch.
+
+    block table of a request (B = 4):
+    tokens  | t0 t1 t2 t3 | t4 t5 t6 t7 | t8 t9 .. .. |
+    blocks  |    id 7     |    id 2     |    id 9     |   <- last block partly full, not hashed
+    hash    | h(-, t0..3) | h(h7, t4..7)|     -       |
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from cpuserve.engine.request import Request
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        assert num_blocks > 0 and block_size > 0
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks in eviction order: the front is reused first. An OrderedDict gives O(1) removal
+        # of a cached block that gets hit again while free.
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self.num_hits = 0
+        self.num_queries = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, request: Request) -> list[int]:
+        """Longest chain of cached full blocks that prefixes the request (at least one token left to compute)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        parent: int | None = None
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        for i in range(max_blocks):
+            tokens = tuple(request.all_token_ids[i * self.block_size:(i + 1) * self.block_size])
+            block_hash = hash((parent, tokens))
+            block_id = self.hash_to_block.get(block_hash)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:  # verify: hashes can collide
+                break
+            hits.append(block_id)
+            parent = block_hash
+        self.num_queries += max_blocks
+        self.num_hits += len(hits)
+        return hits
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+        """Make the request's block table cover its computed tokens plus `num_new_tokens`.
+
+        Returns False, changing nothing, when the pool cannot supply the blocks: the caller preempts.
+        """
+        # cache hits whose ref count is 0 sit in the free queue: taking them uses up free blocks too
+        num_hit_free = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
+        num_have = len(request.block_ids) + len(computed_blocks)
+        num_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        num_needed = max(0, self.num_blocks_for(num_tokens) - num_have)
+        if num_needed + num_hit_free > self.num_free_blocks:
+            return False
+        for block_id in computed_blocks:
+            self._take(block_id)
+        request.block_ids.extend(computed_blocks)
+        for _ in range(num_needed):
+            block_id, _ = self.free_queue.popitem(last=False)
+            self._evict_hash(block_id)
+            self.blocks[block_id].ref_count = 1
+            request.block_ids.append(block_id)
+        return True
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks; its tail goes to the front of the queue so tails are evicted first."""
+        for block_id in reversed(request.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                if block.block_hash is None:
+                    self.free_queue[block_id] = None
+                    self.free_queue.move_to_end(block_id, last=False)  # holds nothing reusable: reuse first
+                else:
+                    self.free_queue[block_id] = None
+        request.block_ids.clear()
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the hashes of blocks that became full with computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        parent: int | None = None
+        for i in range(num_full):
+            block = self.blocks[request.block_ids[i]]
+            tokens = tuple(request.all_token_ids[i * self.block_size:(i + 1) * self.block_size])
+            if block.block_hash is None:
+                block.block_hash = hash((parent, tokens))
+                block.token_ids = tokens
+                self.hash_to_block.setdefault(block.block_hash, block.block_id)
+            parent = block.block_hash
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_queue[block_id]
+        block.ref_count += 1
+
+    def _evict_hash(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.block_hash is not None and self.hash_to_block.get(block.block_hash) == block_id:
+            del self.hash_to_block[block.block_hash]
+        block.block_hash = None
+        block.token_ids = ()

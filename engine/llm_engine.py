@@ -1,0 +1,156 @@
+"""The synchronous engine: validate and queue requests, then step: schedule -> run -> postprocess."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from cpuserve.engine.block_manager import BlockManager
+from cpuserve.engine.config import EngineConfig
+from cpuserve.engine.loader import load_checkpoint
+from cpuserve.engine.model_runner import ModelRunner, kv_bytes_per_token
+from cpuserve.engine.models.builder import build_model
+from cpuserve.engine.outputs import StepOutput
+from cpuserve.engine.request import Request, RequestStatus
+from cpuserve.engine.sampling_params import SamplingParams
+from cpuserve.engine.scheduler import Scheduler
+from cpuserve.engine.text_stream import TextStream
+from cpuserve.engine.threads import configure_threads
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of the block pool in use
+    num_preemptions: int  # since start
+    last_step_seconds: float
+    num_free_blocks: int
+    num_blocks: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.num_threads = configure_threads(config.num_threads)
+        checkpoint = load_checkpoint(config.model, show_progress=config.show_progress)
+        self.tokenizer = checkpoint.tokenizer
+        self.args = checkpoint.args
+        self.model = build_model(checkpoint, config.weights, config.group_size, config.show_progress)
+        self.model_name = config.model or "SmolLM2-135M-Instruct"
+        self.max_model_len = min(config.max_model_len or self.args.max_seq_len, self.args.max_seq_len)
+        self.kv_bytes_per_token = kv_bytes_per_token(self.args, config.kv_cache)
+        config.num_blocks = int(config.kv_cache_gb * (1 << 30)) // (self.kv_bytes_per_token * config.block_size)
+        if config.num_blocks < 1:
+            raise ValueError(f"kv_cache_gb={config.kv_cache_gb} holds no block of {config.block_size} tokens "
+                             f"({self.kv_bytes_per_token} bytes per token); raise it")
+        self.runner = ModelRunner(self.model, config.kv_cache, config.num_blocks, config.block_size,
+                                  self.max_model_len)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self._streams: dict[str, TextStream] = {}
+        self._rng = torch.Generator().manual_seed(config.seed)
+        self._next_id = 0
+        self.last_step_seconds = 0.0
+        log.info("engine ready: %s, weights=%s, kv=%s, %d blocks x %d tokens (%.2f GiB), threads=%d",
+                 self.model_name, config.weights, config.kv_cache, config.num_blocks, config.block_size,
+                 config.kv_cache_gb, self.num_threads)
+
+    # -- requests -------------------------------------------------------------------------------------
+    def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                     priority: int = 0) -> Request:
+        """Validate and tokenize; touches no engine state, so any thread may call it."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids or (isinstance(prompt, str) and not prompt):
+            raise ValueError("prompt is empty: give at least one token of text")
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.args.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is out of range: ids must be in [0, {self.args.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt is {len(ids)} tokens: the context holds {self.max_model_len}, so the prompt "
+                             f"must be at most {self.max_model_len - 1} tokens to leave room for one new token")
+        if self.block_manager.num_blocks_for(len(ids) + 1) > self.block_manager.num_blocks:
+            raise ValueError(f"prompt is {len(ids)} tokens but the KV pool holds only "
+                             f"{self.block_manager.num_blocks * self.config.block_size}; raise kv_cache_gb")
+        if request_id is None:
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+        generator = torch.Generator()
+        generator.manual_seed(params.seed if params.seed is not None else
+                              int(torch.randint(0, 2**62, (1,), generator=self._rng)))
+        return Request(request_id, ids, params, eos_token_ids=self.tokenizer.eos_token_ids,
+                       max_model_len=self.max_model_len, priority=priority, generator=generator)
+
+    def add(self, request: Request) -> None:
+        self.scheduler.add(request)
+        self._streams[request.request_id] = TextStream(
+            self.tokenizer, request.prompt_token_ids, request.params.stop, request.params.skip_special_tokens)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                    priority: int = 0) -> str:
+        request = self.make_request(prompt, params, request_id, priority)
+        self.add(request)
+        return request.request_id
+
+    def abort_request(self, request_id: str) -> StepOutput | None:
+        request = self.scheduler.abort(request_id)
+        if request is None:
+            return None
+        return self._finish_output(request, [], "", None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ---------------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        out = self.scheduler.schedule()
+        outputs = [self._finish_output(r, [], "", None) for r in out.finished]
+        if out.is_empty:
+            return outputs
+        now = time.monotonic()
+        for item in out.scheduled:
+            if item.request.first_scheduled_time is None:
+                item.request.first_scheduled_time = now
+        start = time.perf_counter()
+        sampled = self.runner.run(out)
+        self.last_step_seconds = time.perf_counter() - start
+        self.scheduler.postprocess(out, [s[0] if s else None for s in sampled])
+        for item, s in zip(out.scheduled, sampled):
+            if s is not None and item.request.request_id in self._streams:
+                outputs.append(self._token_output(item.request, *s))
+        return outputs
+
+    def _token_output(self, request: Request, token_id: int, logprob) -> StepOutput:
+        stream = self._streams[request.request_id]
+        text, hit_stop = stream.add(token_id, final=request.is_finished)
+        if hit_stop:
+            if not request.is_finished:
+                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+            request.status = RequestStatus.FINISHED_STOPPED
+        if request.is_finished:
+            return self._finish_output(request, [token_id], text, logprob)
+        return self._output(request, [token_id], text, logprob, False)
+
+    def _finish_output(self, request: Request, ids: list[int], text: str, logprob) -> StepOutput:
+        self._streams.pop(request.request_id, None)
+        return self._output(request, ids, text, logprob, True)
+
+    def _output(self, request: Request, ids: list[int], text: str, logprob, finished: bool) -> StepOutput:
+        first = request.num_output_tokens == len(ids) and ids
+        queue_time = request.first_scheduled_time - request.arrival_time if first and request.first_scheduled_time else None
+        return StepOutput(
+            request_id=request.request_id, new_token_ids=ids, new_text=text,
+            logprobs=[logprob] if logprob is not None else None, finished=finished,
+            finish_reason=request.status.finish_reason if finished else None,
+            num_prompt_tokens=request.num_prompt_tokens, num_generated_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens, queue_time=queue_time)
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, bm.usage,
+                           self.scheduler.num_preemptions, self.last_step_seconds, bm.num_free_blocks, bm.num_blocks)

@@ -1,0 +1,76 @@
+"""Build a runtime model from a checkpoint's fp32 weight stream, quantizing each layer as it arrives."""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+import torch
+from tqdm import tqdm
+
+from cpuserve.engine.layers.quant_linear import QuantLinear
+from cpuserve.engine.models.llama import MLP, Attention, LlamaModel, TransformerBlock
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_LAYER_PARTS = (
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+    "input_layernorm.weight", "post_attention_layernorm.weight",
+)
+
+
+def activation_dtype(weights: str) -> torch.dtype:
+    return torch.float32 if weights == "fp32" else torch.bfloat16
+
+
+def lm_head_format(weights: str) -> str:
+    # int4 on the vocabulary projection costs accuracy for little speed; int8 per-channel keeps both.
+    return "int8" if weights == "int4" else weights
+
+
+def build_model(checkpoint, weights: str, group_size: int, show_progress: bool = True) -> LlamaModel:
+    """checkpoint: a loader Checkpoint (args + iter_weights of fp32 tensors in Hugging Face Llama naming)."""
+    args = checkpoint.args
+    dtype = activation_dtype(weights)
+    pending: dict[int, dict[str, torch.Tensor]] = defaultdict(dict)
+    layers: dict[int, TransformerBlock] = {}
+    top: dict[str, torch.Tensor] = {}
+    stream = tqdm(checkpoint.iter_weights(), total=checkpoint.num_tensors, desc=f"quantizing to {weights}",
+                  unit="tensor", disable=not show_progress, leave=False)
+    for name, tensor in stream:
+        match = _LAYER.fullmatch(name)
+        if match is None:
+            top[name] = tensor
+            continue
+        index, part = int(match.group(1)), match.group(2)
+        pending[index][part] = tensor
+        if all(p in pending[index] for p in _LAYER_PARTS) and (not args.qkv_bias or _has_biases(pending[index])):
+            layers[index] = _build_block(args, pending.pop(index), weights, group_size, dtype)
+    missing = [i for i in range(args.n_layers) if i not in layers]
+    if missing:
+        raise ValueError(f"checkpoint is missing tensors of layer(s) {missing[:5]}: expected {list(_LAYER_PARTS)}")
+    embedding = top.pop("model.embed_tokens.weight")
+    head = embedding if args.tie_embeddings else top.pop("lm_head.weight")
+    lm_head = QuantLinear.from_float(head, None, lm_head_format(weights), group_size)
+    model = LlamaModel(args, embedding.to(dtype), [layers[i] for i in range(args.n_layers)], lm_head, dtype)
+    model.norm.weight.data = top.pop("model.norm.weight").to(dtype)
+    return model.eval()
+
+
+def _has_biases(parts: dict[str, torch.Tensor]) -> bool:
+    return all(f"self_attn.{p}_proj.bias" in parts for p in "qkv")
+
+
+def _build_block(args, parts: dict[str, torch.Tensor], weights: str, group_size: int, dtype) -> TransformerBlock:
+    def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> QuantLinear:
+        return QuantLinear.from_float(weight, bias, weights, group_size)
+
+    qkv_weight = torch.cat([parts[f"self_attn.{p}_proj.weight"] for p in "qkv"])  # [(H + 2 Hkv) D, dim]
+    qkv_bias = torch.cat([parts[f"self_attn.{p}_proj.bias"] for p in "qkv"]) if args.qkv_bias else None
+    attention = Attention(args, linear(qkv_weight, qkv_bias), linear(parts["self_attn.o_proj.weight"]))
+    gate_up = torch.cat([parts["mlp.gate_proj.weight"], parts["mlp.up_proj.weight"]])  # [2 ffn, dim]
+    mlp = MLP(linear(gate_up), linear(parts["mlp.down_proj.weight"]))
+    block = TransformerBlock(args, attention, mlp, dtype)
+    block.attention_norm.weight.data = parts["input_layernorm.weight"].to(dtype)
+    block.ffn_norm.weight.data = parts["post_attention_layernorm.weight"].to(dtype)
+    return block

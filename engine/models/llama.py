@@ -1,0 +1,131 @@
+"""The Llama family (Llama 2/3, Mistral, SmolLM, TinyLlama; Qwen2 with qkv bias) over a paged KV pool.
+
+Tokens of all sequences in a step are flattened into one batch [N, dim]: decodes first (one token each),
+then prefill chunks. Linear layers see the whole batch; attention splits it by sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cpuserve.engine.layers.attention import gather_kv, paged_decode_attention, slim_attention, write_kv
+from cpuserve.engine.layers.quant_linear import QuantLinear
+from cpuserve.engine.models.args import ModelArgs
+from cpuserve.engine.models.rope import apply_rope
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    token_start: int  # first row of this chunk in the flattened batch
+    num_tokens: int
+    q_start: int  # position of the chunk's first token in its sequence
+    block_table: torch.Tensor  # [num_blocks] int64
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [N] int64: block_id * block_size + offset of every token
+    cos: torch.Tensor  # [N, 1, D] at each token's position
+    sin: torch.Tensor  # [N, 1, D]
+    num_decode: int  # rows [0, num_decode) are single-token decodes, one per sequence
+    decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks] int32
+    decode_context_lens: torch.Tensor | None  # [num_decode] int32, including the new token
+    prefills: list[PrefillChunk]
+
+
+@dataclass(slots=True)
+class LayerKV:
+    k: torch.Tensor  # [num_blocks, block_size, n_kv_heads, head_dim]
+    v: torch.Tensor
+    k_scale: torch.Tensor | None  # [num_blocks, block_size, n_kv_heads] fp32 for int8 caches
+    v_scale: torch.Tensor | None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, qkv: QuantLinear, o_proj: QuantLinear):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.scale = args.head_dim ** -0.5
+        self.qkv = qkv  # q, k and v projections fused into one matmul
+        self.o_proj = o_proj
+        self.kv: LayerKV | None = None  # bound by the runner once the pool exists
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        h, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = self.qkv(x).view(n, h + 2 * hkv, d)  # qkv: [N, H + 2 Hkv, D]
+        qk = apply_rope(qkv[:, : h + hkv], meta.cos, meta.sin)  # one rotation for q and k together
+        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + hkv:]
+        kv = self.kv
+        write_kv(kv.k, kv.k_scale, kv.v, kv.v_scale, k, v, meta.slot_mapping)
+        parts = []
+        if meta.num_decode:  # decode
+            parts.append(paged_decode_attention(
+                q[: meta.num_decode], kv.k, kv.k_scale, kv.v, kv.v_scale,
+                meta.decode_block_tables, meta.decode_context_lens, self.scale))
+        for p in meta.prefills:  # prefill: read the context back from the pool, as a later chunk would
+            length = p.q_start + p.num_tokens
+            k_ctx = gather_kv(kv.k, kv.k_scale, p.block_table, length, q.dtype)  # [T, Hkv, D]
+            v_ctx = gather_kv(kv.v, kv.v_scale, p.block_table, length, q.dtype)
+            q_rows = q[p.token_start: p.token_start + p.num_tokens]
+            parts.append(slim_attention(q_rows, k_ctx, v_ctx, p.q_start, self.scale))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)  # out: [N, H, D]
+        return self.o_proj(out.reshape(n, h * d))
+
+
+class MLP(nn.Module):
+    def __init__(self, gate_up: QuantLinear, down: QuantLinear):
+        super().__init__()
+        self.gate_up = gate_up  # gate and up projections fused into one matmul
+        self.down = down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, attention: Attention, mlp: MLP, dtype: torch.dtype):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps, dtype)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, dtype)
+        self.attention = attention
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), meta)
+        return h + self.mlp(self.ffn_norm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: ModelArgs, embedding: torch.Tensor, layers: list[TransformerBlock],
+                 lm_head: QuantLinear, dtype: torch.dtype):
+        super().__init__()
+        self.args = args
+        self.dtype = dtype
+        self.embed_tokens = nn.Parameter(embedding, requires_grad=False)  # [V, dim] in the activation dtype
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(args.dim, args.norm_eps, dtype)
+        self.lm_head = lm_head
+
+    def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, logit_rows: torch.Tensor) -> torch.Tensor:
+        """token_ids [N]; logit_rows [S]: the rows whose next-token logits are wanted. Returns [S, V] float32."""
+        x = F.embedding(token_ids, self.embed_tokens)  # x: [N, dim]
+        for layer in self.layers:
+            x = layer(x, meta)
+        x = self.norm(x[logit_rows])  # only the rows that sample: prefill rows before the last need no logits
+        return self.lm_head(x).float()

@@ -1,0 +1,44 @@
+"""What the engine hands back: per-step deltas for streaming and whole results for the offline API."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cpuserve.engine.sampler import TokenLogprob
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """One request's progress in one engine step (a streaming chunk)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" when finished
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    num_cached_tokens: int = 0
+    queue_time: float | None = None  # seconds from arrival to first scheduling, on the first chunk only
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A finished request, as `LLM.generate` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+
+    def add(self, chunk: StepOutput) -> None:
+        self.text += chunk.new_text
+        self.token_ids.extend(chunk.new_token_ids)
+        if chunk.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + chunk.logprobs
+        self.finish_reason = chunk.finish_reason
+        self.num_cached_tokens = chunk.num_cached_tokens

@@ -1,0 +1,110 @@
+"""Sampling: a pure function from (logits, params) to token ids. Temperature 0 is argmax."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cpuserve.engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely alternatives, best first
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    histories: list[list[int]],
+    num_prompt_tokens: list[int],
+) -> SamplerOutput:
+    """Pick one token per row.
+
+    Args:
+        logits: [S, V] float32, one row per sequence that samples this step.
+        params: the sequences' sampling parameters.
+        generators: per-sequence RNG; a seeded request draws only from its own generator, so its tokens do not
+            depend on what else is in the batch.
+        histories: every token of each sequence so far (prompt + output), for the penalties.
+        num_prompt_tokens: where the output starts in each history (presence penalty counts output only).
+    """
+    if all(p.is_greedy and not _has_penalty(p) for p in params):
+        token_ids = logits.argmax(dim=-1).tolist()  # fast path: the whole batch in one op
+    else:
+        token_ids = [
+            _sample_row(logits[i], p, generators[i], histories[i], num_prompt_tokens[i]) for i, p in enumerate(params)
+        ]
+    logprobs: list[TokenLogprob | None] = [None] * len(params)
+    if any(p.logprobs is not None for p in params):
+        all_logprobs = torch.log_softmax(logits, dim=-1)  # of the model's raw distribution, as OpenAI reports
+        for i, p in enumerate(params):
+            if p.logprobs is not None:
+                logprobs[i] = _logprob_of(all_logprobs[i], token_ids[i], p.logprobs)
+    return SamplerOutput(token_ids, logprobs)
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+
+
+def _sample_row(
+    logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None, history: list[int], num_prompt: int
+) -> int:
+    if _has_penalty(p):
+        logits = apply_penalties(logits, p, history, num_prompt)
+    if p.is_greedy:
+        return int(logits.argmax())
+    probs = logits_to_probs(logits, p)
+    # Exponential race (Gumbel-max in disguise): argmax(p / E), E ~ Exp(1), is a draw from p; it costs one
+    # fixed-size draw per token, so a seeded request's stream of random numbers never depends on the batch.
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / noise).argmax())
+
+
+def apply_penalties(logits: torch.Tensor, p: SamplingParams, history: list[int], num_prompt: int) -> torch.Tensor:
+    logits = logits.clone()
+    if p.repetition_penalty != 1.0 and history:
+        seen = torch.tensor(sorted(set(history)), dtype=torch.long)
+        values = logits[seen]
+        # CTRL-style: shrink positive logits, grow negative ones, so a repeated token always loses probability
+        logits[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+    output = history[num_prompt:]
+    if p.presence_penalty != 0.0 and output:
+        logits[torch.tensor(sorted(set(output)), dtype=torch.long)] -= p.presence_penalty
+    return logits
+
+
+def logits_to_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p filters; returns renormalised probabilities [V]."""
+    logits = logits / p.temperature
+    if p.top_k > 0 and p.top_k < logits.numel():
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cumulative = torch.cumsum(sorted_probs, dim=-1)
+        drop_sorted = cumulative - sorted_probs > p.top_p  # keep the smallest prefix whose mass reaches top_p
+        probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), 0.0)
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    return probs / probs.sum()
+
+
+def _logprob_of(row: torch.Tensor, token_id: int, num_top: int) -> TokenLogprob:
+    top: list[tuple[int, float]] = []
+    if num_top > 0:
+        values, ids = torch.topk(row, num_top)
+        top = list(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(token_id, float(row[token_id]), top)

@@ -1,0 +1,176 @@
+"""Iteration-level continuous batching with a token budget, chunked prefill, preemption and prefix caching.
+
+One step: `out = scheduler.schedule()`, the runner computes `out`, `scheduler.postprocess(out, token_ids)`.
+The scheduler never imports torch and reaches the KV pool only through the BlockManager.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass, field
+
+from cpuserve.engine.block_manager import BlockManager
+from cpuserve.engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    token_ids: list[int]  # tokens whose KV this step computes
+    start_pos: int  # position of token_ids[0] in the sequence
+    needs_sample: bool  # the chunk ends at the sequence's last token: the step yields one new token
+
+    @classmethod
+    def from_request(cls, request: Request, num_tokens: int) -> "ScheduledRequest":
+        start = request.num_computed_tokens
+        end = start + num_tokens
+        return cls(request, request.all_token_ids[start:end], start, end == request.num_tokens)
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.token_ids) == 1
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)  # decodes first, then prefill chunks
+    preempted: list[Request] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)  # ended by the scheduler itself (no KV room ever)
+
+    @classmethod
+    def make_empty(cls) -> "SchedulerOutput":
+        return cls()
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: list[tuple[tuple, Request]] = []  # sorted by (priority, arrival, seq)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._seq = itertools.count()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id={request.request_id!r} is already in use; give each request a unique id")
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        assert status.is_finished
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif not request.is_finished:
+            self.waiting = [w for w in self.waiting if w[1] is not request]
+        self.block_manager.free(request)
+        request.status = status
+        self.requests.pop(request.request_id, None)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput.make_empty()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:  # running first: decodes and unfinished prefills
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(request, num_new):
+                victim = max(self.running[i:], key=lambda r: (r.priority, r.arrival_time))
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest.from_request(request, num_new))
+                budget -= num_new
+                i += 1
+        if not out.preempted:
+            budget = self._admit_waiting(out, budget)
+        out.scheduled.sort(key=lambda s: not s.is_decode)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0][1]
+            computed = self.block_manager.get_computed_blocks(request)
+            num_cached = len(computed) * self.block_manager.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.block_manager.allocate_slots(request, num_new, computed):
+                if not self.running and self._never_fits(request):
+                    self.waiting.pop(0)
+                    self.finish(request, RequestStatus.FINISHED_LENGTH)
+                    out.finished.append(request)
+                    continue
+                break
+            self.waiting.pop(0)
+            request.num_computed_tokens = num_cached
+            request.num_cached_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest.from_request(request, num_new))
+            budget -= num_new
+        return budget
+
+    def _never_fits(self, request: Request) -> bool:
+        return self.block_manager.num_blocks_for(request.num_tokens) > self.block_manager.num_blocks
+
+    def postprocess(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
+        """Advance counters and append sampled tokens. Returns the requests that got a new token."""
+        advanced = []
+        for item, token_id in zip(out.scheduled, sampled):
+            request = item.request
+            if request.status != RequestStatus.RUNNING:  # aborted while the step ran
+                continue
+            request.num_computed_tokens += len(item.token_ids)
+            self.block_manager.cache_full_blocks(request)
+            if not item.needs_sample:
+                continue
+            assert token_id is not None
+            request.append_token(token_id)
+            advanced.append(request)
+            status = request.check_stop()
+            if status is not None:
+                self.finish(request, status)
+        return advanced
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute-style preemption: drop the KV, keep the tokens, queue again at the front of its class."""
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        key = (request.priority, request.arrival_time, next(self._seq))
+        bisect.insort(self.waiting, (key, request), key=lambda w: w[0])
