@@ -1,0 +1,68 @@
+"""Paged KV cache I/O: per-(token, kv head) int8 quantization, scatter of new tokens, gather of one context.
+
+Cache layout per layer (allocated by the runner):
+
+    k_cache, v_cache: [num_blocks, block_size B, n_kv_heads, head_dim]   int8 | bf16 | fp32
+    k_scale, v_scale: [num_blocks, B, n_kv_heads] fp32 for int8 caches, else None
+
+    token at position p of a sequence -> block block_table[p // B], offset p % B
+    slot = block_id * B + offset  (row of the cache viewed as [num_blocks * B, n_kv_heads, head_dim])
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+INT8_MAX = 127.0
+_MIN_SCALE = 1e-30  # an all-zero vector gets a tiny scale, so quantizing it divides 0 by a non-zero number
+
+
+def quantize_kv(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric absmax/127 int8 quantization, one scale per (token, kv head).
+
+    Args:
+        x: [N, Hkv, D] float.
+    Returns:
+        (int8 [N, Hkv, D], scale fp32 [N, Hkv]); x ~= q * scale[..., None], |error| <= scale / 2.
+    """
+    xf = x.float()
+    scale = (xf.abs().amax(-1) / INT8_MAX).clamp_(min=_MIN_SCALE)
+    q = torch.round(xf / scale[..., None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def write_kv(k_cache: Tensor, k_scale: Tensor | None, v_cache: Tensor, v_scale: Tensor | None,
+             k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+    """Store new tokens' keys and values in place (quantized for int8 caches, cast otherwise).
+
+    Args:
+        k, v: [N, Hkv, D]; slot_mapping: [N] int64, slot = block_id * B + offset.
+    """
+    for cache, scale, x in ((k_cache, k_scale, k), (v_cache, v_scale, v)):
+        rows = cache.view(-1, cache.shape[-2], cache.shape[-1])  # rows: [num_blocks * B, Hkv, D]
+        if cache.dtype == torch.int8:
+            assert scale is not None, "int8 cache needs a scale tensor"
+            q, s = quantize_kv(x)
+            rows.index_copy_(0, slot_mapping, q)
+            scale.view(-1, scale.shape[-1]).index_copy_(0, slot_mapping, s)  # [num_blocks * B, Hkv]
+        else:
+            rows.index_copy_(0, slot_mapping, x.to(cache.dtype))
+
+
+def gather_kv(cache: Tensor, scale: Tensor | None, block_table: Tensor, length: int, dtype: torch.dtype) -> Tensor:
+    """One sequence's first `length` tokens, contiguous and dequantized.
+
+    Args:
+        cache: [num_blocks, B, Hkv, D]; scale: [num_blocks, B, Hkv] fp32 or None; block_table: [>= ceil(length/B)].
+    Returns:
+        [length, Hkv, D] in dtype.
+    """
+    num_blocks, block_size, hkv, d = cache.shape
+    used = (length + block_size - 1) // block_size
+    ids = block_table[:used]
+    x = cache.index_select(0, ids).view(used * block_size, hkv, d)[:length]  # x: [length, Hkv, D]
+    if cache.dtype != torch.int8:
+        return x.to(dtype)
+    assert scale is not None, "int8 cache needs a scale tensor"
+    s = scale.index_select(0, ids).view(used * block_size, hkv)[:length]  # s: [length, Hkv]
+    return (x.float() * s[..., None]).to(dtype)

@@ -1,0 +1,208 @@
+"""Weight-only quantized linear layer: int4 (group-wise RTN), int8 (per channel), bf16, fp32.
+
+The fast paths are torch's private CPU kernels, wrapped here and nowhere else (torch is pinned):
+
+    int4: aten._weight_int4pack_mm_for_cpu(x_bf16 [M, K], packed, group_size, scales_and_zeros)
+          scales_and_zeros: [K // group_size, N, 2] bf16, [..., 0] = scale, [..., 1] = zero
+          the kernel dequantizes each 4-bit code q in [0, 15] as  w = (q - 8) * scale + zero
+    int8: aten._weight_int8pack_mm(x_bf16 [M, K], w_int8 [N, K], scales [N] bf16) = (x @ w.T) * scales
+
+Both take and return bf16 activations (with fp32 activations they are slow). A weight whose shape the kernels
+do not accept (int4: N % 16 or K % group_size; int8: K % 16, which otherwise crashes or returns garbage) runs
+on the fallback: the same quantized values dequantized once to a bf16 weight, then F.linear.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+FORMATS = ("int4", "int8", "bf16", "fp32")
+GROUP_SIZES = (32, 64, 128, 256)  # the group sizes the int4 CPU kernel accepts
+INT4_N_ALIGN = 16  # _convert_weight_to_int4pack_for_cpu: "expect N to be dividable by 16"
+INT8_K_ALIGN = 16  # measured: other K crash (K=33, 34, 36) or return garbage (K=8, 40) in torch 2.13
+INNER_K_TILES = 2  # the CPU packing ignores the tiling beyond a divisibility check; 2 is the loosest
+_logged_fallbacks: set[str] = set()
+
+
+def _log_fallback_once(reason: str) -> None:
+    if reason not in _logged_fallbacks:
+        _logged_fallbacks.add(reason)
+        logger.info("QuantLinear fallback (dequantized bf16 weight + F.linear): %s", reason)
+
+
+def quantize_int4(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Asymmetric round-to-nearest along K, one (scale, zero) per group of `group_size` inputs.
+
+    Scale and zero are rounded to bf16 first (the kernel reads bf16) and the codes are computed against the
+    rounded values, so the only error beyond scale/2 comes from the clamp at the group's edges.
+
+    Args:
+        weight: [N, K] float, K a multiple of group_size.
+    Returns:
+        codes [N, K] int32 in [0, 15]; scale, zero [N, K // group_size] bf16; w ~= (codes - 8) * scale + zero.
+    """
+    n, k = weight.shape
+    wg = weight.float().reshape(n, k // group_size, group_size)  # wg: [N, G, group]
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-10).to(torch.bfloat16)
+    zero = (lo + 8 * scale.float()).to(torch.bfloat16)  # code 0 maps to lo
+    codes = torch.round((wg - zero.float()[..., None]) / scale.float()[..., None]) + 8
+    codes = codes.clamp_(0, 15).to(torch.int32).reshape(n, k)
+    return codes, scale, zero
+
+
+def dequantize_int4(codes: Tensor, scale: Tensor, zero: Tensor, group_size: int) -> Tensor:
+    """Inverse of quantize_int4 in fp32: [N, K]."""
+    n, k = codes.shape
+    cg = codes.float().reshape(n, k // group_size, group_size)  # cg: [N, G, group]
+    return ((cg - 8) * scale.float()[..., None] + zero.float()[..., None]).reshape(n, k)
+
+
+def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric per-output-channel absmax/127. Returns (int8 [N, K], scales [N] bf16)."""
+    w = weight.float()
+    scale = (w.abs().amax(-1) / 127).clamp(min=1e-10).to(torch.bfloat16)
+    q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+class QuantLinear(torch.nn.Module):
+    """y = x @ W.T + b with W stored as int4 / int8 / bf16 / fp32. Build with `from_float`."""
+
+    def __init__(self, in_features: int, out_features: int, fmt: str, group_size: int):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.fmt, self.group_size = fmt, group_size
+        self.act_dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
+        self.is_fallback = False
+        self.register_buffer("bias", None)
+
+    @classmethod
+    def from_float(cls, weight: Tensor, bias: Tensor | None, fmt: str, group_size: int = 32,
+                   use_fallback: bool = False) -> "QuantLinear":
+        """Quantize a float weight into the runtime format.
+
+        Args:
+            weight: [N (out_features), K (in_features)] float.
+            bias: [N] or None.
+            fmt: one of FORMATS.
+            group_size: int4 group along K, one of GROUP_SIZES (validated for every fmt).
+            use_fallback: force the plain-torch path even when the fast kernel fits (tests, debugging).
+        Raises:
+            ValueError: unknown fmt or group_size, or a weight that is not 2-D.
+        """
+        if fmt not in FORMATS:
+            raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+        if group_size not in GROUP_SIZES:
+            raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size!r}")
+        if weight.dim() != 2:
+            raise ValueError(f"weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
+        n, k = weight.shape
+        if bias is not None and tuple(bias.shape) != (n,):
+            raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
+        self = cls(k, n, fmt, group_size)
+        if bias is not None:
+            self.bias = bias.detach().to(self.act_dtype).contiguous()
+        with torch.no_grad():
+            getattr(self, f"_init_{fmt}")(weight.detach(), use_fallback)
+        return self
+
+    def _init_fp32(self, weight: Tensor, use_fallback: bool) -> None:
+        self.register_buffer("weight", weight.float().contiguous())
+
+    def _init_bf16(self, weight: Tensor, use_fallback: bool) -> None:
+        self.register_buffer("weight", weight.to(torch.bfloat16).contiguous())
+
+    def _init_int8(self, weight: Tensor, use_fallback: bool) -> None:
+        q, scale = quantize_int8(weight)
+        reason = "forced" if use_fallback else self._int8_misfit()
+        if reason:
+            self._set_fallback(q.float() * scale.float()[:, None], f"int8 {reason}")
+            return
+        self.register_buffer("weight_int8", q)
+        self.register_buffer("scales", scale)
+
+    def _init_int4(self, weight: Tensor, use_fallback: bool) -> None:
+        n, k = weight.shape
+        gs = self.group_size
+        pad = -k % gs
+        # Pad K to whole groups by repeating the last column: it leaves every group's min/max unchanged.
+        w = torch.cat([weight, weight[:, -1:].expand(n, pad)], 1) if pad else weight
+        codes, scale, zero = quantize_int4(w, gs)
+        reason = "forced" if use_fallback else self._int4_misfit()
+        if reason:
+            self._set_fallback(dequantize_int4(codes, scale, zero, gs)[:, :k], f"int4 {reason}")
+            return
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, INNER_K_TILES))
+        # scales_and_zeros: [K // gs, N, 2] bf16, the layout the kernel reads (one N-row of pairs per group)
+        self.register_buffer("scales_and_zeros", torch.stack([scale, zero], -1).transpose(0, 1).contiguous())
+
+    def _int4_misfit(self) -> str:
+        if self.out_features % INT4_N_ALIGN:
+            return f"N={self.out_features} is not a multiple of {INT4_N_ALIGN}"
+        if self.in_features % self.group_size:
+            return f"K={self.in_features} is not a multiple of group_size={self.group_size}"
+        return ""
+
+    def _int8_misfit(self) -> str:
+        if self.in_features % INT8_K_ALIGN:
+            return f"K={self.in_features} is not a multiple of {INT8_K_ALIGN}"
+        return ""
+
+    def _set_fallback(self, weight_fp32: Tensor, reason: str) -> None:
+        if not reason.endswith("forced"):
+            _log_fallback_once(reason)
+        self.is_fallback = True
+        self.register_buffer("weight", weight_fp32.to(torch.bfloat16).contiguous())
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [..., K] -> [..., N] in act_dtype (bf16 for int4/int8/bf16, fp32 for fp32)."""
+        if x.dtype != self.act_dtype:
+            x = x.to(self.act_dtype)
+        if self.fmt in ("fp32", "bf16") or self.is_fallback:
+            return F.linear(x, self.weight, self.bias)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)  # x2: [M, K]
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        if self.fmt == "int4":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size,
+                                                           self.scales_and_zeros)
+        else:
+            y = torch._weight_int8pack_mm(x2, self.weight_int8, self.scales)
+        if self.bias is not None:
+            y += self.bias
+        return y.view(*lead, self.out_features)  # y: [..., N]
+
+    def dequantize(self) -> Tensor:
+        """The fp32 [N, K] weight this module effectively multiplies by (tests and reference only)."""
+        if self.fmt in ("fp32", "bf16") or self.is_fallback:
+            return self.weight.float()
+        if self.fmt == "int8":
+            return self.weight_int8.float() * self.scales.float()[:, None]
+        return self._dequantize_int4_packed()
+
+    def _dequantize_int4_packed(self) -> Tensor:
+        # The packed layout is the kernel's private business, so read the codes back through the kernel itself:
+        # with unit scales and zero points 0 it returns (q - 8) for an identity input, exactly (small integers).
+        n, k, gs = self.out_features, self.in_features, self.group_size
+        unit = torch.zeros(k // gs, n, 2, dtype=torch.bfloat16)
+        unit[..., 0] = 1
+        codes = torch.empty(k, n)
+        for start in range(0, k, 256):
+            rows = min(256, k - start)
+            eye = torch.zeros(rows, k, dtype=torch.bfloat16)
+            eye[:, start:start + rows].fill_diagonal_(1)
+            codes[start:start + rows] = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, gs, unit).float()
+        scale = self.scales_and_zeros[..., 0].float().t()  # scale: [N, K // gs]
+        zero = self.scales_and_zeros[..., 1].float().t()
+        return dequantize_int4(codes.t() + 8, scale, zero, gs)
+
+    def extra_repr(self) -> str:
+        path = "fallback" if self.is_fallback else "fast"
+        return f"in={self.in_features}, out={self.out_features}, fmt={self.fmt}, group={self.group_size}, {path}"

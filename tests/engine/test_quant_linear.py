@@ -1,0 +1,108 @@
+"""QuantLinear: every format against its own dequantized weight, fast path vs fallback, the int4 RTN bound."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cpuserve.engine.layers.quant_linear import QuantLinear
+
+# The bf16 formats return bf16: one output rounding (2^-9 relative) plus kernel-side bf16 rounding of the
+# dequantized weight in some paths. 1% of the output's max magnitude catches any wrong scale, zero point or
+# code layout (those err by tens of percent) while leaving room for that rounding.
+BF16_TOL = 1e-2
+FP32_TOL = 1e-5
+
+
+def make_weight(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    # a per-row offset makes the int4 zero points matter (a symmetric weight would hide a wrong zero)
+    w = torch.randn(n, k, generator=gen) * 0.05 + torch.randn(n, 1, generator=gen) * 0.02
+    return w, torch.randn(n, generator=gen)
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref).abs().max() / ref.abs().max()).item()
+
+
+def reference(m: QuantLinear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    b = None if bias is None else bias.to(m.act_dtype).float()
+    return F.linear(x.to(m.act_dtype).float(), m.dequantize(), b)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8", "bf16", "fp32"])
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (192, 576)])
+@pytest.mark.parametrize("m_rows", [1, 7, 64])
+def test_each_format_matches_its_dequantized_weight(fmt, n, k, m_rows):
+    w, b = make_weight(n, k)
+    m = QuantLinear.from_float(w, b, fmt, group_size=32)
+    assert not m.is_fallback
+    x = torch.randn(m_rows, k)
+    y = m(x)
+    assert y.shape == (m_rows, n) and y.dtype == m.act_dtype
+    assert rel_err(y, reference(m, x, b)) < (FP32_TOL if fmt == "fp32" else BF16_TOL)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_fast_path_and_fallback_agree(fmt, group_size):
+    w, b = make_weight(576, 1536, seed=1)
+    fast = QuantLinear.from_float(w, b, fmt, group_size)
+    slow = QuantLinear.from_float(w, b, fmt, group_size, use_fallback=True)
+    assert not fast.is_fallback and slow.is_fallback
+    x = torch.randn(3, 5, 1536, dtype=torch.bfloat16)  # leading dims are kept
+    y_fast, y_slow = fast(x), slow(x)
+    assert y_fast.shape == y_slow.shape == (3, 5, 576)
+    assert rel_err(y_fast, y_slow.float()) < 2 * BF16_TOL
+    # same quantized values: the fallback's bf16 weight is the fast weight rounded to bf16
+    assert torch.allclose(slow.dequantize(), fast.dequantize(), rtol=2 ** -8, atol=0)
+
+
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_int4_error_within_rtn_bound(group_size):
+    w, _ = make_weight(64, 512, seed=2)
+    d = QuantLinear.from_float(w, None, "int4", group_size).dequantize()
+    wg = w.view(64, -1, group_size)
+    lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+    step = (hi - lo) / 15
+    # RTN: half a step; plus bf16 rounding (2^-9 relative) of the stored scale and zero point, which can
+    # shift the group's 16 levels by at most 2^-9 * (|zero| + 15 * step) at the range's ends.
+    bound = 0.5 * step * (1 + 2 ** -8) + 2 ** -9 * (lo.abs() + 24 * step) + 1e-7
+    err = (d.view_as(wg) - wg).abs()
+    assert (err <= bound).all(), f"max excess {(err - bound).max().item()}"
+    assert err.max() > 0.2 * step.max()  # really quantized (not a float copy)
+
+
+def test_int8_error_within_half_step():
+    w, _ = make_weight(128, 256, seed=3)
+    d = QuantLinear.from_float(w, None, "int8").dequantize()
+    step = w.abs().amax(-1, keepdim=True) / 127
+    assert ((d - w).abs() <= 0.5 * step * (1 + 2 ** -7) + 2 ** -9 * w.abs()).all()
+
+
+@pytest.mark.parametrize("fmt,n,k", [("int4", 30, 576), ("int4", 64, 100), ("int8", 64, 40), ("int8", 17, 33)])
+def test_misfit_shapes_run_on_the_fallback(fmt, n, k):
+    w, b = make_weight(n, k, seed=4)
+    m = QuantLinear.from_float(w, b, fmt, group_size=32)
+    assert m.is_fallback
+    x = torch.randn(4, k)
+    assert rel_err(m(x), reference(m, x, b)) < BF16_TOL
+    assert (m.dequantize() - w).abs().max() < (w.abs().max() / 127 if fmt == "int8" else 0.05)
+
+
+def test_fp32_keeps_fp32_and_bf16_input_is_not_copied():
+    w, b = make_weight(32, 64)
+    m = QuantLinear.from_float(w, b, "fp32")
+    assert m(torch.randn(2, 64, dtype=torch.bfloat16)).dtype == torch.float32
+    assert torch.equal(m.dequantize(), w)
+    q = QuantLinear.from_float(w, None, "int8")
+    assert q(torch.randn(2, 64)).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"fmt": "int3"}, "fmt"), ({"fmt": "int4", "group_size": 48}, "group_size"),
+    ({"fmt": "int8", "group_size": 0}, "group_size"),
+])
+def test_bad_arguments_raise_value_error_naming_the_field(kwargs, field):
+    w, _ = make_weight(32, 64)
+    with pytest.raises(ValueError, match=field) as info:
+        QuantLinear.from_float(w, None, **kwargs)
+    assert "int4" in str(info.value) or "32" in str(info.value)  # lists the allowed values
