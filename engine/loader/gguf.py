@@ -1,0 +1,179 @@
+"""GGUF checkpoints (llama.cpp's format): hyper-parameters, tokenizer and dequantized weights.
+
+Weights come out in Hugging Face Llama naming and layout, so the model has one load path for both formats.
+The one layout quirk: llama.cpp's converter permutes the rows of Q and K in every head from HF's
+"halves" order (rotate_half RoPE) to interleaved pairs (GPT-J RoPE); we permute them back.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from cpuserve.engine.loader.gguf_tokenizer import build_gguf_tokenizer
+from cpuserve.engine.loader.rope import rope_scaling_from_freqs
+from cpuserve.engine.models.args import ModelArgs
+from cpuserve.engine.tokenizer import Tokenizer
+
+QT = gguf.GGMLQuantizationType
+SUPPORTED_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1)
+# qwen2 GGUFs keep HF's row order (llama.cpp runs them with NEOX RoPE), so only llama needs un-permuting
+SUPPORTED_ARCHS = {"llama": {"permuted_qk": True, "qkv_bias": False}, "qwen2": {"permuted_qk": False, "qkv_bias": True}}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+ROPE_FREQS = "rope_freqs.weight"  # llama3 per-dimension frequency divisors; folded into ModelArgs.rope_scaling
+
+
+def hf_name(name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor, or None if llama.cpp's name is not one we know."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    match = _LAYER_RE.fullmatch(name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    return None
+
+
+def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
+    # GGUF.* fields are the file header (version, counts), not model metadata
+    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+
+
+def unpermute_qk(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head row interleave of Q/K.
+
+    llama.cpp stores each head's rows as pairs (r0, r_half, r1, r_half+1, ...); HF keeps the two halves
+    apart (r0..r_half-1, r_half..). weight: [n_heads * head_dim, dim] (or [n_heads * head_dim] for a bias).
+    """
+    rows = weight.shape[0]
+    # w: [n_heads, head_dim // 2, 2, ...] -> swap the pair axis in front of the half axis
+    w = weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:])
+    return w.transpose(1, 2).reshape(weight.shape)
+
+
+def _scalar(meta: dict[str, Any], key: str, path: str, default: Any = None) -> Any:
+    value = meta.get(key, default)
+    if value is None:
+        raise ValueError(f"{path}: required GGUF metadata key {key!r} is missing")
+    if isinstance(value, list):  # per-layer arrays (e.g. head_count_kv) must be uniform for our engine
+        if len(set(value)) != 1:
+            raise ValueError(f"{path}: {key} varies per layer ({value}); only uniform values are supported")
+        value = value[0]
+    return value
+
+
+def build_model_args(meta: dict[str, Any], reader: gguf.GGUFReader, path: str) -> ModelArgs:
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"{path}: general.architecture={arch!r} is not supported; supported: {sorted(SUPPORTED_ARCHS)}")
+    key = lambda name: f"{arch}.{name}"  # noqa: E731 - metadata keys are prefixed by the architecture
+    dim = int(_scalar(meta, key("embedding_length"), path))
+    n_heads = int(_scalar(meta, key("attention.head_count"), path))
+    names = {t.name for t in reader.tensors}
+    vocab = meta.get(key("vocab_size")) or len(meta.get("tokenizer.ggml.tokens", []))
+    if not vocab:
+        raise ValueError(f"{path}: neither {key('vocab_size')} nor tokenizer.ggml.tokens gives the vocabulary size")
+    scaling_type = meta.get(key("rope.scaling.type"), "none")
+    if scaling_type not in ("none", "llama3") and float(meta.get(key("rope.scaling.factor"), 1.0)) != 1.0:
+        raise ValueError(f"{path}: {key('rope.scaling.type')}={scaling_type!r} is not supported; supported: none, llama3")
+    rope_scaling = None
+    if ROPE_FREQS in names:
+        freqs = gguf.quants.dequantize(*_tensor_data(reader, ROPE_FREQS))
+        rope_scaling = rope_scaling_from_freqs(np.asarray(freqs, dtype=np.float64).reshape(-1), meta, key, path)
+    return ModelArgs(
+        arch=arch,
+        dim=dim,
+        n_layers=int(_scalar(meta, key("block_count"), path)),
+        n_heads=n_heads,
+        n_kv_heads=int(_scalar(meta, key("attention.head_count_kv"), path, n_heads)),
+        head_dim=int(_scalar(meta, key("attention.key_length"), path, dim // n_heads)),
+        ffn_dim=int(_scalar(meta, key("feed_forward_length"), path)),
+        vocab_size=int(vocab),
+        max_seq_len=int(_scalar(meta, key("context_length"), path)),
+        norm_eps=float(_scalar(meta, key("attention.layer_norm_rms_epsilon"), path, 1e-5)),
+        rope_theta=float(_scalar(meta, key("rope.freq_base"), path, 10000.0)),
+        rope_scaling=rope_scaling,
+        tie_embeddings="output.weight" not in names,
+        qkv_bias=SUPPORTED_ARCHS[arch]["qkv_bias"] and any(n.endswith("attn_q.bias") for n in names),
+    )
+
+
+def _tensor_data(reader: gguf.GGUFReader, name: str) -> tuple[np.ndarray, QT]:
+    tensor = next(t for t in reader.tensors if t.name == name)
+    return tensor.data, tensor.tensor_type
+
+
+def check_tensors(reader: gguf.GGUFReader, path: str) -> None:
+    """Fail before streaming: every tensor must be one we can name and dequantize."""
+    supported = ", ".join(t.name for t in SUPPORTED_TYPES)
+    for t in reader.tensors:
+        if t.name != ROPE_FREQS and hf_name(t.name) is None:
+            raise ValueError(f"{path}: tensor {t.name!r} is not part of a Llama-family model this loader knows")
+        if t.tensor_type not in SUPPORTED_TYPES:
+            raise ValueError(
+                f"{path}: tensor {t.name!r} has type {t.tensor_type.name}; supported types: {supported} "
+                "(re-quantize the file with llama-quantize to one of them)"
+            )
+
+
+class GGUFWeights:
+    """Streams a GGUF's tensors as fp32 torch tensors in HF naming, one at a time (the file is memory-mapped)."""
+
+    def __init__(self, reader: gguf.GGUFReader, args: ModelArgs):
+        self.reader = reader
+        self.args = args
+        self.permuted_qk = SUPPORTED_ARCHS[args.arch]["permuted_qk"]
+        self.tensors = [t for t in reader.tensors if t.name != ROPE_FREQS]
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for t in self.tensors:
+            # numpy shape is GGUF's ne reversed: [out_features, in_features], as torch.nn.Linear stores it
+            shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+            array = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+            # F32 dequantizes to a read-only view of the mapped file: copy so the tensor owns writable memory
+            weight = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
+            name = hf_name(t.name)
+            if self.permuted_qk and ".q_proj." in name:
+                weight = unpermute_qk(weight, self.args.n_heads)
+            elif self.permuted_qk and ".k_proj." in name:
+                weight = unpermute_qk(weight, self.args.n_kv_heads)
+            yield name, weight
+
+
+def load_gguf(path: str) -> tuple[ModelArgs, Tokenizer, GGUFWeights]:
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except ValueError as err:  # wrong magic / truncated header
+        raise ValueError(f"{path}: not a readable GGUF file ({err})") from err
+    meta = read_metadata(reader)
+    args = build_model_args(meta, reader, path)
+    check_tensors(reader, path)
+    tokenizer = build_gguf_tokenizer(meta, path)
+    return args, tokenizer, GGUFWeights(reader, args)

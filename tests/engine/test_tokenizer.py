@@ -1,0 +1,131 @@
+"""Tokenizer built from the SmolLM2 GGUF vs transformers' tokenizer loaded from the same file."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from cpuserve.engine.loader import default_model_path, load_checkpoint
+from cpuserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+TEXTS = [
+    "Hello, world!",
+    "The quick brown fox jumps over the lazy dog.",
+    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+    "for (int i = 0; i < 10; ++i) { printf(\"%d\\n\", i); }",
+    "3.14159265358979 and 1,000,000 and 2024-06-01",
+    "Numbers: 0123456789 9876543210",
+    "naïve café résumé — “quotes” ‘single’",
+    "日本語のテキストと中文文本",
+    "Emoji: 😀🎉👍🏽 family 👨‍👩‍👧‍👦 flags 🇫🇷",
+    "   leading spaces and trailing   ",
+    "tabs\tand\n\nnewlines\r\n mixed  \t ",
+    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
+    "text <|endoftext|> more text",
+    "I'm sure you're right, they'll see we've done it.",
+    "ALL CAPS and MiXeD CaSe and snake_case_names",
+    "URL: https://example.com/path?query=1&x=2#frag",
+    "Математика и физика",
+    "مرحبا بالعالم",
+    "",
+    " ",
+    "a" * 50,
+    "x = [1, 2, 3]  # comment\n\t\tindented",
+]
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2+2?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}],
+    [
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Tell me a joke 😀"},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def ours() -> Tokenizer:
+    return load_checkpoint(show_progress=False).tokenizer
+
+
+@pytest.fixture(scope="module")
+def reference():
+    transformers = pytest.importorskip("transformers")
+    path = default_model_path()
+    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_matches_transformers(ours, reference, text):
+    assert ours.encode(text) == reference.encode(text)
+    assert ours.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_decode_round_trip(ours, reference, text):
+    ids = ours.encode(text)
+    assert ours.decode(ids, skip_special_tokens=False) == text
+    assert ours.decode(ids) == reference.decode(ids, skip_special_tokens=True)
+
+
+def test_special_tokens_stay_whole(ours):
+    im_start, im_end = ours.token_to_id("<|im_start|>"), ours.token_to_id("<|im_end|>")
+    assert ours.encode("<|im_start|>x<|im_end|>")[0] == im_start
+    assert ours.encode("<|im_start|>x<|im_end|>")[-1] == im_end
+    assert ours.is_special(im_end) and not ours.is_special(ours.encode("x")[0])
+    assert ours.decode([im_start] + ours.encode("x") + [im_end]) == "x"
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(ours, reference, messages, add_generation_prompt):
+    expected = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    assert ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
+
+
+def test_special_ids(ours, reference):
+    assert ours.token_to_id("<|im_end|>") in ours.eos_token_ids
+    assert reference.eos_token_id in ours.eos_token_ids
+    assert ours.bos_token_id == reference.bos_token_id
+    assert ours.vocab_size == len(reference) == 49152
+
+
+def test_missing_chat_template_is_a_clear_error(ours):
+    bare = Tokenizer(ours.backend, bos_token_id=None, eos_token_ids=frozenset(), chat_template=None)
+    with pytest.raises(ValueError, match="no chat template"):
+        bare.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+STREAM_TEXTS = ["Emoji: 😀🎉👍🏽 👨‍👩‍👧‍👦 🇫🇷!", "日本語のテキストと中文文本。", "mixed ascii ✓ and 한국어 and 🦀 rust", "plain"]
+
+
+@pytest.mark.parametrize("text", STREAM_TEXTS)
+@pytest.mark.parametrize("with_prompt", [False, True])
+def test_incremental_detokenizer(ours, text, with_prompt):
+    ids = ours.encode(text, add_special_tokens=False)
+    # the test must exercise split characters: some token must decode to a partial character on its own
+    if text != "plain":
+        assert any("\ufffd" in ours.decode([i]) for i in ids)
+    prompt = ours.encode("<|im_start|>assistant\n") if with_prompt else None
+    detok = IncrementalDetokenizer(ours, prompt_ids=prompt)
+    deltas = [detok.add(i) for i in ids] + [detok.flush()]
+    assert not any("\ufffd" in d for d in deltas)
+    assert "".join(deltas) == ours.decode(ids) == text
+
+
+def test_incremental_detokenizer_skips_special_tokens(ours):
+    ids = ours.encode("hi 😀") + [ours.token_to_id("<|im_end|>")]
+    detok = IncrementalDetokenizer(ours)
+    assert "".join(detok.add(i) for i in ids) + detok.flush() == "hi 😀"
+    keep = IncrementalDetokenizer(ours, skip_special_tokens=False)
+    assert "".join(keep.add(i) for i in ids) + keep.flush() == "hi 😀<|im_end|>"
+
+
+def test_incremental_detokenizer_flushes_an_unfinished_character(ours):
+    ids = ours.encode("😀", add_special_tokens=False)
+    assert len(ids) > 1
+    detok = IncrementalDetokenizer(ours)
+    assert [detok.add(i) for i in ids[:-1]] == [""] * (len(ids) - 1)  # held back, not emitted broken
+    assert detok.flush() == ours.decode(ids[:-1])
