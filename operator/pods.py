@@ -1,0 +1,190 @@
+"""Pod manifests: the Ray head (runs the Serve app) and one NUMA-pinned worker pod per rank.
+
+    LLMService "chat", replicas 2, ranksPerReplica 2
+      chat-head       ray start --head; cpuserve serve --ray-address auto ...   (Services point here)
+      chat-g0-r0  chat-g0-r1  chat-g1-r0  chat-g1-r1                            (ray start --address=head,
+                                                                                 one cpuserve_socket each)
+Pure functions of the CR; names and labels come from naming.py.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import posixpath
+from typing import Any
+
+from cpuserve.operator import naming
+from cpuserve.operator.memory import GIB, MIB, MemoryPlan, download_size_limit
+from cpuserve.operator.settings import OperatorSettings
+from cpuserve.operator.spec import LLMServiceSpec
+
+UID = 10001
+MODEL_DIR = "/models"
+TLS_DIR = "/etc/cpuserve/tls"
+API_KEYS_DIR = "/etc/cpuserve/api-keys"
+DASHBOARD_PORT = 8265
+AGENT_PORT = 52365
+OBJECT_STORE_BYTES = 256 * MIB
+HEAD_SCRIPT = ('ray start --head --port={gcs} --num-cpus={cpus} --dashboard-host=0.0.0.0 '
+               '--dashboard-agent-listen-port={agent} --object-store-memory={store} --disable-usage-stats '
+               '&& exec "$@"')
+
+
+def model_path(spec: LLMServiceSpec) -> str | None:
+    """Where pods find the model (--model), or None for the image's embedded default."""
+    m = spec.model
+    if m.source == "pvc":
+        return posixpath.join(MODEL_DIR, m.path or "")
+    if m.source == "url":
+        return f"{MODEL_DIR}/model.gguf" if m.format == "gguf" else f"{MODEL_DIR}/model"
+    return None
+
+
+def serve_args(spec: LLMServiceSpec) -> list[str]:
+    """`cpuserve serve` command line of the head pod."""
+    q, r, b, p = spec.quantization, spec.resources, spec.batching, spec.ports
+    args = ["cpuserve", "serve"]
+    if (path := model_path(spec)) is not None:
+        args += ["--model", path]
+    args += ["--weights", q.weights, "--group-size", str(q.group_size), "--kv-cache", q.kv_cache,
+             "--kv-cache-gb", f"{r.kv_cache_gb:g}", "--replicas", str(spec.replicas),
+             "--ranks-per-replica", str(spec.ranks_per_replica), "--cpus-per-rank", str(r.cpus_per_rank),
+             "--max-num-seqs", str(b.max_num_seqs), "--max-num-batched-tokens", str(b.max_num_batched_tokens),
+             "--max-queued-requests", str(b.max_queued_requests), "--host", "0.0.0.0",
+             "--grpc-port", str(p.grpc), "--http-port", str(p.http), "--metrics-port", str(p.metrics),
+             "--ray-address", "auto", "--socket-resource", naming.SOCKET_RESOURCE]
+    if spec.security.api_keys is not None:
+        args += ["--api-key-file", f"{API_KEYS_DIR}/{spec.security.api_keys.key}"]
+    if spec.security.tls_secret_name:
+        args += ["--tls-cert-file", f"{TLS_DIR}/tls.crt", "--tls-key-file", f"{TLS_DIR}/tls.key"]
+    return args
+
+
+def _container_security() -> dict[str, Any]:
+    return {"runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID, "privileged": False,
+            "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _env(name: str, spec: LLMServiceSpec) -> list[dict[str, Any]]:
+    env = [{"name": "HOME", "value": "/tmp"}, {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"},
+           {"name": "CPUSERVE_LLMSERVICE", "value": name},
+           {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
+    if spec.security.ray_auth_token_secret:
+        return env + [{"name": "RAY_AUTH_MODE", "value": "token"}, {"name": "RAY_AUTH_TOKEN", "valueFrom": {
+            "secretKeyRef": {"name": spec.security.ray_auth_token_secret, "key": "token"}}}]
+    return env + [{"name": "RAY_AUTH_MODE", "value": "disabled"}]
+
+
+def _volumes(spec: LLMServiceSpec, head: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts): writable /tmp and /dev/shm on a read-only root, the model, the head's secrets."""
+    vols = [{"name": "tmp", "emptyDir": {}},
+            {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{OBJECT_STORE_BYTES // MIB * 2}Mi"}}]
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "shm", "mountPath": "/dev/shm"}]
+    if spec.model.source == "pvc":
+        vols.append({"name": "model", "persistentVolumeClaim": {"claimName": spec.model.claim_name, "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
+    elif spec.model.source == "url":
+        vols.append({"name": "model", "emptyDir": {"sizeLimit": download_size_limit(spec)}})
+        mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
+    sec = spec.security
+    if head and sec.tls_secret_name:
+        vols.append({"name": "tls", "secret": {"secretName": sec.tls_secret_name, "defaultMode": 0o440}})
+        mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
+    if head and sec.api_keys is not None:
+        vols.append({"name": "api-keys", "secret": {"secretName": sec.api_keys.name, "defaultMode": 0o440,
+                                                    "items": [{"key": sec.api_keys.key, "path": sec.api_keys.key}]}})
+        mounts.append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
+    return vols, mounts
+
+
+def _fetch_container(spec: LLMServiceSpec, image: str, pull: str, resources: dict[str, Any]) -> dict[str, Any]:
+    """Init container that downloads the model into the pod's model emptyDir."""
+    cmd = ["python", "-m", "cpuserve.operator.fetch", "--url", spec.model.url or "", "--dest", model_path(spec) or ""]
+    if spec.model.sha256:
+        cmd += ["--sha256", spec.model.sha256]
+    return {"name": "fetch-model", "image": image, "imagePullPolicy": pull, "command": cmd,
+            "env": [{"name": "HOME", "value": "/tmp"}], "resources": resources,
+            "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, {"name": "model", "mountPath": MODEL_DIR}],
+            "securityContext": _container_security()}
+
+
+def _pod(name: str, pod_name: str, labels: dict[str, str], spec: LLMServiceSpec, settings: OperatorSettings,
+         container: dict[str, Any], head: bool) -> dict[str, Any]:
+    image = spec.image or settings.image
+    pull = settings.image_pull_policy
+    vols, mounts = _volumes(spec, head)
+    container.update(image=image, imagePullPolicy=pull, env=_env(name, spec), volumeMounts=mounts,
+                     securityContext=_container_security())
+    pod_spec: dict[str, Any] = {
+        "hostname": pod_name, "subdomain": naming.headless_name(name), "enableServiceLinks": False,
+        "automountServiceAccountToken": False, "restartPolicy": "Always", "terminationGracePeriodSeconds": 30,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID, "fsGroup": UID,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [container], "volumes": vols,
+    }
+    if spec.model.source == "url":
+        pod_spec["initContainers"] = [_fetch_container(spec, image, pull, copy.deepcopy(container["resources"]))]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod_name, "labels": labels}, "spec": pod_spec}
+
+
+def _resources(cpus: int, memory: str) -> dict[str, Any]:
+    """requests == limits with integer CPUs: Guaranteed QoS, exclusive cores under the static CPU manager."""
+    amount = {"cpu": str(cpus), "memory": memory}
+    return {"requests": dict(amount), "limits": dict(amount)}
+
+
+def build_head_pod(name: str, spec: LLMServiceSpec, settings: OperatorSettings) -> dict[str, Any]:
+    """The Ray head pod: starts the head node, then execs the Serve app with the LLMService's settings."""
+    p, r = spec.ports, spec.resources
+    script = HEAD_SCRIPT.format(gcs=naming.RAY_GCS_PORT, cpus=r.head_cpus, agent=AGENT_PORT, store=OBJECT_STORE_BYTES)
+    scheme = "HTTPS" if spec.security.tls_secret_name else "HTTP"
+    container = {
+        "name": "serve", "command": ["/bin/sh", "-c", script, "cpuserve-head"], "args": serve_args(spec),
+        "ports": [{"name": "grpc", "containerPort": p.grpc}, {"name": "http", "containerPort": p.http},
+                  {"name": "metrics", "containerPort": p.metrics},
+                  {"name": "gcs", "containerPort": naming.RAY_GCS_PORT},
+                  {"name": "dashboard", "containerPort": DASHBOARD_PORT}],
+        "resources": _resources(r.head_cpus, f"{int(r.head_memory_gb * GIB) // MIB}Mi"),
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http", "scheme": scheme},
+                           "periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {"tcpSocket": {"port": "gcs"}, "initialDelaySeconds": 30, "periodSeconds": 10},
+    }
+    labels = {**naming.base_labels(name), naming.LABEL_COMPONENT: "head"}
+    return _pod(name, naming.head_name(name), labels, spec, settings, container, head=True)
+
+
+def _rank_affinity(name: str, group: int, spec: LLMServiceSpec) -> dict[str, Any]:
+    """spread: ranks of one group never share a node (so never a socket); pack: prefer one node."""
+    term = {"labelSelector": {"matchLabels": {naming.LABEL_SERVICE: name, naming.LABEL_GROUP: str(group)}},
+            "topologyKey": "kubernetes.io/hostname"}
+    if spec.placement.mode == "spread":
+        return {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}}
+    return {"podAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "podAffinityTerm": term}]}}
+
+
+def build_rank_pod(name: str, group: int, rank: int, spec: LLMServiceSpec, settings: OperatorSettings,
+                   plan: MemoryPlan) -> dict[str, Any]:
+    """One rank: a Ray worker node offering one unit of the socket resource, pinned to a NUMA node."""
+    cpus = spec.resources.cpus_per_rank
+    head_address = f"{naming.head_name(name)}.{naming.headless_name(name)}:{naming.RAY_GCS_PORT}"
+    container = {
+        "name": "rank",
+        "command": ["ray", "start", f"--address={head_address}", f"--num-cpus={cpus}",
+                    "--resources=" + json.dumps({naming.SOCKET_RESOURCE: 1}),
+                    f"--object-store-memory={OBJECT_STORE_BYTES}", f"--dashboard-agent-listen-port={AGENT_PORT}",
+                    "--disable-usage-stats", "--block"],
+        "ports": [{"name": "agent", "containerPort": AGENT_PORT}],
+        "resources": _resources(cpus, plan.quantity),
+        "readinessProbe": {"httpGet": {"path": "/api/local_raylet_healthz", "port": "agent"},
+                           "periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {"httpGet": {"path": "/api/local_raylet_healthz", "port": "agent"},
+                          "initialDelaySeconds": 30, "periodSeconds": 10, "failureThreshold": 6},
+    }
+    labels = {**naming.base_labels(name), naming.LABEL_COMPONENT: "rank",
+              naming.LABEL_GROUP: str(group), naming.LABEL_RANK: str(rank)}
+    pod = _pod(name, naming.rank_name(name, group, rank), labels, spec, settings, container, head=False)
+    container["env"] += [{"name": "CPUSERVE_GROUP", "value": str(group)}, {"name": "CPUSERVE_RANK", "value": str(rank)}]
+    pod["spec"]["nodeSelector"] = {settings.numa_node_label: "true", **spec.placement.node_selector}
+    pod["spec"]["affinity"] = _rank_affinity(name, group, spec)
+    return pod

@@ -1,0 +1,136 @@
+"""The LLMService spec (desired state) as pydantic models: the one definition the CRD schema is built from.
+
+Field docstrings become the CRD's descriptions (see crd.py); ranges, enums and patterns become its
+validation, so the API server rejects what these models reject. Cross-field rules that a schema cannot say
+(KV budget over the memory, ranks over the sockets allowed, a checkpoint type the format does not have)
+live in validation.py and surface as the ValidationFailed condition.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+SECRET_KEY = r"^[-._a-zA-Z0-9]+$"
+# SmolLM2-135M-Instruct, the model embedded in the image.
+EMBEDDED_NUM_PARAMETERS = 134_515_008
+
+
+class Spec(BaseModel):
+    """Base: frozen, camelCase in YAML, snake_case in Python, unknown fields rejected."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, frozen=True,
+                              extra="forbid", use_attribute_docstrings=True)
+
+
+class ModelSpec(Spec):
+    source: Literal["embedded", "pvc", "url"]
+    """Where the weights come from: the image's embedded SmolLM2-135M-Instruct, a PersistentVolumeClaim,
+    or an HTTP(S) URL downloaded by an init container."""
+    format: Literal["gguf", "safetensors"] = "gguf"
+    """Checkpoint format: one GGUF file, or a safetensors folder with config.json and tokenizer.json."""
+    checkpoint_type: Literal["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"] | None = None
+    """How the checkpoint stores its weights (GGUF: any; safetensors: F32, F16, BF16). Sizes the download."""
+    num_parameters: int | None = Field(None, ge=1_000_000, le=2_000_000_000_000)
+    """Parameter count; sizes the weights shard in each rank's memory. Required unless source is embedded."""
+    claim_name: str | None = Field(None, max_length=253, pattern=DNS_LABEL)
+    """PersistentVolumeClaim holding the model (source pvc); mounted read-only."""
+    path: str | None = Field(None, min_length=1, max_length=1024, pattern=r"^[^/].*$")
+    """Path of the GGUF file or safetensors folder inside the claim (source pvc), relative."""
+    url: str | None = Field(None, max_length=2048, pattern=r"^https?://[^\s]+$")
+    """HTTP(S) URL of the GGUF file, or of a .tar/.tar.gz of the safetensors folder (source url)."""
+    sha256: str | None = Field(None, pattern=r"^[a-f0-9]{64}$")
+    """Expected SHA-256 of the downloaded file (source url); the init container fails on a mismatch."""
+
+
+class QuantizationSpec(Spec):
+    weights: Literal["int4", "int8", "bf16", "fp32"] = "int4"
+    """Runtime weight format (weight-only quantization; activations stay bf16/fp32)."""
+    group_size: Literal[32, 128] = 32
+    """INT4 group size (weights int4 only)."""
+    kv_cache: Literal["int8", "bf16", "fp32"] = "int8"
+    """KV cache element type; int8 keeps one fp32 scale per token and head."""
+
+
+class ResourcesSpec(Spec):
+    cpus_per_rank: int = Field(2, ge=1, le=512)
+    """Exclusive cores per rank pod: one NUMA node's share (Guaranteed QoS, static CPU manager)."""
+    kv_cache_gb: float = Field(1.0, gt=0, le=4096)
+    """KV block pool budget per rank, GiB."""
+    overhead_gb: float = Field(1.0, ge=0, le=256)
+    """Runtime overhead per rank (Python, torch, Ray worker, activations), GiB."""
+    memory_per_rank_gb: float | None = Field(None, gt=0, le=8192)
+    """Memory per rank pod, GiB. Omit to use weights shard + KV budget + overhead; set it to cap that sum."""
+    head_cpus: int = Field(1, ge=1, le=64)
+    """Cores of the Ray head pod (Serve proxies and ingress)."""
+    head_memory_gb: float = Field(2.0, ge=0.5, le=512)
+    """Memory of the Ray head pod, GiB."""
+
+
+class BatchingSpec(Spec):
+    max_num_seqs: int = Field(32, ge=1, le=4096)
+    """Most sequences in one engine step."""
+    max_num_batched_tokens: int = Field(2048, ge=16, le=1_048_576)
+    """Token budget of one engine step (prefill chunks + decodes)."""
+    max_queued_requests: int = Field(256, ge=0, le=1_000_000)
+    """Requests waiting beyond which new ones are refused."""
+
+
+class PortsSpec(Spec):
+    grpc: int = Field(9000, ge=1024, le=65535)
+    """gRPC port (cpuserve.v1)."""
+    http: int = Field(8000, ge=1024, le=65535)
+    """OpenAI-compatible HTTP port."""
+    metrics: int = Field(8080, ge=1024, le=65535)
+    """Prometheus metrics port."""
+
+
+class PlacementSpec(Spec):
+    mode: Literal["spread", "pack"] = "spread"
+    """spread: ranks of one group on distinct nodes (required anti-affinity). pack: on one node, one rank per
+    socket, relying on the kubelet's single-numa-node topology policy."""
+    sockets_per_node: int = Field(2, ge=1, le=16)
+    """Sockets (NUMA nodes) of the target nodes; in pack mode a group may not have more ranks."""
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Extra node labels the rank pods require (added to the operator's NUMA-pinning label)."""
+
+
+class SecretKeyRef(Spec):
+    name: str = Field(max_length=253, pattern=DNS_LABEL)
+    """Secret name (same namespace)."""
+    key: str = Field("api-keys", max_length=253, pattern=SECRET_KEY)
+    """Key in the Secret."""
+
+
+class SecuritySpec(Spec):
+    tls_secret_name: str | None = Field(None, max_length=253, pattern=DNS_LABEL)
+    """kubernetes.io/tls Secret (tls.crt, tls.key) for the gRPC and HTTP endpoints."""
+    api_keys: SecretKeyRef | None = None
+    """Secret key holding the accepted API keys, one per line."""
+    ray_auth_token_secret: str | None = Field(None, max_length=253, pattern=DNS_LABEL)
+    """Secret with key `token` for Ray's token authentication; omitted: Ray auth off inside the namespace."""
+
+
+class LLMServiceSpec(Spec):
+    model: ModelSpec
+    """The model to serve."""
+    quantization: QuantizationSpec = Field(default_factory=QuantizationSpec)
+    """Runtime weight and KV cache formats."""
+    replicas: int = Field(1, ge=0, le=256)
+    """Replica groups (each serves the whole model)."""
+    ranks_per_replica: int = Field(1, ge=1, le=64)
+    """Ranks (sockets) per replica group; the model is sharded across them."""
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    """CPUs and memory per rank and for the head."""
+    batching: BatchingSpec = Field(default_factory=BatchingSpec)
+    """Continuous batching limits."""
+    ports: PortsSpec = Field(default_factory=PortsSpec)
+    """Service ports."""
+    placement: PlacementSpec = Field(default_factory=PlacementSpec)
+    """Where rank pods may run."""
+    security: SecuritySpec = Field(default_factory=SecuritySpec)
+    """TLS, API keys and Ray authentication, from Secrets."""
+    image: str | None = Field(None, min_length=1, max_length=512, pattern=r"^[^\s]+$")
+    """Serving image; defaults to the operator's."""

@@ -1,0 +1,166 @@
+"""Child manifests as pure functions of the CR: table-driven over replicas, ranks, quantization, sources."""
+from __future__ import annotations
+
+import copy
+
+import kubernetes_validate
+import pytest
+
+from cpuserve.operator import naming
+from cpuserve.operator.children import build_children
+from cpuserve.operator.memory import GIB, MIB, bytes_per_parameter, plan_memory
+from cpuserve.operator.pods import serve_args
+from cpuserve.operator.settings import OperatorSettings
+from cpuserve.operator.validation import validate
+from llmservice_factory import K8S_VERSION, make_body
+
+SETTINGS = OperatorSettings()
+PVC_MODEL = {"source": "pvc", "claimName": "models", "path": "llama-7b/model.gguf", "numParameters": 6_738_415_616,
+             "checkpointType": "Q4_0"}
+URL_MODEL = {"source": "url", "url": "https://example.invalid/m.tar.gz", "format": "safetensors",
+             "numParameters": 1_000_000_000, "sha256": "a" * 64}
+SECURITY = {"tlsSecretName": "tls", "apiKeys": {"name": "keys", "key": "keys.txt"}, "rayAuthTokenSecret": "raytok"}
+
+
+def children(body, with_sm=True):
+    spec, findings = validate(body, SETTINGS)
+    assert findings == []
+    return build_children(body, spec, SETTINGS, with_sm)
+
+
+def by_kind(manifests, kind):
+    return [m for m in manifests if m["kind"] == kind]
+
+
+CASES = [  # (spec, rank pod names)
+    ({}, ["chat-g0-r0"]),
+    ({"replicas": 0}, []),
+    ({"replicas": 2, "ranksPerReplica": 2}, ["chat-g0-r0", "chat-g0-r1", "chat-g1-r0", "chat-g1-r1"]),
+    ({"replicas": 1, "ranksPerReplica": 4, "model": PVC_MODEL}, [f"chat-g0-r{r}" for r in range(4)]),
+    ({"replicas": 3, "model": URL_MODEL, "security": SECURITY}, ["chat-g0-r0", "chat-g1-r0", "chat-g2-r0"]),
+]
+
+
+@pytest.mark.parametrize("spec,ranks", CASES)
+def test_pods_per_replica_group_and_rank(spec, ranks):
+    manifests = children(make_body(**spec))
+    pods = by_kind(manifests, "Pod")
+    assert [p["metadata"]["name"] for p in pods] == ["chat-head"] + ranks
+    for pod in pods[1:]:
+        labels = pod["metadata"]["labels"]
+        g, r = labels[naming.LABEL_GROUP], labels[naming.LABEL_RANK]
+        assert pod["metadata"]["name"] == f"chat-g{g}-r{r}"
+        assert labels[naming.LABEL_COMPONENT] == "rank" and labels[naming.LABEL_SERVICE] == "chat"
+    assert [m["kind"] for m in manifests] == ["Service"] * 3 + ["Pod"] * len(pods) + ["PodDisruptionBudget",
+                                                                                     "ServiceMonitor"]
+
+
+@pytest.mark.parametrize("spec,_", CASES)
+def test_every_manifest_is_valid_kubernetes(spec, _):
+    for manifest in children(make_body(**spec), with_sm=False):
+        kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("spec,_", CASES)
+def test_owner_reference_and_hash_on_every_child(spec, _):
+    for m in children(make_body(**spec)):
+        (owner,) = m["metadata"]["ownerReferences"]
+        assert owner == {"apiVersion": "cpuserve.dev/v1alpha1", "kind": "LLMService", "name": "chat",
+                         "uid": "uid-1", "controller": True, "blockOwnerDeletion": True}
+        assert m["metadata"]["namespace"] == "default"
+        assert m["metadata"]["annotations"][naming.ANNOTATION_HASH] == naming.spec_hash(m)
+        assert m["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "cpuserve-operator"
+
+
+def test_spec_hash_is_stable_and_sensitive():
+    a = children(make_body(replicas=2, quantization={"weights": "int8", "kvCache": "bf16"}))
+    b = children(make_body(quantization={"kvCache": "bf16", "weights": "int8"}, replicas=2))  # other key order
+    assert [naming.spec_hash(m) for m in a] == [naming.spec_hash(m) for m in b]
+    c = children(make_body(replicas=2, quantization={"weights": "int4", "kvCache": "bf16"}))
+    changed = {m["metadata"]["name"] for m, n in zip(a, c) if naming.spec_hash(m) != naming.spec_hash(n)}
+    assert changed == {"chat-head", "chat-g0-r0", "chat-g1-r0"}  # weights change pods, not Services or the PDB
+
+
+@pytest.mark.parametrize("weights,group,bpp", [("int4", 32, 0.625), ("int4", 128, 0.53125), ("int8", 32, 1.0),
+                                               ("bf16", 32, 2.0), ("fp32", 128, 4.0)])
+def test_memory_arithmetic(weights, group, bpp):
+    body = make_body(model=PVC_MODEL, ranksPerReplica=2, quantization={"weights": weights, "groupSize": group},
+                     resources={"kvCacheGb": 3, "overheadGb": 1.5, "cpusPerRank": 8})
+    spec, _ = validate(body, SETTINGS)
+    plan = plan_memory(spec)
+    assert bytes_per_parameter(weights, group) == bpp
+    shard = -(-int(6_738_415_616 * bpp) // 2)
+    expected = -(-(shard + 3 * GIB + int(1.5 * GIB)) // MIB)
+    assert plan.quantity == f"{expected}Mi"
+    assert plan.weights_shard_bytes == pytest.approx(shard, abs=1)
+    assert f"= {expected}Mi" in plan.arithmetic and f"x {bpp:g} B" in plan.arithmetic
+    rank = by_kind(build_children(body, spec, SETTINGS, False), "Pod")[1]
+    res = rank["spec"]["containers"][0]["resources"]
+    assert res["requests"] == res["limits"] == {"cpu": "8", "memory": f"{expected}Mi"}  # Guaranteed QoS
+
+
+def test_rank_pod_placement_and_ray_worker():
+    spread = by_kind(children(make_body(replicas=1, ranksPerReplica=2, placement={"nodeSelector": {"pool": "llm"}})),
+                     "Pod")[1]
+    assert spread["spec"]["nodeSelector"] == {"cpuserve.dev/numa-pinning": "true", "pool": "llm"}
+    term = spread["spec"]["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+    assert term["labelSelector"]["matchLabels"] == {naming.LABEL_SERVICE: "chat", naming.LABEL_GROUP: "0"}
+    cmd = spread["spec"]["containers"][0]["command"]
+    assert cmd[:3] == ["ray", "start", "--address=chat-head.chat-headless:6379"]
+    assert '--resources={"cpuserve_socket": 1}' in cmd and "--num-cpus=2" in cmd
+    pack = by_kind(children(make_body(ranksPerReplica=2, placement={"mode": "pack"})), "Pod")[1]
+    assert "podAffinity" in pack["spec"]["affinity"] and "podAntiAffinity" not in pack["spec"]["affinity"]
+
+
+def test_pods_are_locked_down():
+    for pod in by_kind(children(make_body(model=URL_MODEL, security=SECURITY)), "Pod"):
+        spec = pod["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True and spec["automountServiceAccountToken"] is False
+        for c in spec["containers"] + spec.get("initContainers", []):
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] and not sc["privileged"] and not sc["allowPrivilegeEscalation"]
+            assert sc["capabilities"] == {"drop": ["ALL"]}
+            assert c["resources"]["requests"] == c["resources"]["limits"]
+        env = {e["name"]: e for e in spec["containers"][0]["env"]}
+        assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "raytok", "key": "token"}
+
+
+def test_head_runs_serve_with_the_spec():
+    body = make_body(model=URL_MODEL, security=SECURITY, replicas=2, ranksPerReplica=2,
+                     quantization={"weights": "int8", "groupSize": 128, "kvCache": "fp32"},
+                     resources={"kvCacheGb": 2.5, "cpusPerRank": 16}, batching={"maxNumSeqs": 64},
+                     ports={"grpc": 9100, "http": 8100, "metrics": 8180})
+    spec, _ = validate(body, SETTINGS)
+    args = serve_args(spec)
+    pairs = dict(zip(args[2::2], args[3::2]))
+    assert pairs == {"--model": "/models/model", "--weights": "int8", "--group-size": "128", "--kv-cache": "fp32",
+                     "--kv-cache-gb": "2.5", "--replicas": "2", "--ranks-per-replica": "2", "--cpus-per-rank": "16",
+                     "--max-num-seqs": "64", "--max-num-batched-tokens": "2048", "--max-queued-requests": "256",
+                     "--host": "0.0.0.0", "--grpc-port": "9100", "--http-port": "8100", "--metrics-port": "8180",
+                     "--ray-address": "auto", "--socket-resource": "cpuserve_socket",
+                     "--api-key-file": "/etc/cpuserve/api-keys/keys.txt",
+                     "--tls-cert-file": "/etc/cpuserve/tls/tls.crt", "--tls-key-file": "/etc/cpuserve/tls/tls.key"}
+    head = by_kind(build_children(body, spec, SETTINGS, False), "Pod")[0]
+    init = head["spec"]["initContainers"][0]
+    assert init["command"][3:] == ["--url", URL_MODEL["url"], "--dest", "/models/model", "--sha256", "a" * 64]
+    assert head["spec"]["containers"][0]["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    assert serve_args(validate(make_body(), SETTINGS)[0])[2:4] == ["--weights", "int4"]  # embedded: no --model
+
+
+def test_services_and_pdb():
+    manifests = children(make_body(ports={"grpc": 9100, "http": 8100, "metrics": 8180}))
+    svc = {m["metadata"]["name"]: m for m in by_kind(manifests, "Service")}
+    assert [(p["name"], p["port"]) for p in svc["chat"]["spec"]["ports"]] == [("grpc", 9100), ("http", 8100)]
+    assert svc["chat"]["spec"]["selector"] == {naming.LABEL_SERVICE: "chat", naming.LABEL_COMPONENT: "head"}
+    assert svc["chat-headless"]["spec"]["clusterIP"] == "None"
+    assert svc["chat-metrics"]["spec"]["ports"][0]["port"] == 8180
+    (pdb,) = by_kind(manifests, "PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert by_kind(children(make_body(), with_sm=False), "ServiceMonitor") == []
+
+
+def test_builders_do_not_mutate_the_body():
+    body = make_body(replicas=2)
+    before = copy.deepcopy(body)
+    children(body)
+    assert body == before

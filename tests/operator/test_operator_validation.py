@@ -1,0 +1,60 @@
+"""Specs that pass the schema but are inconsistent: each finding names the field, the value, what is right."""
+from __future__ import annotations
+
+import pytest
+
+from cpuserve.operator.settings import OperatorSettings
+from cpuserve.operator.validation import validate
+from llmservice_factory import make_body
+
+SETTINGS = OperatorSettings(max_ranks_per_replica=4)
+BIG = {"source": "pvc", "claimName": "m", "path": "m.gguf", "numParameters": 7_000_000_000}
+
+CASES = [  # (name, spec, field, words in the message)
+    ("chat", {"resources": {"kvCacheGb": 20, "memoryPerRankGb": 8}}, "spec.resources.kvCacheGb",
+     ["does not fit", "memoryPerRankGb=8"]),
+    ("chat", {"ranksPerReplica": 6}, "spec.ranksPerReplica", ["at most 4 sockets"]),
+    ("chat", {"ranksPerReplica": 3, "placement": {"mode": "pack", "socketsPerNode": 2}}, "spec.ranksPerReplica",
+     ["one node of 2 sockets"]),
+    ("chat", {"model": {**BIG, "format": "safetensors", "checkpointType": "Q4_1"}}, "spec.model.checkpointType",
+     ["not a safetensors type", "F32, F16, BF16"]),
+    ("chat", {"model": {"source": "embedded", "format": "safetensors"}}, "spec.model.format", ["embedded model is gguf"]),
+    ("chat", {"model": {"source": "pvc", "path": "m.gguf", "numParameters": 10**9}}, "spec.model.claimName",
+     ["required when spec.model.source is pvc"]),
+    ("chat", {"model": {"source": "url", "url": "https://h/m.gguf"}}, "spec.model.numParameters", ["required"]),
+    ("chat", {"model": {"source": "url", "url": "https://h/m.safetensors", "format": "safetensors",
+                        "numParameters": 10**9}}, "spec.model.url", [".tar"]),
+    ("chat", {"model": {"source": "url", "numParameters": 10**9}}, "spec.model.url", ["required"]),
+    ("chat", {"ports": {"grpc": 8000, "http": 8000}}, "spec.ports", ["distinct"]),
+    ("chat", {"ports": {"metrics": 6379}}, "spec.ports", ["6379"]),
+    ("chat", {"batching": {"maxNumSeqs": 64, "maxNumBatchedTokens": 32}}, "spec.batching.maxNumBatchedTokens",
+     ["at least spec.batching.maxNumSeqs (64)"]),
+    ("9chat", {}, "metadata.name", ["DNS-1035"]),
+    ("c" * 41, {}, "metadata.name", ["at most 40"]),
+]
+
+
+@pytest.mark.parametrize("name,spec,field,words", CASES, ids=[c[2] + str(i) for i, c in enumerate(CASES)])
+def test_inconsistent_spec_names_the_field(name, spec, field, words):
+    _, findings = validate(make_body(name=name, **spec), SETTINGS)
+    assert [f.field for f in findings] == [field]
+    text = str(findings[0])
+    assert text.startswith(field + "=")
+    for word in words:
+        assert word in text
+
+
+def test_schema_errors_are_findings_too():
+    """A stale CRD may let a bad type through; pydantic still names the field."""
+    spec, findings = validate(make_body(replicas="many"), SETTINGS)
+    assert spec is None and [f.field for f in findings] == ["spec.replicas"] and findings[0].value == "many"
+
+
+@pytest.mark.parametrize("spec", [
+    {},
+    {"model": BIG, "ranksPerReplica": 4, "resources": {"kvCacheGb": 8, "memoryPerRankGb": 12}},
+    {"ranksPerReplica": 2, "placement": {"mode": "pack", "socketsPerNode": 2}},
+])
+def test_consistent_specs_have_no_findings(spec):
+    parsed, findings = validate(make_body(**spec), SETTINGS)
+    assert findings == [] and parsed is not None
