@@ -14,7 +14,7 @@ __all__ = ["quantize_kv", "write_kv", "gather_kv", "slim_attention", "paged_deco
            "reference_attention", "SLIM_BLOCK_ROWS", "DECODE_CHUNK_TOKENS"]
 
 SLIM_BLOCK_ROWS = 128  # query rows per SlimAttention block (tuned in bench/attention.py)
-DECODE_CHUNK_TOKENS = 512  # context tokens converted to fp32 at a time by paged_decode_attention (tuned likewise)
+DECODE_CHUNK_TOKENS = 4096  # (sequence, token) pairs converted to fp32 at a time in paged decode (tuned likewise)
 
 
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, scale: float) -> Tensor:
@@ -71,14 +71,20 @@ def slim_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, scale: float,
     rows_max = min(block_rows, seq_len)
     # causal[r * g + j, c] masks key c of the block's last rows_max columns for query row r
     causal = torch.full((rows_max, rows_max), float("-inf")).triu_(1).repeat_interleave(g, dim=0)
+    # One scores buffer and one output buffer for all blocks: fresh multi-MB tensors per block would cost
+    # page faults on every call.
+    score_buf = torch.empty(num_kv_heads * rows_max * g * total)
+    out_buf = torch.empty(num_kv_heads * rows_max * g * head_dim)
     for start in range(0, seq_len, block_rows):
         rows = min(block_rows, seq_len - start)
         end_key = q_start + start + rows  # keys beyond the block's last query are never seen
         qb = qh[:, start:start + rows].reshape(num_kv_heads, rows * g, head_dim)  # qb: [Hkv, rows*g, D]
-        scores = torch.bmm(qb, kh[:, :end_key].transpose(1, 2))  # scores: [Hkv, rows*g, end_key]
+        scores = score_buf[: num_kv_heads * rows * g * end_key].view(num_kv_heads, rows * g, end_key)
+        torch.bmm(qb, kh[:, :end_key].transpose(1, 2), out=scores)  # scores: [Hkv, rows*g, end_key]
         scores[:, :, end_key - rows:] += causal[: rows * g, :rows]
-        probs = scores.softmax(-1)
-        ob = torch.bmm(probs, vh[:, :end_key])  # ob: [Hkv, rows*g, D]
+        torch.ops.aten._softmax.out(scores, -1, False, out=scores)  # in place: row by row, input read first
+        ob = out_buf[: num_kv_heads * rows * g * head_dim].view(num_kv_heads, rows * g, head_dim)
+        torch.bmm(scores, vh[:, :end_key], out=ob)  # ob: [Hkv, rows*g, D]
         out[start:start + rows] = ob.view(num_kv_heads, rows, g, head_dim).transpose(0, 1)
     return out.view(seq_len, num_heads, head_dim)
 
@@ -98,7 +104,8 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, k_scale: Tensor | None, v
         k_cache, v_cache: [num_blocks, B, Hkv, D]; k_scale, v_scale: [num_blocks, B, Hkv] fp32 or None.
         block_tables: [S, max_blocks] int32, padded with any valid block id.
         context_lens: [S] int32, >= 1, including the new token.
-        chunk_tokens: context tokens per chunk (rounded down to whole blocks, at least one block).
+        chunk_tokens: (sequence, context token) pairs per chunk, summed over the batch; each chunk covers the
+            same whole blocks of every sequence (at least one block).
     Returns:
         [S, H, D] in q.dtype.
     """
@@ -107,7 +114,7 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, k_scale: Tensor | None, v
     g = num_heads // num_kv_heads
     lens = context_lens.to(torch.int64)
     num_blocks = (int(lens.max()) + block_size - 1) // block_size
-    chunk_blocks = max(1, chunk_tokens // block_size)
+    chunk_blocks = max(1, chunk_tokens // (num_seqs * block_size))
     total = num_blocks * block_size
     qg = (q.float() * scale).reshape(num_seqs, num_kv_heads, g, head_dim)  # qg: [S, Hkv, g, D]
     # invalid[s, 0, 0, t]: position t is past sequence s's context (padding blocks, unwritten slots)
@@ -120,7 +127,7 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, k_scale: Tensor | None, v
         parts.append(sc.mul_(ks.unsqueeze(2)) if ks is not None else sc)
     scores = parts[0] if len(parts) == 1 else torch.cat(parts, -1)  # scores: [S, Hkv, g, total]
     probs = scores.masked_fill_(invalid, float("-inf")).softmax(-1)  # probs: [S, Hkv, g, total]
-    out = torch.zeros(num_seqs, num_kv_heads, g, head_dim)
+    out = None
     for c0 in range(0, num_blocks, chunk_blocks):
         c1 = min(num_blocks, c0 + chunk_blocks)
         vc, vs = _load_chunk(v_cache, v_scale, block_tables, c0, c1)  # vc: [S, Hkv, n, D]
@@ -133,7 +140,8 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, k_scale: Tensor | None, v
         else:
             # unwritten fp32/bf16 slots may hold NaN, and 0 * NaN would poison the sum
             vc.masked_fill_(bad.view(num_seqs, 1, -1, 1), 0.0)
-        out += torch.matmul(pc, vc)
+        part = torch.matmul(pc, vc)  # part: [S, Hkv, g, D]
+        out = part if out is None else out.add_(part)
     return out.view(num_seqs, num_heads, head_dim).to(q.dtype)
 
 

@@ -109,7 +109,7 @@ def test_write_then_gather_recovers_values(dtype):
     (torch.int8, torch.bfloat16), (torch.int8, torch.float32), (torch.bfloat16, torch.bfloat16),
     (torch.float32, torch.float32),
 ])
-@pytest.mark.parametrize("chunk_tokens", [16, 48, 4096])
+@pytest.mark.parametrize("chunk_tokens", [16, 200, 4096])  # 1 block, 2 blocks (uneven), all
 def test_paged_decode_matches_reference(cache_dtype, q_dtype, chunk_tokens):
     block_size, kv_heads, heads, head_dim = 16, 3, 9, 64
     lens = [5, 33, 100, 1, 64, 17]  # partial, exact and single-token blocks in one batch

@@ -1,0 +1,102 @@
+"""Attention micro-benchmarks (SmolLM2 shape: 9 heads, 3 kv heads, head_dim 64).
+
+    python bench/attention.py [--quick] [--repeats 5]
+
+Prefill: SlimAttention vs torch SDPA (is_causal=True, enable_gqa=True: torch's CPU flash kernel) at 1024 and
+4096 tokens, bf16 and fp32; ratio = sdpa_ms / slim_ms (> 1: SlimAttention is faster).
+Decode: paged_decode_attention with an int8 vs a bf16 cache at batch 1/8/32, context 512;
+ratio = bf16_ms / int8_ms.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from cpuserve.engine.layers.attention import (DECODE_CHUNK_TOKENS, SLIM_BLOCK_ROWS, paged_decode_attention,
+                                              slim_attention, write_kv)
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+
+
+def median_ms(fn, repeats: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+def bench_prefill(seq_len: int, dtype: torch.dtype, repeats: int, block_rows: int) -> dict:
+    q = torch.randn(seq_len, HEADS, HEAD_DIM).to(dtype)
+    k = torch.randn(seq_len, KV_HEADS, HEAD_DIM).to(dtype)
+    v = torch.randn(seq_len, KV_HEADS, HEAD_DIM).to(dtype)
+    scale = HEAD_DIM ** -0.5
+    qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, L, D]: SDPA's layout
+    sdpa = median_ms(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                                            enable_gqa=True), repeats)
+    slim = median_ms(lambda: slim_attention(q, k, v, 0, scale, block_rows=block_rows), repeats)
+    return {"bench": "prefill", "case": f"L={seq_len} {str(dtype)[6:]} rows={block_rows}",
+            "base_ms": round(sdpa, 2), "ours_ms": round(slim, 2), "ratio": round(sdpa / slim, 2),
+            "vs": "sdpa/slim"}
+
+
+def make_pool(cache_dtype: torch.dtype, batch: int, context: int):
+    blocks_per_seq = context // BLOCK_SIZE
+    num_blocks = batch * blocks_per_seq + 1
+    shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    k_cache, v_cache = torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype)
+    scales = (torch.zeros(shape[:3]), torch.zeros(shape[:3])) if cache_dtype == torch.int8 else (None, None)
+    tables = (torch.randperm(num_blocks - 1)[: batch * blocks_per_seq] + 1).view(batch, blocks_per_seq)
+    slots = (tables.repeat_interleave(BLOCK_SIZE, 1) * BLOCK_SIZE + torch.arange(context) % BLOCK_SIZE).view(-1)
+    kv = torch.randn(batch * context, KV_HEADS, HEAD_DIM)
+    write_kv(k_cache, scales[0], v_cache, scales[1], kv, kv, slots)
+    return (k_cache, scales[0], v_cache, scales[1]), tables.to(torch.int32)
+
+
+def bench_decode(batch: int, context: int, repeats: int, chunk_tokens: int) -> dict:
+    q = torch.randn(batch, HEADS, HEAD_DIM).to(torch.bfloat16)
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    ms = {}
+    for dtype in (torch.int8, torch.bfloat16):
+        cache, tables = make_pool(dtype, batch, context)
+        ms[dtype] = median_ms(lambda: paged_decode_attention(q, *cache, tables, lens, HEAD_DIM ** -0.5,
+                                                             chunk_tokens=chunk_tokens), repeats, warmup=3)
+    return {"bench": "decode", "case": f"S={batch} ctx={context} chunk={chunk_tokens}",
+            "base_ms": round(ms[torch.bfloat16], 3), "ours_ms": round(ms[torch.int8], 3),
+            "ratio": round(ms[torch.bfloat16] / ms[torch.int8], 2), "vs": "bf16/int8"}
+
+
+@torch.inference_mode()
+def run(prefill_lens=(1024, 4096), dtypes=(torch.bfloat16, torch.float32), batches=(1, 8, 32), context=512,
+        repeats: int = 5, block_rows: int = SLIM_BLOCK_ROWS, chunk_tokens: int = DECODE_CHUNK_TOKENS) -> list[dict]:
+    """Rows of {bench, case, base_ms, ours_ms, ratio, vs}; medians of `repeats` runs."""
+    rows = [bench_prefill(n, dt, repeats, block_rows) for n in prefill_lens for dt in dtypes]
+    rows += [bench_decode(b, context, max(repeats, 20), chunk_tokens) for b in batches]
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    cols = list(rows[0])
+    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
+    print("  ".join(c.ljust(widths[c]) for c in cols))
+    for r in rows:
+        print("  ".join(str(r[c]).ljust(widths[c]) for c in cols))
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="1024-token prefill only")
+    ap.add_argument("--block-rows", type=int, default=SLIM_BLOCK_ROWS)
+    ap.add_argument("--chunk-tokens", type=int, default=DECODE_CHUNK_TOKENS)
+    a = ap.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    lens = (1024,) if a.quick else (1024, 4096)
+    print_table(run(prefill_lens=lens, repeats=a.repeats, block_rows=a.block_rows, chunk_tokens=a.chunk_tokens))
