@@ -16,7 +16,7 @@ from cpuserve.engine.models.builder import build_model
 from cpuserve.engine.outputs import StepOutput
 from cpuserve.engine.request import Request, RequestStatus
 from cpuserve.engine.sampling_params import SamplingParams
-from cpuserve.engine.scheduler import Scheduler
+from cpuserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from cpuserve.engine.text_stream import TextStream
 from cpuserve.engine.threads import configure_threads
 
@@ -149,6 +149,25 @@ class LLMEngine:
             finish_reason=request.status.finish_reason if finished else None,
             num_prompt_tokens=request.num_prompt_tokens, num_generated_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens, queue_time=queue_time)
+
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Next-token logits at every position of a prompt, [L, V] float32 (for perplexity and reference checks).
+
+        Runs chunked prefill through the same pool and kernels as generation, outside the scheduler's queues.
+        """
+        request = self.make_request(token_ids, SamplingParams(max_tokens=1))
+        if not self.block_manager.allocate_slots(request, request.num_tokens):
+            raise ValueError(f"the KV pool has no room for {request.num_tokens} tokens now; retry when idle")
+        logits = []
+        try:
+            step = self.config.max_num_batched_tokens
+            for start in range(0, request.num_tokens, step):
+                request.num_computed_tokens = start
+                item = ScheduledRequest.from_request(request, min(step, request.num_tokens - start))
+                logits.append(self.runner.forward_logits(SchedulerOutput([item])))
+        finally:
+            self.block_manager.free(request)
+        return torch.cat(logits)
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

@@ -50,6 +50,12 @@ class ModelRunner:
             per_item[i] = (result.token_ids[j], result.logprobs[j])
         return per_item
 
+    @torch.inference_mode()
+    def forward_logits(self, out: SchedulerOutput) -> torch.Tensor:
+        """Logits at every scheduled token, [N, V] float32: scoring, not sampling."""
+        token_ids, meta, _, _ = self.prepare_inputs(out)
+        return self.model(token_ids, meta, torch.arange(len(token_ids)))
+
     def prepare_inputs(self, out: SchedulerOutput):
         bs = self.block_size
         tokens: list[int] = []

@@ -1,0 +1,39 @@
+"""Engines and the Hugging Face reference, loaded once per test session (each load takes seconds)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    from cpuserve.engine.loader import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def llm_fp32():
+    from cpuserve.engine.llm import LLM
+
+    return LLM(weights="fp32", kv_cache="fp32", kv_cache_gb=0.25, show_progress=False)
+
+
+@pytest.fixture(scope="session")
+def llm_int4():
+    from cpuserve.engine.llm import LLM
+
+    return LLM(weights="int4", kv_cache="int8", kv_cache_gb=0.25, show_progress=False)
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_path):
+    """transformers loading the same GGUF, dequantized to fp32: the independent reference."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=torch.float32)
+    return model.eval()

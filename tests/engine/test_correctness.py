@@ -1,0 +1,84 @@
+"""The engine against independent references: Hugging Face transformers on the same GGUF, and fp32 itself."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cpuserve.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. Then the dog",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Paris is the capital of France. Berlin is the capital of",
+    "In 1969, the Apollo 11 mission landed the first humans on the Moon. The astronauts were",
+    "Q: What are the three primary colors?\nA:",
+]
+
+
+def chat_ids(llm, text: str) -> list[int]:
+    prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    return llm.tokenizer.encode(prompt, add_special_tokens=False)
+
+
+def test_fp32_logits_match_transformers_at_every_position(llm_fp32, hf_model):
+    for text in PROMPTS:
+        ids = llm_fp32.tokenizer.encode(text)
+        ours = llm_fp32.engine.score(ids)  # [L, V]
+        with torch.inference_mode():
+            ref = hf_model(torch.tensor([ids])).logits[0].float()
+        spread = (ref.max() - ref.min()).item()
+        err = (ours - ref).abs().max().item()
+        # tolerance: 1e-3 of the logit range (fp32 on both sides; only summation order differs)
+        assert err <= 1e-3 * spread, f"{text!r}: max |diff| {err:.2e} > {1e-3 * spread:.2e}"
+
+
+def test_fp32_greedy_64_tokens_identical_to_transformers(llm_fp32, hf_model):
+    for text in PROMPTS[:2]:
+        ids = chat_ids(llm_fp32, text)
+        ours = llm_fp32.generate([ids], SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))[0]
+        with torch.inference_mode():
+            ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=64, min_new_tokens=64, do_sample=False)
+        assert ours.token_ids == ref[0, len(ids):].tolist(), text
+
+
+def perplexity(llm, ids: list[int], window: int) -> float:
+    nll, count = 0.0, 0
+    for start in range(0, len(ids) - 1, window):
+        chunk = ids[start: start + window + 1]
+        logits = llm.engine.score(chunk[:-1])
+        nll += torch.nn.functional.cross_entropy(logits, torch.tensor(chunk[1:]), reduction="sum").item()
+        count += len(chunk) - 1
+    return math.exp(nll / count)
+
+
+@pytest.fixture(scope="module")
+def english_ids(llm_fp32) -> list[int]:
+    from pydoc_data.topics import topics  # Python's own documentation: fixed English text shipped with Python
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    ids = llm_fp32.tokenizer.encode(text)
+    assert len(ids) > 8192
+    return ids[:8193]
+
+
+def test_int4_int8kv_perplexity_within_2_percent_of_fp32(llm_fp32, llm_int4, english_ids):
+    ppl_fp32 = perplexity(llm_fp32, english_ids, window=1024)
+    ppl_int4 = perplexity(llm_int4, english_ids, window=1024)
+    print(f"perplexity over {len(english_ids) - 1} tokens: fp32 {ppl_fp32:.3f}, int4+int8kv {ppl_int4:.3f}")
+    assert ppl_int4 <= ppl_fp32 * 1.02
+
+
+def test_int4_greedy_agrees_with_fp32_on_most_tokens(llm_fp32, llm_int4):
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    agree = total = 0
+    for text in PROMPTS:
+        a = llm_fp32.generate([chat_ids(llm_fp32, text)], params)[0].token_ids
+        b = llm_int4.generate([chat_ids(llm_int4, text)], params)[0].token_ids
+        agree += sum(x == y for x, y in zip(a, b))
+        total += len(a)
+    assert agree / total > 0.5, f"int4 agrees with fp32 on {agree}/{total} greedy tokens"
