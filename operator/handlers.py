@@ -1,0 +1,118 @@
+"""kopf handlers: one idempotent reconcile, run on resume/create/update, on a drift timer and on child pod
+events. Import this module to register them (cli.py does); nothing here runs at import but reading settings."""
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Any
+
+import kopf
+from prometheus_client import start_http_server
+
+from cpuserve.operator import naming
+from cpuserve.operator.crd import GROUP, KIND, PLURAL, VERSION
+from cpuserve.operator.kube import Kube, KubeError
+from cpuserve.operator.metrics import OperatorMetrics, build_operator_metrics
+from cpuserve.operator.reconcile import Outcome, reconcile
+from cpuserve.operator.settings import OperatorSettings
+
+SETTINGS = OperatorSettings()  # read once: the timer's interval is fixed at registration
+RETRY_DELAY_SECONDS = 10.0
+
+
+@kopf.on.startup()
+def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Any, **_: Any) -> None:
+    """Storage under our own prefix, the API client, the ServiceMonitor probe and the metrics endpoint."""
+    settings.persistence.finalizer = f"{GROUP}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration")
+    settings.posting.reporting_component = "cpuserve-operator"
+    settings.execution.max_workers = 4
+    memo.settings = SETTINGS
+    memo.kube = Kube.from_environment()
+    memo.locks = {}
+    mode = SETTINGS.service_monitors
+    memo.with_service_monitor = mode == "always" or (mode == "auto" and memo.kube.has_api("monitoring.coreos.com/v1"))
+    memo.metrics = build_operator_metrics()
+    if SETTINGS.metrics_port:
+        start_http_server(SETTINGS.metrics_port, registry=memo.metrics.registry)
+    logger.info(f"cpuserve operator: image {SETTINGS.image}, ServiceMonitors {memo.with_service_monitor}, "
+                f"metrics on :{SETTINGS.metrics_port or 'off'}")
+
+
+def _run(body: Any, memo: kopf.Memo) -> Outcome:
+    """One locked, measured reconcile of one LLMService."""
+    raw = copy.deepcopy(dict(body))
+    key = f"{raw['metadata']['namespace']}/{raw['metadata']['name']}"
+    metrics: OperatorMetrics = memo.metrics
+    with memo.locks.setdefault(key, threading.Lock()), metrics.reconcile_duration.time():
+        try:
+            outcome = reconcile(raw, memo.kube, memo.settings, memo.with_service_monitor)
+        except KubeError as err:
+            metrics.errors.inc()
+            metrics.reconciles.labels(result="retry").inc()
+            raise kopf.TemporaryError(f"Kubernetes API: {err}", delay=RETRY_DELAY_SECONDS) from err
+        except Exception:
+            metrics.errors.inc()
+            metrics.reconciles.labels(result="error").inc()
+            raise
+    metrics.reconciles.labels(result=outcome.result).inc()
+    metrics.set_conditions(key, outcome.status["conditions"])
+    if outcome.new_findings:
+        kopf.warn(raw, reason="ValidationFailed", message="; ".join(str(f) for f in outcome.findings))
+    return outcome
+
+
+def _write(patch: kopf.Patch, outcome: Outcome) -> None:
+    if outcome.status_changed:
+        patch.status.update(outcome.status)
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL)
+def on_change(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+    """Reconcile on every spec change; an invalid spec fails permanently (no retries until the next change)."""
+    outcome = _run(body, memo)
+    _write(patch, outcome)
+    if outcome.findings:
+        raise kopf.PermanentError("invalid spec: " + "; ".join(str(f) for f in outcome.findings))
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=SETTINGS.resync_seconds, initial_delay=SETTINGS.resync_seconds)
+def resync(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+    """Drift correction: the same reconcile, quietly (an invalid spec posts no new Event)."""
+    if body.metadata.get("deletionTimestamp"):
+        return
+    _write(patch, _run(body, memo))
+
+
+@kopf.on.event("", "v1", "pods", labels={"app.kubernetes.io/managed-by": "cpuserve-operator"})
+def on_pod_event(event: dict[str, Any], body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """A child pod changed (ready, failed, deleted): reconcile its LLMService at once."""
+    if event.get("type") is None:  # the initial listing; on_change's resume covers it
+        return
+    owner = next((o for o in body.metadata.get("ownerReferences") or [] if o.get("kind") == KIND), None)
+    if owner is None:
+        return
+    ns = body.metadata["namespace"]
+    try:
+        parent = memo.kube.get(KIND, ns, owner["name"])
+    except KubeError as err:
+        raise kopf.TemporaryError(f"reading {KIND} {ns}/{owner['name']}: {err}", delay=RETRY_DELAY_SECONDS)
+    if parent is None or parent["metadata"].get("uid") != owner.get("uid") or parent["metadata"].get("deletionTimestamp"):
+        return
+    outcome = _run(parent, memo)
+    if outcome.status_changed:
+        memo.kube.merge_patch(KIND, ns, owner["name"], {"status": outcome.status}, sub="status")
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+def on_llmservice_event(event: dict[str, Any], body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """Forget a deleted LLMService in the managed gauge; its children go by owner reference (GC)."""
+    if event.get("type") == "DELETED":
+        memo.metrics.forget(f"{body.metadata['namespace']}/{body.metadata['name']}")
+
+
+__all__ = ["naming", "on_change", "on_llmservice_event", "on_pod_event", "resync", "startup"]

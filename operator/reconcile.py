@@ -1,0 +1,95 @@
+"""One reconcile pass of one LLMService: validate -> children -> status. Level-based and idempotent:
+it compares what exists with what the CR asks for, never what changed."""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from typing import Any
+
+from cpuserve.operator import naming
+from cpuserve.operator.children import build_children
+from cpuserve.operator.conditions import Observed, build_status, is_pod_failing, observe_pods, status_changed
+from cpuserve.operator.kube import Kube
+from cpuserve.operator.memory import plan_memory
+from cpuserve.operator.settings import OperatorSettings
+from cpuserve.operator.validation import Finding, validate
+
+
+@dataclass(slots=True)
+class Outcome:
+    status: dict[str, Any]
+    status_changed: bool
+    findings: list[Finding] = field(default_factory=list)
+    changes: int = 0
+    new_findings: bool = False
+    """The spec is invalid and the status did not say so yet for this generation: post an Event."""
+
+    @property
+    def result(self) -> str:
+        return "invalid" if self.findings else "success"
+
+
+def now_iso() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def apply_children(kube: Kube, body: dict[str, Any], desired: list[dict[str, Any]], kinds: list[str]) -> int:
+    """Make the children of `body` equal `desired`; returns how many were created, changed or deleted.
+
+    A pod whose spec hash differs is deleted and recreated on a later pass (pods are immutable and a
+    deleted pod keeps its name while it terminates); other kinds are merge-patched in place.
+    """
+    ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    selector = f"{naming.LABEL_SERVICE}={name}"
+    existing = {(kind, obj["metadata"]["name"]): obj for kind in kinds for obj in kube.list(kind, ns, selector)}
+    changes = 0
+    for manifest in desired:
+        key = (manifest["kind"], manifest["metadata"]["name"])
+        current = existing.pop(key, None)
+        if current is None:
+            changes += kube.create(manifest) is not None
+            continue
+        if current["metadata"].get("deletionTimestamp"):
+            changes += 1  # still terminating: recreate when it is gone
+            continue
+        if (current["metadata"].get("annotations") or {}).get(naming.ANNOTATION_HASH) == \
+                manifest["metadata"]["annotations"][naming.ANNOTATION_HASH]:
+            continue
+        changes += 1
+        if manifest["kind"] == "Pod":
+            kube.delete("Pod", ns, key[1])
+        else:
+            meta = {k: manifest["metadata"][k] for k in ("labels", "annotations", "ownerReferences")}
+            kube.merge_patch(manifest["kind"], ns, key[1], {"metadata": meta, "spec": manifest["spec"]})
+    uid = body["metadata"]["uid"]
+    for (kind, child), obj in existing.items():  # e.g. rank pods after a scale-down
+        owners = obj["metadata"].get("ownerReferences") or []
+        if any(o.get("uid") == uid for o in owners) and not obj["metadata"].get("deletionTimestamp"):
+            kube.delete(kind, ns, child)
+            changes += 1
+    return changes
+
+
+def reconcile(body: dict[str, Any], kube: Kube, settings: OperatorSettings, with_service_monitor: bool,
+              now: str | None = None) -> Outcome:
+    """Validate, converge the children, compute the status. The caller writes the status if changed."""
+    now = now or now_iso()
+    ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    old_status = body.get("status") or {}
+    spec, findings = validate(body, settings)
+    pods = kube.list("Pod", ns, f"{naming.LABEL_SERVICE}={name}")
+    if findings:
+        failing = tuple(sorted(p["metadata"]["name"] for p in pods if is_pod_failing(p)))
+        status = build_status(body, None, None, Observed(failing=failing), findings, now)
+        old = {c.get("type"): c for c in old_status.get("conditions") or []}.get("ValidationFailed") or {}
+        new = status["conditions"][-1]
+        is_new = (old.get("status"), old.get("message"), old.get("observedGeneration")) != \
+            (new["status"], new["message"], new["observedGeneration"])
+        return Outcome(status, status_changed(old_status, status), findings, 0, is_new)
+    assert spec is not None
+    kinds = ["Service", "Pod", "PodDisruptionBudget"] + (["ServiceMonitor"] if with_service_monitor else [])
+    changes = apply_children(kube, body, build_children(body, spec, settings, with_service_monitor), kinds)
+    if changes:
+        pods = kube.list("Pod", ns, f"{naming.LABEL_SERVICE}={name}")
+    status = build_status(body, spec, plan_memory(spec), observe_pods(name, spec, pods, changes), [], now)
+    return Outcome(status, status_changed(old_status, status), [], changes)

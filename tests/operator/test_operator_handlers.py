@@ -1,0 +1,203 @@
+"""The real operator process (`python -m cpuserve.operator`) against a fake API server on 127.0.0.1:
+create, scale, model change, drift repair, delete, invalid spec; then its metrics endpoint."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from fake_apiserver import FakeApiServer
+
+NS = "serving"
+LLMS = "llmservices"
+RESYNC_SECONDS = 1.5
+pytestmark = pytest.mark.timeout(120)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(what: str, predicate, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """(fake API server, operator metrics port); the operator runs for the whole module."""
+    tmp = tmp_path_factory.mktemp("operator")
+    api = FakeApiServer().start()
+    api.create("namespaces", "", {"metadata": {"name": NS}})  # kopf watches only namespaces that exist
+    kubeconfig = tmp / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: fake\n"
+        f"clusters: [{{name: fake, cluster: {{server: 'http://127.0.0.1:{api.port}'}}}}]\n"
+        "users: [{name: fake, user: {token: fake-token}}]\n"
+        f"contexts: [{{name: fake, context: {{cluster: fake, user: fake, namespace: {NS}}}}}]\n")
+    metrics_port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBERNETES_", "CPUSERVE_OPERATOR_"))}
+    env.update(KUBECONFIG=str(kubeconfig), CPUSERVE_OPERATOR_RESYNC_SECONDS=str(RESYNC_SECONDS),
+               CPUSERVE_OPERATOR_METRICS_PORT=str(metrics_port), CPUSERVE_OPERATOR_IMAGE="cpuserve:test")
+    log = open(tmp / "operator.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "cpuserve.operator", "--standalone", "--namespace", NS],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for("the operator to watch LLMServices",
+                 lambda: any(m == "GET" and p.endswith(f"/namespaces/{NS}/{LLMS}") for m, p in api.requests), 30)
+        yield api, metrics_port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        api.stop()
+        log.close()
+        if sys.exc_info()[0] is not None or os.environ.get("CPUSERVE_TEST_SHOW_LOG"):
+            print(Path(log.name).read_text()[-5000:])
+
+
+def llmservice(name: str, **spec) -> dict:
+    spec.setdefault("model", {"source": "embedded"})
+    return {"apiVersion": "cpuserve.dev/v1alpha1", "kind": "LLMService", "metadata": {"name": name}, "spec": spec}
+
+
+def children(api: FakeApiServer, name: str) -> dict[str, list[str]]:
+    out = {}
+    for plural in ("pods", "services", "poddisruptionbudgets", "servicemonitors"):
+        objs = [api.get(plural, NS, n) for n in api.names(plural, NS)]
+        out[plural] = [o["metadata"]["name"] for o in objs
+                       if o and (o["metadata"].get("labels") or {}).get("cpuserve.dev/llmservice") == name]
+    return out
+
+
+def condition(api: FakeApiServer, name: str, ctype: str) -> dict:
+    obj = api.get(LLMS, NS, name) or {}
+    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == ctype), {})
+
+
+def set_ready(api: FakeApiServer, pod: str) -> None:
+    """What the kubelet would report."""
+    api.patch("pods", NS, pod, {"status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}},
+              sub="status")
+
+
+def pod_hash(api, pod):
+    obj = api.get("pods", NS, pod)
+    return obj and obj["metadata"]["annotations"]["cpuserve.dev/spec-hash"]
+
+
+def test_create_then_ready(cluster):
+    api, _ = cluster
+    cr = api.create(LLMS, NS, llmservice("alpha", replicas=1, ranksPerReplica=2))
+    pods = ["alpha-g0-r0", "alpha-g0-r1", "alpha-head"]
+    got = wait_for("children", lambda: (c := children(api, "alpha"))["pods"] == pods and c)
+    assert got == {"pods": pods, "services": ["alpha", "alpha-headless", "alpha-metrics"],
+                   "poddisruptionbudgets": ["alpha"], "servicemonitors": ["alpha"]}
+    for pod in pods:
+        (owner,) = api.get("pods", NS, pod)["metadata"]["ownerReferences"]
+        assert owner["uid"] == cr["metadata"]["uid"] and owner["controller"] is True
+    assert wait_for("Ready=False", lambda: condition(api, "alpha", "Ready").get("reason") == "HeadNotReady")
+    status = api.get(LLMS, NS, "alpha")["status"]
+    assert status["observedGeneration"] == 1 and status["memoryPerRank"].endswith("Mi")
+    assert status["endpoints"]["grpc"] == f"alpha.{NS}.svc:9000"
+    assert "cpuserve.dev/finalizer" in api.get(LLMS, NS, "alpha")["metadata"]["finalizers"]
+    for pod in pods:
+        set_ready(api, pod)
+    wait_for("Ready=True", lambda: condition(api, "alpha", "Ready").get("status") == "True")
+    assert api.get(LLMS, NS, "alpha")["status"]["readyReplicas"] == 1
+
+
+def test_scale_up_and_down(cluster):
+    api, _ = cluster
+    api.create(LLMS, NS, llmservice("beta"))
+    wait_for("one rank", lambda: children(api, "beta")["pods"] == ["beta-g0-r0", "beta-head"])
+    api.patch(LLMS, NS, "beta", {"spec": {"replicas": 3}})
+    wait_for("three ranks", lambda: children(api, "beta")["pods"] == ["beta-g0-r0", "beta-g1-r0", "beta-g2-r0",
+                                                                      "beta-head"])
+    api.patch(LLMS, NS, "beta", {"spec": {"replicas": 1}})
+    wait_for("back to one", lambda: children(api, "beta")["pods"] == ["beta-g0-r0", "beta-head"])
+    wait_for("status.replicas", lambda: api.get(LLMS, NS, "beta")["status"]["replicas"] == 1)
+
+
+def test_model_change_recreates_pods(cluster):
+    api, _ = cluster
+    api.create(LLMS, NS, llmservice("gamma"))
+    before = wait_for("pods", lambda: pod_hash(api, "gamma-head"))
+    rank_before = pod_hash(api, "gamma-g0-r0")
+    api.patch(LLMS, NS, "gamma", {"spec": {"quantization": {"weights": "int8"}}})
+    wait_for("new head", lambda: pod_hash(api, "gamma-head") not in (None, before))
+    wait_for("new rank", lambda: pod_hash(api, "gamma-g0-r0") not in (None, rank_before))
+    args = api.get("pods", NS, "gamma-head")["spec"]["containers"][0]["args"]
+    assert args[args.index("--weights") + 1] == "int8"
+    wait_for("observedGeneration 2", lambda: api.get(LLMS, NS, "gamma")["status"]["observedGeneration"] == 2)
+
+
+def test_drift_repair(cluster):
+    api, _ = cluster
+    api.create(LLMS, NS, llmservice("delta"))
+    wait_for("pods", lambda: pod_hash(api, "delta-g0-r0"))
+    api.delete("pods", NS, "delta-g0-r0")  # a pod event: repaired at once
+    wait_for("rank recreated", lambda: pod_hash(api, "delta-g0-r0"))
+    api.patch("services", NS, "delta", {"spec": {"ports": [{"name": "http", "port": 1234}]},
+                                        "metadata": {"annotations": {"cpuserve.dev/spec-hash": "edited"}}})
+    wait_for("Service repaired by the timer", lambda: [p["port"] for p in api.get("services", NS, "delta")["spec"]["ports"]]
+             == [9000, 8000], timeout=RESYNC_SECONDS * 6)
+
+
+def test_delete_removes_everything(cluster):
+    api, _ = cluster
+    api.create(LLMS, NS, llmservice("epsilon", replicas=2))
+    wait_for("children", lambda: len(children(api, "epsilon")["pods"]) == 3)
+    api.delete(LLMS, NS, "epsilon")
+    wait_for("LLMService gone", lambda: api.get(LLMS, NS, "epsilon") is None)
+    assert children(api, "epsilon") == {"pods": [], "services": [], "poddisruptionbudgets": [], "servicemonitors": []}
+
+
+def test_invalid_spec_condition_event_and_no_retry_storm(cluster):
+    api, _ = cluster
+    api.create(LLMS, NS, llmservice("zeta", resources={"kvCacheGb": 64, "memoryPerRankGb": 8}))
+    cond = wait_for("ValidationFailed", lambda: (c := condition(api, "zeta", "ValidationFailed")).get("status") == "True" and c)
+    assert cond["reason"] == "InvalidSpec" and "spec.resources.kvCacheGb" in cond["message"]
+    assert condition(api, "zeta", "Ready")["status"] == "False"
+
+    def events():
+        objs = [api.get("events", NS, n) for n in api.names("events", NS)]
+        return [e for e in objs if e and e["involvedObject"].get("name") == "zeta" and e["reason"] == "ValidationFailed"]
+
+    wait_for("the Event", events)
+    patches = lambda: sum(m == "PATCH" and "/llmservices/zeta" in p for m, p in api.requests)  # noqa: E731
+    settled = patches()
+    time.sleep(RESYNC_SECONDS * 3)  # at least two timer passes
+    assert len(events()) == 1, "one Event per invalid generation"
+    assert patches() - settled <= 1, "the status is not rewritten on every pass"
+    assert children(api, "zeta")["pods"] == []
+    api.patch(LLMS, NS, "zeta", {"spec": {"resources": {"memoryPerRankGb": 80}}})  # fixed
+    wait_for("valid again", lambda: condition(api, "zeta", "ValidationFailed").get("status") == "False")
+    wait_for("pods after the fix", lambda: children(api, "zeta")["pods"] == ["zeta-g0-r0", "zeta-head"])
+
+
+def test_operator_metrics(cluster):
+    _, port = cluster
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("cpuserve_operator_")}
+    assert samples['cpuserve_operator_reconciles_total{result="success"}'] >= 6
+    assert samples['cpuserve_operator_reconciles_total{result="invalid"}'] >= 1
+    assert samples["cpuserve_operator_reconcile_duration_seconds_count"] >= 7
+    assert samples['cpuserve_operator_managed_llmservices{condition="Ready"}'] >= 1  # alpha
+    assert "cpuserve_operator_errors_total" in samples
