@@ -13,8 +13,8 @@ from cpuserve.engine.layers.kv_quant import gather_kv, quantize_kv, write_kv
 __all__ = ["quantize_kv", "write_kv", "gather_kv", "slim_attention", "paged_decode_attention",
            "reference_attention", "SLIM_BLOCK_ROWS", "DECODE_CHUNK_TOKENS"]
 
-SLIM_BLOCK_ROWS = 128  # query rows per SlimAttention block (tuned in bench/attention.py)
-DECODE_CHUNK_TOKENS = 4096  # (sequence, token) pairs converted to fp32 at a time in paged decode (tuned likewise)
+SLIM_BLOCK_ROWS = 64  # query rows per SlimAttention block (bench/attention.py: 32..128 within noise, 256 slower)
+DECODE_CHUNK_TOKENS = 4096  # (sequence, token) pairs converted to fp32 per decode chunk (bench: best of 256..16384)
 
 
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, scale: float) -> Tensor:
