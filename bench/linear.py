@@ -66,5 +66,9 @@ if __name__ == "__main__":
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--group-size", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print_table(run(a.n, a.k, tuple(a.rows), a.repeats, a.group_size))
