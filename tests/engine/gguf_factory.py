@@ -53,7 +53,8 @@ def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
     return tokens, types, list(_MERGES)
 
 
-def make_llama_weights(shape: Shape, vocab_size: int, seed: int = 0, tie: bool = True) -> dict[str, np.ndarray]:
+def make_llama_weights(shape: Shape, vocab_size: int, seed: int = 0, tie: bool = True,
+                       qkv_bias: bool = False) -> dict[str, np.ndarray]:
     """Random fp32 weights in HF LlamaForCausalLM names and layout, ~N(0, 0.02) (norms ~1)."""
     rng = np.random.default_rng(seed)
     head_dim = shape.dim // shape.n_heads
@@ -67,6 +68,10 @@ def make_llama_weights(shape: Shape, vocab_size: int, seed: int = 0, tie: bool =
         out[p + "self_attn.k_proj.weight"] = w(shape.n_kv_heads * head_dim, shape.dim)
         out[p + "self_attn.v_proj.weight"] = w(shape.n_kv_heads * head_dim, shape.dim)
         out[p + "self_attn.o_proj.weight"] = w(shape.dim, shape.n_heads * head_dim)
+        if qkv_bias:  # Qwen2
+            out[p + "self_attn.q_proj.bias"] = w(shape.n_heads * head_dim)
+            out[p + "self_attn.k_proj.bias"] = w(shape.n_kv_heads * head_dim)
+            out[p + "self_attn.v_proj.bias"] = w(shape.n_kv_heads * head_dim)
         out[p + "post_attention_layernorm.weight"] = norm()
         out[p + "mlp.gate_proj.weight"] = w(shape.ffn_dim, shape.dim)
         out[p + "mlp.up_proj.weight"] = w(shape.ffn_dim, shape.dim)
@@ -87,6 +92,9 @@ _TO_GGUF = {
     "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight",
     "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
@@ -119,6 +127,31 @@ def add_tiny_tokenizer(writer: gguf.GGUFWriter, chat_template: str | None = CHAT
         writer.add_chat_template(chat_template)
 
 
+_SPM_PIECES = ["\u2581", "h", "e", "l", "o", "w", "r", "d", ",", "he", "ll", "\u2581h", "\u2581he", "hell", "\u2581hell",
+               "\u2581hello", "\u2581w", "or", "\u2581wor", "\u2581worl", "\u2581world"]
+
+
+def spm_vocab() -> tuple[list[str], list[float], list[int]]:
+    """(tokens, scores, types) of a tiny SentencePiece vocabulary: <unk> <s> </s>, 256 byte tokens, pieces."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + _SPM_PIECES
+    types = [2, 3, 3] + [6] * 256 + [1] * len(_SPM_PIECES)
+    # longer pieces score higher so they win merges, as in a trained model
+    scores = [0.0] * 259 + [-10.0 + len(p) - i * 0.01 for i, p in enumerate(_SPM_PIECES)]
+    return tokens, scores, types
+
+
+def add_spm_tokenizer(writer: gguf.GGUFWriter) -> None:
+    tokens, scores, types = spm_vocab()
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_add_bos_token(True)
+
+
 def add_llama_metadata(writer: gguf.GGUFWriter, shape: Shape, vocab_size: int, theta: float = 10000.0) -> None:
     writer.add_context_length(shape.ctx)
     writer.add_embedding_length(shape.dim)
@@ -143,14 +176,20 @@ def add_tensor(writer: gguf.GGUFWriter, name: str, array: np.ndarray, qtype: QT)
 
 
 def write_llama_gguf(path, weights: dict[str, np.ndarray], shape: Shape, qtype: str = "F32", arch: str = "llama",
-                     raw_tensors: dict[str, tuple[np.ndarray, QT]] | None = None) -> None:
-    """Write `weights` (HF layout) as a llama GGUF with the tiny tokenizer; raw_tensors are added as given."""
-    tokens, _, _ = tiny_vocab()
+                     raw_tensors: dict[str, tuple[np.ndarray, QT]] | None = None, theta: float = 10000.0,
+                     tokenizer=add_tiny_tokenizer) -> None:
+    """Write `weights` (HF layout) as a GGUF with the tiny tokenizer; raw_tensors are added as given.
+
+    Only arch "llama" gets llama.cpp's Q/K permutation (qwen2 files keep HF's order).
+    """
+    tokens = tiny_vocab()[0] if tokenizer is add_tiny_tokenizer else spm_vocab()[0]
     writer = gguf.GGUFWriter(str(path), arch)
-    add_llama_metadata(writer, shape, len(tokens))
-    add_tiny_tokenizer(writer)
+    add_llama_metadata(writer, shape, len(tokens), theta)
+    tokenizer(writer)
     for hf, array in weights.items():
-        if hf.endswith("q_proj.weight"):
+        if arch != "llama":
+            pass
+        elif hf.endswith("q_proj.weight"):
             array = permute_qk(array, shape.n_heads)
         elif hf.endswith("k_proj.weight"):
             array = permute_qk(array, shape.n_kv_heads)

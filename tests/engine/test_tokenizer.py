@@ -129,3 +129,32 @@ def test_incremental_detokenizer_flushes_an_unfinished_character(ours):
     detok = IncrementalDetokenizer(ours)
     assert [detok.add(i) for i in ids[:-1]] == [""] * (len(ids) - 1)  # held back, not emitted broken
     assert detok.flush() == ours.decode(ids[:-1])
+
+
+SPM_TEXTS = ["hello world", "hello, wörld 😀", "  hello  world ", "hell", "</s>hello<s>", "\n", "h", "world hello"]
+
+
+@pytest.fixture(scope="module")
+def spm_pair(tmp_path_factory):
+    """A SentencePiece-style GGUF (tokenizer.ggml.model 'llama': scores, byte fallback), ours and transformers'."""
+    transformers = pytest.importorskip("transformers")
+    import gguf_factory as gf
+
+    folder = tmp_path_factory.mktemp("spm")
+    tokens, _, _ = gf.spm_vocab()
+    weights = gf.make_llama_weights(gf.TINY, len(tokens))
+    gf.write_llama_gguf(folder / "spm.gguf", weights, gf.TINY, tokenizer=gf.add_spm_tokenizer)
+    ours = load_checkpoint(str(folder / "spm.gguf"), show_progress=False).tokenizer
+    return ours, transformers.AutoTokenizer.from_pretrained(str(folder), gguf_file="spm.gguf")
+
+
+@pytest.mark.parametrize("text", SPM_TEXTS)
+def test_sentencepiece_gguf_matches_transformers(spm_pair, text):
+    ours, reference = spm_pair
+    ids = ours.encode(text)
+    assert ids == reference.encode(text)
+    assert ids[0] == ours.bos_token_id == 1  # SentencePiece vocabularies get BOS unless the file says not
+    assert ours.decode(ids) == reference.decode(ids, skip_special_tokens=True)
+    detok = IncrementalDetokenizer(ours)
+    deltas = [detok.add(i) for i in ids] + [detok.flush()]
+    assert not any("\ufffd" in d for d in deltas) and "".join(deltas) == ours.decode(ids)
