@@ -5,7 +5,7 @@ on the weights' values, only on shapes and the quantization type, so random weig
 unit norms keeps activations in a sane range. The tokenizer (and chat template) is SmolLM2's, copied from
 the default model, so prompts tokenize normally.
 
-    python bench/synthetic_gguf.py /tmp/llama-1b-q4_0.gguf --preset 1b --qtype Q4_0
+    python bench/synthetic_gguf.py llama-1b-q4_0.gguf --preset 1b --qtype Q4_0
 
 Tensors are generated, quantized and written one at a time: memory stays at one tensor, not the model.
 """
