@@ -18,7 +18,7 @@ from cpuserve.engine.request import Request, RequestStatus
 from cpuserve.engine.sampling_params import SamplingParams
 from cpuserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from cpuserve.engine.text_stream import TextStream
-from cpuserve.engine.threads import configure_threads
+from cpuserve.engine.threads import configure_threads, tune_allocator
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.num_threads = configure_threads(config.num_threads)
-        checkpoint = load_checkpoint(config.model, show_progress=config.show_progress)
+        tune_allocator()
+        checkpoint = load_checkpoint(config.model, show_progress=False)  # the builder's bar covers the stream
         self.tokenizer = checkpoint.tokenizer
         self.args = checkpoint.args
         self.model = build_model(checkpoint, config.weights, config.group_size, config.show_progress)

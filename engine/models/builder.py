@@ -35,7 +35,7 @@ def build_model(checkpoint, weights: str, group_size: int, show_progress: bool =
     pending: dict[int, dict[str, torch.Tensor]] = defaultdict(dict)
     layers: dict[int, TransformerBlock] = {}
     top: dict[str, torch.Tensor] = {}
-    stream = tqdm(checkpoint.iter_weights(), total=checkpoint.num_tensors, desc=f"quantizing to {weights}",
+    stream = tqdm(checkpoint.iter_weights(), total=checkpoint.num_tensors, desc=f"loading and converting to {weights}",
                   unit="tensor", disable=not show_progress, leave=False)
     for name, tensor in stream:
         match = _LAYER.fullmatch(name)
