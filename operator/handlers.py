@@ -28,6 +28,7 @@ def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Any, **_: 
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration")
     settings.posting.reporting_component = "cpuserve-operator"
+    settings.scanning.disabled = True  # no cluster-wide watch of namespaces and CRDs: less RBAC
     settings.execution.max_workers = 4
     memo.settings = SETTINGS
     memo.kube = Kube.from_environment()

@@ -66,7 +66,7 @@ def test_rbac_is_least_privilege():
     assert not any("*" in item for item in granted)
     assert not any(r in ("secrets", "nodes", "namespaces", "customresourcedefinitions") for _, r, _ in granted)
     assert ("", "events", "create") in granted and ("", "events", "list") not in granted
-    assert ("cpuserve.dev", "llmservices/status", "patch") in granted
+    assert ("cpuserve.dev", "llmservices/status", "patch") in granted and ("", "pods", "patch") not in granted
     assert ("cpuserve.dev", "llmservices", "delete") not in granted and ("cpuserve.dev", "llmservices", "create") not in granted
 
 

@@ -73,7 +73,7 @@ class FakeApiServer:
     def __init__(self) -> None:
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}  # (plural, ns, name) -> object
         self.log: list[tuple[int, str, str, str, dict[str, Any]]] = []  # (rv, plural, ns, type, object)
-        self.requests: list[tuple[str, str]] = []  # (method, path) of every request
+        self.requests: list[tuple[str, str, dict[str, str]]] = []  # (method, path, query) of every request
         self.rv = 0
         self.port = 0
         self._loop = asyncio.new_event_loop()
@@ -190,7 +190,7 @@ class FakeApiServer:
         return kind, ns, rest[1] if len(rest) > 1 else None, rest[2] if len(rest) > 2 else None
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        self.requests.append((request.method, request.path))
+        self.requests.append((request.method, request.path, dict(request.query)))
         parts = [p for p in request.path.split("/") if p]
         if request.method == "GET" and (doc := self._discovery(parts)) is not None:
             return web.json_response(doc)

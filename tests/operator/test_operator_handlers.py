@@ -11,9 +11,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 
 from fake_apiserver import FakeApiServer
 
+ROOT = Path(__file__).resolve().parents[2]
 NS = "serving"
 LLMS = "llmservices"
 RESYNC_SECONDS = 1.5
@@ -40,7 +42,6 @@ def cluster(tmp_path_factory):
     """(fake API server, operator metrics port); the operator runs for the whole module."""
     tmp = tmp_path_factory.mktemp("operator")
     api = FakeApiServer().start()
-    api.create("namespaces", "", {"metadata": {"name": NS}})  # kopf watches only namespaces that exist
     kubeconfig = tmp / "kubeconfig"
     kubeconfig.write_text(
         "apiVersion: v1\nkind: Config\ncurrent-context: fake\n"
@@ -56,7 +57,7 @@ def cluster(tmp_path_factory):
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_for("the operator to watch LLMServices",
-                 lambda: any(m == "GET" and p.endswith(f"/namespaces/{NS}/{LLMS}") for m, p in api.requests), 30)
+                 lambda: any(m == "GET" and p.endswith(f"/namespaces/{NS}/{LLMS}") for m, p, _ in api.requests), 30)
         yield api, metrics_port
     finally:
         proc.terminate()
@@ -180,7 +181,7 @@ def test_invalid_spec_condition_event_and_no_retry_storm(cluster):
         return [e for e in objs if e and e["involvedObject"].get("name") == "zeta" and e["reason"] == "ValidationFailed"]
 
     wait_for("the Event", events)
-    patches = lambda: sum(m == "PATCH" and "/llmservices/zeta" in p for m, p in api.requests)  # noqa: E731
+    patches = lambda: sum(m == "PATCH" and "/llmservices/zeta" in p for m, p, _ in api.requests)  # noqa: E731
     settled = patches()
     time.sleep(RESYNC_SECONDS * 3)  # at least two timer passes
     assert len(events()) == 1, "one Event per invalid generation"
@@ -201,3 +202,41 @@ def test_operator_metrics(cluster):
     assert samples["cpuserve_operator_reconcile_duration_seconds_count"] >= 7
     assert samples['cpuserve_operator_managed_llmservices{condition="Ready"}'] >= 1  # alpha
     assert "cpuserve_operator_errors_total" in samples
+
+
+def required_permissions(requests) -> set[tuple[str, str, str]]:
+    """(apiGroup, resource, verb) of every resource request the operator made; discovery needs no RBAC."""
+    out = set()
+    for method, path, query in requests:
+        parts = [p for p in path.split("/") if p]
+        if parts[:2] == ["api", "v1"] and len(parts) > 2:
+            group, rest = "", parts[2:]
+        elif parts[:1] == ["apis"] and len(parts) > 3:
+            group, rest = parts[1], parts[3:]
+        else:
+            continue  # /version, /api, /apis, /apis/GROUP/VERSION
+        if rest[:1] == ["namespaces"] and len(rest) >= 3:
+            rest = rest[2:]
+        resource = "/".join([rest[0]] + rest[2:3])
+        if method == "GET":
+            verb = "get" if len(rest) > 1 else ("watch" if query.get("watch") in ("true", "1") else "list")
+        else:
+            verb = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}[method]
+        out.add((group, resource, verb))
+    return out
+
+
+def test_the_chart_rbac_grants_every_request_the_operator_made(cluster):
+    """Least privilege both ways: the operator needs nothing the chart does not grant."""
+    api, _ = cluster
+    helm = ROOT / "tools" / "helm"
+    if not helm.exists():
+        pytest.skip("helm not found: run `make tools`")
+    rendered = subprocess.run([str(helm), "template", "rel", str(ROOT / "charts" / "cpuserve"),
+                               "--show-only", "templates/rbac.yaml"], capture_output=True, text=True, check=True)
+    (role,) = [d for d in yaml.safe_load_all(rendered.stdout) if d and d["kind"] == "ClusterRole"]
+    granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+               for v in rule["verbs"]}
+    needed = required_permissions(api.requests)
+    assert ("cpuserve.dev", "llmservices", "watch") in needed
+    assert needed - granted == set(), sorted(needed)
