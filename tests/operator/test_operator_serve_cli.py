@@ -1,0 +1,32 @@
+"""The head pod's `cpuserve serve ...` command line parses with the serving layer's own argparse parser."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from cpuserve.operator.pods import serve_args
+from cpuserve.operator.settings import OperatorSettings
+from cpuserve.operator.validation import validate
+from llmservice_factory import make_body
+
+
+def test_head_command_line_parses_with_cpuserve_serve():
+    try:
+        from cpuserve.serving.cli import register
+    except ImportError as err:  # the serving CLI is another issue's work
+        pytest.skip(f"cpuserve.serving.cli not importable yet: {err}")
+    body = make_body(model={"source": "pvc", "claimName": "m", "path": "llama/model.gguf", "numParameters": 10**9},
+                     replicas=2, quantization={"weights": "int8", "groupSize": 128, "kvCache": "bf16"},
+                     resources={"kvCacheGb": 2.5, "cpusPerRank": 8}, security={"tlsSecretName": "tls",
+                                                                                "apiKeys": {"name": "keys"}})
+    spec, findings = validate(body, OperatorSettings())
+    assert findings == []
+    parser = argparse.ArgumentParser(prog="cpuserve")
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(serve_args(spec)[1:])  # drop the program name
+    assert (args.command, args.model, args.weights, args.group_size, args.kv_cache, args.kv_cache_gb) == \
+        ("serve", "/models/llama/model.gguf", "int8", 128, "bf16", 2.5)
+    assert (args.replicas, args.cpus_per_rank, args.grpc_port, args.ray_address, args.socket_resource) == \
+        (2, 8, 9000, "auto", "cpuserve_socket")
+    assert args.tls_cert_file == "/etc/cpuserve/tls/tls.crt" and args.api_key_file == "/etc/cpuserve/api-keys/api-keys"
