@@ -3,7 +3,7 @@ observed). Reasons are CamelCase constants; lastTransitionTime moves only when a
 from __future__ import annotations
 
 import posixpath
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from cpuserve.operator import naming
@@ -33,7 +33,6 @@ class Observed:
     ready_groups: int = 0
     failing: tuple[str, ...] = ()
     changes: int = 0
-    notes: tuple[str, ...] = field(default=())
 
 
 def is_pod_ready(pod: dict[str, Any]) -> bool:

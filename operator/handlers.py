@@ -9,7 +9,6 @@ from typing import Any
 import kopf
 from prometheus_client import start_http_server
 
-from cpuserve.operator import naming
 from cpuserve.operator.crd import GROUP, KIND, PLURAL, VERSION
 from cpuserve.operator.kube import Kube, KubeError
 from cpuserve.operator.metrics import OperatorMetrics, build_operator_metrics
@@ -115,5 +114,3 @@ def on_llmservice_event(event: dict[str, Any], body: kopf.Body, memo: kopf.Memo,
     if event.get("type") == "DELETED":
         memo.metrics.forget(f"{body.metadata['namespace']}/{body.metadata['name']}")
 
-
-__all__ = ["naming", "on_change", "on_llmservice_event", "on_pod_event", "resync", "startup"]

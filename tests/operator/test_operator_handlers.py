@@ -127,12 +127,14 @@ def test_scale_up_and_down(cluster):
     api, _ = cluster
     api.create(LLMS, NS, llmservice("beta"))
     wait_for("one rank", lambda: children(api, "beta")["pods"] == ["beta-g0-r0", "beta-head"])
+    first_rank_uid = api.get("pods", NS, "beta-g0-r0")["metadata"]["uid"]
     api.patch(LLMS, NS, "beta", {"spec": {"replicas": 3}})
     wait_for("three ranks", lambda: children(api, "beta")["pods"] == ["beta-g0-r0", "beta-g1-r0", "beta-g2-r0",
                                                                       "beta-head"])
     api.patch(LLMS, NS, "beta", {"spec": {"replicas": 1}})
     wait_for("back to one", lambda: children(api, "beta")["pods"] == ["beta-g0-r0", "beta-head"])
     wait_for("status.replicas", lambda: api.get(LLMS, NS, "beta")["status"]["replicas"] == 1)
+    assert api.get("pods", NS, "beta-g0-r0")["metadata"]["uid"] == first_rank_uid, "a surviving group is not touched"
 
 
 def test_model_change_recreates_pods(cluster):
