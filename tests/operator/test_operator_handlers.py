@@ -28,7 +28,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(what: str, predicate, timeout: float = 20.0):
+def wait_for(what: str, predicate, timeout: float = 30.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if value := predicate():
@@ -39,7 +39,7 @@ def wait_for(what: str, predicate, timeout: float = 20.0):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """(fake API server, operator metrics port); the operator runs for the whole module."""
+    """(fake API server, operator metrics port, liveness port); the operator runs for the whole module."""
     tmp = tmp_path_factory.mktemp("operator")
     api = FakeApiServer().start()
     kubeconfig = tmp / "kubeconfig"
@@ -48,17 +48,18 @@ def cluster(tmp_path_factory):
         f"clusters: [{{name: fake, cluster: {{server: 'http://127.0.0.1:{api.port}'}}}}]\n"
         "users: [{name: fake, user: {token: fake-token}}]\n"
         f"contexts: [{{name: fake, context: {{cluster: fake, user: fake, namespace: {NS}}}}}]\n")
-    metrics_port = free_port()
+    metrics_port, liveness_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBERNETES_", "CPUSERVE_OPERATOR_"))}
     env.update(KUBECONFIG=str(kubeconfig), CPUSERVE_OPERATOR_RESYNC_SECONDS=str(RESYNC_SECONDS),
                CPUSERVE_OPERATOR_METRICS_PORT=str(metrics_port), CPUSERVE_OPERATOR_IMAGE="cpuserve:test")
     log = open(tmp / "operator.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "cpuserve.operator", "--standalone", "--namespace", NS],
+    proc = subprocess.Popen([sys.executable, "-m", "cpuserve.operator", "--standalone", "--namespace", NS,
+                             f"--liveness=http://127.0.0.1:{liveness_port}/healthz"],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_for("the operator to watch LLMServices",
                  lambda: any(m == "GET" and p.endswith(f"/namespaces/{NS}/{LLMS}") for m, p, _ in api.requests), 30)
-        yield api, metrics_port
+        yield api, metrics_port, liveness_port
     finally:
         proc.terminate()
         try:
@@ -103,7 +104,7 @@ def pod_hash(api, pod):
 
 
 def test_create_then_ready(cluster):
-    api, _ = cluster
+    api, *_ = cluster
     cr = api.create(LLMS, NS, llmservice("alpha", replicas=1, ranksPerReplica=2))
     pods = ["alpha-g0-r0", "alpha-g0-r1", "alpha-head"]
     got = wait_for("children", lambda: (c := children(api, "alpha"))["pods"] == pods and c)
@@ -124,7 +125,7 @@ def test_create_then_ready(cluster):
 
 
 def test_scale_up_and_down(cluster):
-    api, _ = cluster
+    api, *_ = cluster
     api.create(LLMS, NS, llmservice("beta"))
     wait_for("one rank", lambda: children(api, "beta")["pods"] == ["beta-g0-r0", "beta-head"])
     first_rank_uid = api.get("pods", NS, "beta-g0-r0")["metadata"]["uid"]
@@ -138,7 +139,7 @@ def test_scale_up_and_down(cluster):
 
 
 def test_model_change_recreates_pods(cluster):
-    api, _ = cluster
+    api, *_ = cluster
     api.create(LLMS, NS, llmservice("gamma"))
     before = wait_for("pods", lambda: pod_hash(api, "gamma-head"))
     rank_before = pod_hash(api, "gamma-g0-r0")
@@ -151,7 +152,7 @@ def test_model_change_recreates_pods(cluster):
 
 
 def test_drift_repair(cluster):
-    api, _ = cluster
+    api, *_ = cluster
     api.create(LLMS, NS, llmservice("delta"))
     wait_for("pods", lambda: pod_hash(api, "delta-g0-r0"))
     api.delete("pods", NS, "delta-g0-r0")  # a pod event: repaired at once
@@ -163,7 +164,7 @@ def test_drift_repair(cluster):
 
 
 def test_delete_removes_everything(cluster):
-    api, _ = cluster
+    api, *_ = cluster
     api.create(LLMS, NS, llmservice("epsilon", replicas=2))
     wait_for("children", lambda: len(children(api, "epsilon")["pods"]) == 3)
     api.delete(LLMS, NS, "epsilon")
@@ -172,7 +173,7 @@ def test_delete_removes_everything(cluster):
 
 
 def test_invalid_spec_condition_event_and_no_retry_storm(cluster):
-    api, _ = cluster
+    api, *_ = cluster
     api.create(LLMS, NS, llmservice("zeta", resources={"kvCacheGb": 64, "memoryPerRankGb": 8}))
     cond = wait_for("ValidationFailed", lambda: (c := condition(api, "zeta", "ValidationFailed")).get("status") == "True" and c)
     assert cond["reason"] == "InvalidSpec" and "spec.resources.kvCacheGb" in cond["message"]
@@ -194,8 +195,10 @@ def test_invalid_spec_condition_event_and_no_retry_storm(cluster):
     wait_for("pods after the fix", lambda: children(api, "zeta")["pods"] == ["zeta-g0-r0", "zeta-head"])
 
 
-def test_operator_metrics(cluster):
-    _, port = cluster
+def test_operator_metrics_and_liveness(cluster):
+    _, port, liveness_port = cluster
+    with urllib.request.urlopen(f"http://127.0.0.1:{liveness_port}/healthz", timeout=5) as rsp:
+        assert rsp.status == 200  # the chart's livenessProbe
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("cpuserve_operator_")}
@@ -230,7 +233,7 @@ def required_permissions(requests) -> set[tuple[str, str, str]]:
 
 def test_the_chart_rbac_grants_every_request_the_operator_made(cluster):
     """Least privilege both ways: the operator needs nothing the chart does not grant."""
-    api, _ = cluster
+    api, *_ = cluster
     helm = ROOT / "tools" / "helm"
     if not helm.exists():
         pytest.skip("helm not found: run `make tools`")
