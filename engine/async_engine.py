@@ -7,9 +7,11 @@ a command queue, and it hands chunks back to each request's asyncio queue on the
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import threading
+import time
 from typing import Any, AsyncIterator
 
 from cpuserve.engine.config import EngineConfig
@@ -33,6 +35,8 @@ class AsyncLLMEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
         self.error: BaseException | None = None
+        # wall time of each step (schedule + run + postprocess), drained by serving's metrics; bounded
+        self._step_times: collections.deque[float] = collections.deque(maxlen=4096)
         self._thread = threading.Thread(target=self._loop, name="cpuserve-engine", daemon=True)
         self._thread.start()
 
@@ -73,6 +77,13 @@ class AsyncLLMEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def pop_step_times(self) -> list[float]:
+        """Seconds of each engine step since the last call (at most the last 4096), for step-time metrics."""
+        times = []
+        while self._step_times:
+            times.append(self._step_times.popleft())
+        return times
+
     def shutdown(self) -> None:
         self._stopped = True
         self._wakeup.set()
@@ -90,7 +101,10 @@ class AsyncLLMEngine:
                     self._wakeup.wait(timeout=1.0)
                     self._wakeup.clear()
                     continue
-                for chunk in self.engine.step():
+                start = time.perf_counter()
+                chunks = self.engine.step()
+                self._step_times.append(time.perf_counter() - start)
+                for chunk in chunks:
                     self._deliver(chunk)
         except BaseException as e:  # the engine is broken: fail every waiting request rather than hang it
             log.exception("engine thread died")

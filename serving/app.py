@@ -1,0 +1,91 @@
+"""build_app(args) -> the Serve application; start_serving / stop_serving run it on a Ray cluster.
+
+    Ingress (1 replica, 0 CPUs, on the head node: it owns the pod's ports and the Prometheus registry)
+      --DeploymentHandle, streaming--> LLMServer (N replicas; each: cpus_per_rank CPUs, one engine,
+                                        one unit of socket_resource when given)
+
+A RayService can name `cpuserve.serving.app:build_app` as its import_path with ServeConfig fields as args;
+the proxies' ports then come from the RayService's own http_options/grpc_options.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from cpuserve.serving.config import ServeConfig
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "cpuserve"
+GRPC_SERVICER = "cpuserve.serving.grpc_api.add_InferenceServicer_to_server"
+HEAD_NODE_RESOURCE = "node:__internal_head__"
+
+
+def build_app(args: dict[str, Any] | ServeConfig):
+    """The Ingress -> LLMServer graph for one model, sized by the config."""
+    from ray import serve
+
+    from cpuserve.serving.ingress import Ingress
+    from cpuserve.serving.llm_server import LLMServer
+
+    config = args if isinstance(args, ServeConfig) else ServeConfig(**args)
+    data = config.model_dump()
+    replica_resources = {config.socket_resource: 1} if config.socket_resource else {}
+    server = serve.deployment(LLMServer, name="LLMServer").options(
+        num_replicas=config.replicas,
+        ray_actor_options={"num_cpus": config.cpus_per_replica, "resources": replica_resources},
+        # admission happens at the ingress; this only caps what one replica accepts
+        max_ongoing_requests=config.max_num_seqs + config.max_queued_requests + 1,
+        health_check_period_s=2, graceful_shutdown_timeout_s=5)
+    ingress = serve.deployment(Ingress, name="Ingress").options(
+        num_replicas=1, ray_actor_options={"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE: 0.001}},
+        max_ongoing_requests=10_000)  # its own admission limit is max_in_flight
+    return ingress.bind(data, server.bind(data))
+
+
+def start_serving(config: ServeConfig, blocking_timeout_s: float = 600) -> None:
+    """Connect to (or start) Ray, start Serve's proxies on the config's ports and deploy the app."""
+    import ray
+    from ray import serve
+    from ray.serve.config import HTTPOptions, gRPCOptions
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # Ray 2.60's token auth; a local cluster needs none
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if not config.access_log:
+        os.environ.setdefault("RAY_SERVE_ENABLE_ACCESS_LOG", "0")
+    if not ray.is_initialized():
+        if config.ray_address:
+            ray.init(address=config.ray_address, log_to_driver=False)
+        else:
+            ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+                     num_cpus=max(config.replicas * config.cpus_per_replica, len(os.sched_getaffinity(0))),
+                     resources={config.socket_resource: config.replicas} if config.socket_resource else None)
+    if config.tls_cert_file:
+        log.warning("TLS applies to HTTP only: Ray Serve's gRPC proxy listens in plaintext on port %d",
+                    config.grpc_port)
+    serve.start(http_options=HTTPOptions(host=config.host, port=config.http_port,
+                                         ssl_certfile=config.tls_cert_file, ssl_keyfile=config.tls_key_file),
+                grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]))
+    serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+
+
+def stop_serving() -> None:
+    import ray
+    from ray import serve
+
+    if ray.is_initialized():
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+def endpoints(config: ServeConfig) -> dict[str, str]:
+    scheme = "https" if config.tls_cert_file else "http"
+    host = config.host
+    out = {"grpc": f"{host}:{config.grpc_port}", "http": f"{scheme}://{host}:{config.http_port}/v1"}
+    if config.metrics_port:
+        out["metrics"] = f"http://{host}:{config.metrics_port}/metrics"
+    return out

@@ -1,0 +1,132 @@
+"""ServeConfig: every serving option in one frozen pydantic model, from CLI flags, a YAML file or CPUSERVE_SERVE_* env.
+
+`build_app(args)` takes this model's dict (snake_case or camelCase keys), so the same app runs from
+`cpuserve serve` and from a RayService's serveConfigV2 `import_path: cpuserve.serving.app:build_app`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, model_validator
+from pydantic.alias_generators import to_camel
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from cpuserve.engine.config import GROUP_SIZES, KV_CACHE_DTYPES, WEIGHT_FORMATS
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ServeConfig(BaseSettings):
+    """What one `cpuserve serve` deploys: the model, its replicas and the endpoints."""
+
+    model_config = SettingsConfigDict(env_prefix="CPUSERVE_SERVE_", alias_generator=to_camel,
+                                      populate_by_name=True, frozen=True, extra="forbid")
+
+    # -- engine (one AsyncLLMEngine per replica) --------------------------------------------------------
+    model: str | None = None
+    """GGUF file or Hugging Face folder; None = the embedded SmolLM2-135M-Instruct."""
+    served_model_name: str | None = None
+    """Name clients pass as `model`; default: the model file's stem (or SmolLM2-135M-Instruct)."""
+    weights: Literal[WEIGHT_FORMATS] = "int4"  # type: ignore[valid-type]
+    group_size: Literal[GROUP_SIZES] = 32  # type: ignore[valid-type]
+    kv_cache: Literal[KV_CACHE_DTYPES] = "int8"  # type: ignore[valid-type]
+    kv_cache_gb: float = Field(1.0, gt=0)
+    block_size: int = Field(16, ge=1)
+    max_num_seqs: int = Field(64, ge=1)
+    """Sequences one replica runs at once."""
+    max_num_batched_tokens: int = Field(512, ge=1)
+    max_model_len: int | None = Field(None, ge=2)
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    # -- replicas and placement ---------------------------------------------------------------------------
+    replicas: int = Field(1, ge=1)
+    ranks_per_replica: int = Field(1, ge=1)
+    """Sockets one replica group spans; only 1 until tensor parallelism lands."""
+    cpus_per_rank: int = Field(2, ge=1)
+    """Ray CPUs reserved per rank; the engine uses this many torch threads."""
+    socket_resource: str | None = None
+    """Custom Ray resource each rank asks one unit of (Kubernetes: one per NUMA-pinned pod)."""
+
+    # -- admission ----------------------------------------------------------------------------------------
+    max_queued_requests: int = Field(64, ge=0)
+    """Requests allowed to wait beyond the running batches (replicas x max_num_seqs); more get 429."""
+    max_request_bytes: int = Field(1 << 20, ge=1024)
+    """Largest HTTP body or gRPC prompt accepted."""
+
+    # -- endpoints ----------------------------------------------------------------------------------------
+    host: str = "127.0.0.1"
+    grpc_port: int = Field(9000, ge=1, le=65535)
+    http_port: int = Field(8000, ge=1, le=65535)
+    metrics_port: int = Field(8080, ge=0, le=65535)
+    """Prometheus endpoint served by the ingress; 0 turns it off."""
+    stats_interval_s: float = Field(0.5, gt=0, le=60)
+    """How often each replica reports engine gauges to the ingress."""
+    ray_address: str | None = None
+    """Existing Ray cluster ("auto" on Kubernetes); None starts a local one."""
+    api_key_file: str | None = None
+    """File with one accepted API key per line; requests must send `Authorization: Bearer <key>`."""
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    access_log: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> "ServeConfig":
+        if self.ranks_per_replica != 1:
+            raise ValueError(f"ranks_per_replica={self.ranks_per_replica}: only 1 rank per replica works until "
+                             "tensor parallelism lands; run more --replicas instead")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together: give both or neither")
+        for name in ("model", "api_key_file", "tls_cert_file", "tls_key_file"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).exists():
+                raise ValueError(f"{name}={path!r}: no such file or folder")
+        ports = {"grpc_port": self.grpc_port, "http_port": self.http_port, "metrics_port": self.metrics_port}
+        if len({p for p in ports.values() if p}) != len([p for p in ports.values() if p]):
+            raise ValueError(f"ports must differ: {ports}")
+        return self
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return Path(self.model).stem if self.model else DEFAULT_MODEL_NAME
+
+    @property
+    def cpus_per_replica(self) -> int:
+        return self.cpus_per_rank * self.ranks_per_replica
+
+    def engine_options(self) -> dict[str, Any]:
+        """Keyword arguments of AsyncLLMEngine.from_config for one replica."""
+        return dict(model=self.model, weights=self.weights, group_size=self.group_size, kv_cache=self.kv_cache,
+                    kv_cache_gb=self.kv_cache_gb, block_size=self.block_size, max_num_seqs=self.max_num_seqs,
+                    max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
+                    enable_prefix_caching=self.enable_prefix_caching, num_threads=self.cpus_per_rank,
+                    seed=self.seed, show_progress=False)
+
+    def api_keys(self) -> frozenset[str]:
+        if self.api_key_file is None:
+            return frozenset()
+        keys = frozenset(line.strip() for line in Path(self.api_key_file).read_text().splitlines() if line.strip())
+        if not keys:
+            raise ValueError(f"api_key_file={self.api_key_file!r} holds no key")
+        return keys
+
+
+def load_config(path: str | None = None, **overrides: Any) -> ServeConfig:
+    """A YAML file (keys snake_case or camelCase) with CLI overrides on top; overrides of None are ignored."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"config={path!r} must be a YAML mapping of ServeConfig fields")
+        data = {_snake(k): v for k, v in loaded.items()}
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    return ServeConfig(**data)
+
+
+def _snake(key: str) -> str:
+    return "".join(f"_{c.lower()}" if c.isupper() else c for c in key)

@@ -1,0 +1,263 @@
+"""Ingress deployment: OpenAI-compatible HTTP and gRPC in one replica, routing to LLMServer replicas.
+
+Per request: authorize -> parse and validate (errors name the field) -> admission (RESOURCE_EXHAUSTED / 429
+past replicas x max_num_seqs running + max_queued_requests waiting) -> stream from an LLMServer through a
+DeploymentHandle (Ray's router picks the replica with fewer ongoing requests) -> record metrics.
+Leaving a stream early (client gone, gRPC deadline) cancels the handle's response, which closes the
+replica's generator and aborts the request in its engine.
+"""
+
+# no `from __future__ import annotations`: FastAPI must see the real `Request` annotation
+
+import uuid
+from typing import Any, AsyncIterator
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, start_http_server
+from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from starlette.exceptions import HTTPException
+
+from cpuserve.serving import grpc_api
+from cpuserve.serving.config import ServeConfig
+from cpuserve.serving.metrics import build_serving_metrics
+from cpuserve.serving.openai_api import ChatRequest, CompletionRequest, completion_body, parse_body, sse, usage
+from cpuserve.serving.protocol import (GRPC_CODE, HTTP_STATUS, NOT_FOUND, RESOURCE_EXHAUSTED, TOO_LARGE,
+                                       UNAUTHENTICATED, UNAVAILABLE, RequestError, merge_chunks)
+from cpuserve.serving.telemetry import EngineStatsAggregator, RequestTimer
+from cpuserve.v1 import inference_pb2 as pb
+
+api = FastAPI(title="cpuserve", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@api.exception_handler(HTTPException)
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    # unknown paths and methods answer in OpenAI's error shape too
+    kind = NOT_FOUND if exc.status_code == 404 else "invalid_request_error"
+    body = RequestError(f"{request.method} {request.url.path}: {exc.detail}", None, kind).to_dict()
+    return JSONResponse({"error": body}, status_code=exc.status_code)
+
+
+def _error_response(e: RequestError) -> JSONResponse:
+    return JSONResponse({"error": e.to_dict()}, status_code=HTTP_STATUS[e.kind])
+
+
+@serve.ingress(api)
+class Ingress:
+    def __init__(self, config: dict[str, Any], llm_server: Any):
+        self.config = ServeConfig(**config)
+        self.llm = llm_server
+        self.model = self.config.model_name
+        self.api_keys = self.config.api_keys()
+        self.metrics = build_serving_metrics(registry := CollectorRegistry())
+        self.engine_stats = EngineStatsAggregator(self.metrics, self.model)
+        if self.config.metrics_port:
+            start_http_server(self.config.metrics_port, addr=self.config.host, registry=registry)
+        c = self.config
+        self.max_in_flight = c.replicas * c.max_num_seqs + c.max_queued_requests
+        self.num_in_flight = 0
+        self._info: dict[str, Any] | None = None
+
+    # -- the request path shared by HTTP and gRPC ----------------------------------------------------------
+    async def _run(self, model: str | None, internal: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Chunk dicts of one request; raises RequestError before the first chunk if it is refused."""
+        if model and model != self.model:
+            raise RequestError(f"model={model!r} is not served here; available: [{self.model!r}]", "model", NOT_FOUND)
+        if self.num_in_flight >= self.max_in_flight:
+            raise RequestError(f"{self.num_in_flight} requests are running or waiting, the limit: retry later",
+                               None, RESOURCE_EXHAUSTED)
+        self.num_in_flight += 1
+        timer = RequestTimer(self.metrics, self.model)
+        responses = self.llm.options(stream=True).generate.remote(internal)
+        reason = "abort"  # unless the stream says otherwise: the client left or the deadline passed
+        try:
+            async for chunk in responses:
+                if "error" in chunk:
+                    error = RequestError.from_dict(chunk["error"])
+                    timer.finished = error.kind != UNAVAILABLE  # refused requests are not served requests
+                    reason = "error"
+                    raise error
+                timer.on_chunk(chunk)
+                reason = chunk["finish_reason"] or reason
+                yield chunk
+        except BackPressureError as e:
+            timer.finished = True
+            raise RequestError(f"overloaded: {e}", None, RESOURCE_EXHAUSTED) from None
+        except (RayActorError, DeploymentUnavailableError) as e:
+            reason = "error"
+            raise RequestError(f"no replica could serve the request: {e}", None, UNAVAILABLE) from None
+        finally:
+            self.num_in_flight -= 1
+            responses.cancel()  # a no-op once finished; otherwise aborts the request on its replica
+            timer.finish(reason)
+
+    async def _start(self, model: str | None, internal: dict[str, Any]):
+        internal.setdefault("request_id", uuid.uuid4().hex[:16])
+        stream = self._run(model, internal)
+        first = await anext(stream)  # RequestError here: nothing was sent to the client yet
+        return internal["request_id"], first, stream
+
+    async def report_stats(self, stats: dict[str, Any]) -> None:
+        """Each LLMServer replica calls this every stats_interval_s."""
+        self.engine_stats.update(stats)
+
+    async def _model_info(self) -> dict[str, Any]:
+        if self._info is None:
+            self._info = await self.llm.info.remote()
+        return self._info
+
+    # -- HTTP ------------------------------------------------------------------------------------------------
+    def _authorize_http(self, request: Request) -> None:
+        if self.api_keys and request.headers.get("authorization", "").removeprefix("Bearer ") not in self.api_keys:
+            raise RequestError("missing or unknown API key: send Authorization: Bearer <key>", None, UNAUTHENTICATED)
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.config.max_request_bytes
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > limit:
+            raise RequestError(f"body is {length} bytes; the limit is {limit}", "body", TOO_LARGE)
+        body = bytearray()
+        async for part in request.stream():  # chunked uploads: stop reading past the limit
+            body += part
+            if len(body) > limit:
+                raise RequestError(f"body exceeds the limit of {limit} bytes", "body", TOO_LARGE)
+        return bytes(body)
+
+    async def _openai(self, request: Request, cls: type, chat: bool) -> Response:
+        try:
+            self._authorize_http(request)
+            parsed = parse_body(await self._read_body(request), cls)
+            rid, first, stream = await self._start(parsed.model, parsed.to_internal())
+        except RequestError as e:
+            return _error_response(e)
+        rid = ("chatcmpl-" if chat else "cmpl-") + rid
+        headers = {"x-cpuserve-replica": first.get("replica", "")}
+        if not parsed.stream:
+            try:
+                chunks = [first] + [c async for c in stream]
+            except RequestError as e:
+                return _error_response(e)
+            body = completion_body(rid, self.model, merge_chunks(chunks), chat, final=True)
+            return JSONResponse(body, headers=headers)
+        include_usage = parsed.stream_options is not None and parsed.stream_options.include_usage
+        return StreamingResponse(self._sse(rid, first, stream, chat, include_usage), media_type="text/event-stream",
+                                 headers=headers)
+
+    async def _sse(self, rid: str, first: dict, stream: AsyncIterator[dict], chat: bool,
+                   include_usage: bool) -> AsyncIterator[bytes]:
+        chunk = first
+        try:
+            while True:
+                yield sse(completion_body(rid, self.model, chunk, chat, final=False))
+                if chunk["finish_reason"]:
+                    break
+                chunk = await anext(stream)
+            if include_usage:
+                yield sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                           "model": self.model, "choices": [], "usage": usage(chunk)})
+            yield sse("[DONE]")
+        except RequestError as e:  # after the 200 header: report in-stream, as OpenAI does
+            yield sse({"error": e.to_dict()})
+        finally:
+            await stream.aclose()
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._openai(request, CompletionRequest, chat=False)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._openai(request, ChatRequest, chat=True)
+
+    @api.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        try:
+            self._authorize_http(request)
+        except RequestError as e:
+            return _error_response(e)
+        info = await self._model_info()
+        return JSONResponse({"object": "list", "data": [{"id": info["name"], "object": "model", "created": 0,
+                                                         "owned_by": "cpuserve", "max_model_len": info["max_model_len"]}]})
+
+    @api.get("/health")
+    async def health(self) -> Response:
+        ok, message = await self._is_healthy()
+        return JSONResponse({"status": "ok" if ok else "unavailable", "message": message},
+                            status_code=200 if ok else 503)
+
+    async def _is_healthy(self) -> tuple[bool, str]:
+        try:
+            await self.llm.info.remote()
+        except Exception as e:  # noqa: BLE001 (any failure means not serving)
+            return False, f"no LLMServer replica answers: {e!r}"[:500]
+        return True, f"serving {self.model}"
+
+    # -- gRPC (method names are the rpc names; requests arrive as raw bytes, see grpc_api) ------------------
+    def _grpc_fail(self, context: Any, e: RequestError) -> None:
+        context.set_code(getattr(grpc.StatusCode, GRPC_CODE[e.kind]))
+        context.set_details(e.message)
+        raise e
+
+    def _authorize_grpc(self, context: Any) -> None:
+        if not self.api_keys:
+            return
+        metadata = dict(context.invocation_metadata())
+        if metadata.get("authorization", "").removeprefix("Bearer ") not in self.api_keys:
+            raise RequestError("missing or unknown API key: send authorization: Bearer <key> metadata", None,
+                               UNAUTHENTICATED)
+
+    async def _grpc_start(self, request: bytes, grpc_context: Any):
+        try:
+            self._authorize_grpc(grpc_context)
+            model, internal = grpc_api.generate_request(grpc_api.parse(request, pb.GenerateRequest),
+                                                        self.config.max_request_bytes)
+            return await self._start(model, internal)
+        except RequestError as e:
+            self._grpc_fail(grpc_context, e)
+
+    async def Generate(self, request: bytes, grpc_context: Any) -> AsyncIterator[Any]:  # noqa: N802
+        rid, first, stream = await self._grpc_start(request, grpc_context)
+        try:
+            yield grpc_api.generate_response(rid, first)
+            async for chunk in stream:
+                yield grpc_api.generate_response(rid, chunk)
+        except RequestError as e:
+            self._grpc_fail(grpc_context, e)
+        finally:
+            await stream.aclose()
+
+    async def Complete(self, request: bytes, grpc_context: Any) -> Any:  # noqa: N802
+        rid, first, stream = await self._grpc_start(request, grpc_context)
+        try:
+            chunks = [first] + [c async for c in stream]
+        except RequestError as e:
+            self._grpc_fail(grpc_context, e)
+        return grpc_api.complete_response(rid, merge_chunks(chunks))
+
+    async def Tokenize(self, request: bytes, grpc_context: Any) -> Any:  # noqa: N802
+        try:
+            self._authorize_grpc(grpc_context)
+            req = grpc_api.parse(request, pb.TokenizeRequest)
+            if req.model and req.model != self.model:
+                raise RequestError(f"model={req.model!r} is not served here; available: [{self.model!r}]", "model",
+                                   NOT_FOUND)
+        except RequestError as e:
+            self._grpc_fail(grpc_context, e)
+        ids = await self.llm.tokenize.remote(req.text, req.add_special_tokens)
+        return pb.TokenizeResponse(token_ids=ids, max_model_len=(await self._model_info())["max_model_len"])
+
+    async def ListModels(self, request: bytes, grpc_context: Any) -> Any:  # noqa: N802
+        try:
+            self._authorize_grpc(grpc_context)
+        except RequestError as e:
+            self._grpc_fail(grpc_context, e)
+        info = await self._model_info()
+        return pb.ListModelsResponse(models=[pb.ModelInfo(**info)])
+
+    async def Health(self, request: bytes, grpc_context: Any) -> Any:  # noqa: N802
+        ok, message = await self._is_healthy()
+        status = pb.SERVING_STATUS_SERVING if ok else pb.SERVING_STATUS_NOT_SERVING
+        return pb.HealthResponse(status=status, message=message)

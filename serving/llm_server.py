@@ -1,0 +1,132 @@
+"""LLMServer: one replica (replica group) owning one AsyncLLMEngine; the Ray Serve deployment wraps this class.
+
+The constructor is synchronous and takes `engine_cls`, so it also runs without Ray (tests, the benchmark).
+Under Ray Serve it reports engine gauges and step times to the ingress every `stats_interval_s`: replicas
+are separate processes, and the ingress holds the one Prometheus registry of the pod.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+from typing import Any, AsyncIterator
+
+from cpuserve.engine.async_engine import AsyncLLMEngine
+from cpuserve.engine.sampling_params import SamplingParams
+from cpuserve.serving.config import ServeConfig
+from cpuserve.serving.protocol import UNAVAILABLE, RequestError, chunk_from_step
+
+log = logging.getLogger(__name__)
+
+
+class LLMServer:
+    """Serves generate/tokenize/info for one model from one engine.
+
+    Args:
+        config: a ServeConfig or its dict.
+        engine_cls: the engine class; anything with AsyncLLMEngine's from_config/generate/tokenizer/stats.
+    """
+
+    def __init__(self, config: dict[str, Any] | ServeConfig, engine_cls: type = AsyncLLMEngine):
+        self.config = config if isinstance(config, ServeConfig) else ServeConfig(**config)
+        self.engine = engine_cls.from_config(**self.config.engine_options())
+        self.tokenizer = self.engine.tokenizer
+        self.replica_id = f"{os.getpid()}"
+        self._ids = itertools.count()
+        self._stats_task: asyncio.Task | None = None
+        self._ingress = None
+        try:  # inside a Serve replica: find the ingress to report to (no handle cycle in the app graph)
+            from ray import serve
+
+            ctx = serve.get_replica_context()
+            self.replica_id = ctx.replica_id.unique_id
+            self._ingress = serve.get_deployment_handle("Ingress", app_name=ctx.app_name)
+        except Exception:  # not running under Serve
+            self._ingress = None
+
+    # -- requests -------------------------------------------------------------------------------------------
+    async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Chunk dicts of one request; the first is {"error": ...} if the request is refused.
+
+        Closing this generator early (client gone, deadline) aborts the request in the engine, which frees
+        its KV blocks at the next step.
+        """
+        self._ensure_stats_task()
+        request_id = request.get("request_id") or f"{self.replica_id}-{next(self._ids)}"
+        try:
+            prompt = self._prompt(request)
+            sampling = dict(request["sampling"])
+            if "max_tokens" not in sampling:  # OpenAI chat's default: fill the rest of the context
+                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+                sampling["max_tokens"] = max(1, self.engine.engine.max_model_len - len(ids))
+            stream = self.engine.generate(prompt, SamplingParams(**sampling), request_id,
+                                          priority=request.get("priority", 0))
+            first = await anext(stream)
+        except RequestError as e:
+            yield {"error": e.to_dict()}
+            return
+        except ValueError as e:  # the engine names the field: empty prompt, too long, bad token id, ...
+            default = "messages" if "messages" in request else "prompt"
+            yield {"error": RequestError.from_value_error(e, default).to_dict()}
+            return
+        except RuntimeError as e:  # EngineDeadError: this replica cannot serve; Serve's health check restarts it
+            yield {"error": RequestError(str(e), None, UNAVAILABLE).to_dict()}
+            return
+        # the first chunk names the replica, so clients (and tests) can see where a request ran
+        yield {**chunk_from_step(first, self._token_text), "replica": self.replica_id}
+        async for step in stream:
+            yield chunk_from_step(step, self._token_text)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _prompt(self, request: dict[str, Any]) -> str | list[int]:
+        if "messages" in request:
+            try:
+                text = self.tokenizer.apply_chat_template(request["messages"], add_generation_prompt=True)
+            except Exception as e:  # a template may reject a conversation (roles out of order, ...)
+                raise RequestError(f"messages: the chat template rejected them: {e}", "messages") from None
+            # the template writes BOS itself
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return request["prompt"]
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    async def info(self) -> dict[str, Any]:
+        c = self.config
+        return {"name": c.model_name, "max_model_len": self.engine.engine.max_model_len, "weights": c.weights,
+                "kv_cache": c.kv_cache, "replicas": c.replicas}
+
+    def stats(self) -> dict[str, Any]:
+        """Engine gauges plus the step times since the last call (what the ingress turns into metrics)."""
+        s = self.engine.stats()
+        return {"replica_id": self.replica_id, "num_running": s.num_running, "num_waiting": s.num_waiting,
+                "num_used_blocks": s.num_blocks - s.num_free_blocks, "num_blocks": s.num_blocks,
+                "num_preemptions": s.num_preemptions, "step_times": self.engine.pop_step_times()}
+
+    # -- Ray Serve hooks ----------------------------------------------------------------------------------
+    async def check_health(self) -> None:
+        # Serve calls this on every replica soon after start: a good place to start the stats loop
+        self._ensure_stats_task()
+        if getattr(self.engine, "error", None) is not None:
+            raise RuntimeError(f"engine stopped: {self.engine.error!r}")
+
+    def _ensure_stats_task(self) -> None:
+        if self._ingress is not None and self._stats_task is None:
+            self._stats_task = asyncio.get_running_loop().create_task(self._report_stats())
+
+    async def _report_stats(self) -> None:
+        while True:
+            try:
+                await self._ingress.report_stats.remote(self.stats())
+            except Exception as e:  # the ingress may be starting or restarting: report again next time
+                log.debug("stats report failed: %r", e)
+            await asyncio.sleep(self.config.stats_interval_s)
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()

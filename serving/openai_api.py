@@ -1,0 +1,172 @@
+"""OpenAI-compatible request parsing and response shapes (/v1/completions, /v1/chat/completions).
+
+Parsing is strict: wrong JSON types are errors, never coerced, and every error names its field as OpenAI's
+`error.param`. Range checks are SamplingParams' own (protocol.check_sampling), so they exist once.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from cpuserve.serving.protocol import RequestError, check_sampling
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+class _Strict(BaseModel):
+    # unknown fields are ignored, as OpenAI clients send newer ones (user, metadata, ...)
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ContentPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[ContentPart]
+
+    def as_dict(self) -> dict[str, str]:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class _Sampling(_Strict):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    priority: int = 0
+
+    def sampling(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
+        if self.n != 1:
+            raise RequestError(f"n={self.n} is not supported: only n=1", "n")
+        if self.frequency_penalty:
+            raise RequestError(f"frequency_penalty={self.frequency_penalty} is not supported: use presence_penalty "
+                               "or repetition_penalty", "frequency_penalty")
+        values = {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                  "top_k": self.top_k, "min_p": self.min_p, "presence_penalty": self.presence_penalty,
+                  "repetition_penalty": self.repetition_penalty, "seed": self.seed, "logprobs": logprobs,
+                  "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
+                  "stop_token_ids": self.stop_token_ids}
+        sampling = {k: v for k, v in values.items() if v is not None}
+        sampling["ignore_eos"] = self.ignore_eos
+        return sampling
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int]
+    logprobs: int | None = None
+    echo: bool = False
+
+    def to_internal(self) -> dict[str, Any]:
+        if self.echo:
+            raise RequestError("echo=true is not supported", "echo")
+        sampling = self.sampling(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+        return {"prompt": self.prompt, "sampling": check_sampling(sampling), "priority": self.priority}
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def to_internal(self) -> dict[str, Any]:
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        top = (self.top_logprobs or 0) if self.logprobs else None
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
+        # without max_tokens the replica fills the rest of the context, as OpenAI does
+        sampling = check_sampling(self.sampling(max_tokens, top), rename={"logprobs": "top_logprobs"})
+        return {"messages": [m.as_dict() for m in self.messages], "sampling": sampling, "priority": self.priority}
+
+
+def parse_body(body: bytes, cls: type[_Sampling]) -> _Sampling:
+    """Bytes of an HTTP body -> a validated request, or RequestError naming what is wrong."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RequestError(f"body is not valid UTF-8 (byte {e.start})", "body") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RequestError(f"body is not valid JSON: {e}", "body") from None
+    if not isinstance(data, dict):
+        raise RequestError(f"body must be a JSON object, not {type(data).__name__}", "body")
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        path = [str(p) for p in err["loc"] if str(p) not in _TYPE_TAGS and "[" not in str(p)]
+        param = ".".join(path) or None
+        got = "" if err["type"] == "missing" else f" (got {json.dumps(err.get('input'))[:80]})"
+        raise RequestError(f"{param}: {err['msg']}{got}", param) from None
+
+
+# -- responses ----------------------------------------------------------------------------------------------
+def usage(chunk: dict[str, Any]) -> dict[str, Any]:
+    return {"prompt_tokens": chunk["prompt_tokens"], "completion_tokens": chunk["completion_tokens"],
+            "total_tokens": chunk["prompt_tokens"] + chunk["completion_tokens"],
+            "prompt_tokens_details": {"cached_tokens": chunk["cached_tokens"]}}
+
+
+def completion_logprobs(chunk: dict[str, Any]) -> dict[str, Any] | None:
+    if "logprobs" not in chunk:
+        return None
+    lps = chunk["logprobs"]  # [(id, token text, logprob, [(id, text, logprob), ...]), ...]
+    return {"tokens": [lp[1] for lp in lps], "token_logprobs": [lp[2] for lp in lps],
+            "top_logprobs": [{t[1]: t[2] for t in lp[3]} for lp in lps], "text_offset": []}
+
+
+def chat_logprobs(chunk: dict[str, Any]) -> dict[str, Any] | None:
+    if "logprobs" not in chunk:
+        return None
+
+    def entry(text: str, logprob: float) -> dict[str, Any]:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**entry(lp[1], lp[2]), "top_logprobs": [entry(t[1], t[2]) for t in lp[3]]}
+                        for lp in chunk["logprobs"]]}
+
+
+def completion_body(rid: str, model: str, chunk: dict[str, Any], chat: bool, final: bool) -> dict[str, Any]:
+    """A whole response (final=True, chunk = all chunks merged) or one SSE chunk."""
+    reason = chunk["finish_reason"]
+    if chat:
+        content = {"role": "assistant", "content": chunk["text"]}
+        choice = {"index": 0, ("message" if final else "delta"): content, "logprobs": chat_logprobs(chunk),
+                  "finish_reason": reason}
+        kind = "chat.completion" if final else "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": chunk["text"], "logprobs": completion_logprobs(chunk), "finish_reason": reason}
+        kind = "text_completion"
+    body = {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [choice]}
+    if final:
+        body["usage"] = usage(chunk)
+    return body
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()

@@ -1,0 +1,104 @@
+"""What the ingress and the LLMServer replicas exchange: plain dicts that pickle cheaply, plus the error type.
+
+Ingress -> LLMServer: a request dict
+    {"request_id": str, "priority": int, "sampling": {SamplingParams kwargs},
+     one of "prompt": str | list[int]  or  "messages": [{"role", "content"}, ...]}
+LLMServer -> ingress: a stream of chunk dicts (see `chunk_from_step`), or one {"error": ...} dict first when
+the replica rejects the request (bad prompt, engine stopped), so that no exception crosses Ray.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from cpuserve.engine.outputs import StepOutput
+from cpuserve.engine.sampling_params import SamplingParams
+
+# Error kinds, with their HTTP status and gRPC status-code name.
+INVALID_ARGUMENT = "invalid_request_error"
+NOT_FOUND = "not_found_error"
+RESOURCE_EXHAUSTED = "rate_limit_error"
+UNAUTHENTICATED = "authentication_error"
+TOO_LARGE = "request_too_large"
+UNAVAILABLE = "server_error"
+HTTP_STATUS = {INVALID_ARGUMENT: 400, NOT_FOUND: 404, RESOURCE_EXHAUSTED: 429, UNAUTHENTICATED: 401,
+               TOO_LARGE: 413, UNAVAILABLE: 503}
+GRPC_CODE = {INVALID_ARGUMENT: "INVALID_ARGUMENT", NOT_FOUND: "NOT_FOUND", RESOURCE_EXHAUSTED: "RESOURCE_EXHAUSTED",
+             UNAUTHENTICATED: "UNAUTHENTICATED", TOO_LARGE: "INVALID_ARGUMENT", UNAVAILABLE: "UNAVAILABLE"}
+
+_FIELD = re.compile(r"^([a-z_]+)[=\s]")
+
+
+@dataclass(slots=True)
+class RequestError(Exception):
+    """A request the server refuses; `param` names the offending field (OpenAI's error.param)."""
+
+    message: str
+    param: str | None = None
+    kind: str = INVALID_ARGUMENT
+
+    def __str__(self) -> str:
+        return self.message
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"message": self.message, "type": self.kind, "param": self.param, "code": None}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RequestError":
+        return cls(d["message"], d.get("param"), d.get("type", INVALID_ARGUMENT))
+
+    @classmethod
+    def from_value_error(cls, e: ValueError, default_param: str | None = None,
+                         rename: dict[str, str] | None = None) -> "RequestError":
+        """Engine ValueErrors start with the field name ("top_p=1.5 is invalid ..."): keep it as the param."""
+        message = str(e)
+        m = _FIELD.match(message)
+        param = m.group(1) if m else default_param
+        if rename and param in rename:
+            message = rename[param] + message[len(param):]
+            param = rename[param]
+        return cls(message, param)
+
+
+def check_sampling(sampling: dict[str, Any], rename: dict[str, str] | None = None) -> dict[str, Any]:
+    """Validate sampling kwargs by building SamplingParams (the one definition of what is allowed)."""
+    try:
+        SamplingParams(**sampling)
+    except ValueError as e:
+        raise RequestError.from_value_error(e, "sampling", rename) from None
+    except TypeError as e:  # a wrong type that the comparisons inside SamplingParams choke on
+        raise RequestError(f"invalid sampling parameter: {e}", "sampling") from None
+    return sampling
+
+
+def chunk_from_step(step: StepOutput, token_text: Callable[[int], str]) -> dict[str, Any]:
+    """A StepOutput as a chunk dict (what crosses Ray for every streamed step).
+
+    Logprobs become [(token id, token text, logprob, [(id, text, logprob), ...]), ...]: the ingress has no
+    tokenizer, and OpenAI's shapes want token texts.
+    """
+    chunk: dict[str, Any] = {"ids": step.new_token_ids, "text": step.new_text,
+                             "finish_reason": step.finish_reason if step.finished else None,
+                             "prompt_tokens": step.num_prompt_tokens, "completion_tokens": step.num_generated_tokens,
+                             "cached_tokens": step.num_cached_tokens}
+    if step.logprobs is not None:
+        chunk["logprobs"] = [(lp.token_id, token_text(lp.token_id), lp.logprob,
+                              [(t, token_text(t), p) for t, p in lp.top]) for lp in step.logprobs]
+    if step.queue_time is not None:
+        chunk["queue_time"] = step.queue_time
+    return chunk
+
+
+def merge_chunks(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several consecutive chunks of one request as one (for unary calls and slow readers)."""
+    merged = dict(chunks[-1])
+    merged["ids"] = [t for c in chunks for t in c["ids"]]
+    merged["text"] = "".join(c["text"] for c in chunks)
+    if any("logprobs" in c for c in chunks):
+        merged["logprobs"] = [lp for c in chunks for lp in c.get("logprobs", [])]
+    queue_times = [c["queue_time"] for c in chunks if "queue_time" in c]
+    if queue_times:
+        merged["queue_time"] = queue_times[0]
+    return merged

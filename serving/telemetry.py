@@ -1,0 +1,95 @@
+"""Recording into serving/metrics.py's definitions: per-request timings at the ingress, engine stats from replicas.
+
+One Prometheus endpoint per pod: the ingress owns the registry. Every request passes through it, so request
+counters and latency histograms are recorded there as chunks stream by. Engine gauges live in the replicas
+(other processes, maybe other pods); each replica reports them every stats_interval_s (LLMServer.stats), and
+`EngineStatsAggregator` sums them over the replicas heard from recently.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from cpuserve.serving.metrics import ServingMetrics
+
+STALE_AFTER_S = 10.0  # a replica silent this long is gone (restarted or scaled down)
+
+
+class RequestTimer:
+    """Times one request from its arrival at the ingress; feed it every chunk, then `finish` once."""
+
+    def __init__(self, metrics: ServingMetrics, model: str):
+        self.metrics = metrics
+        self.model = model
+        self.arrival = time.perf_counter()
+        self.last_token_time: float | None = None
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.finished = False
+
+    def on_chunk(self, chunk: dict[str, Any]) -> None:
+        now = time.perf_counter()
+        m, model = self.metrics, self.model
+        num_new = len(chunk["ids"])
+        if "queue_time" in chunk:
+            m.request_queue_time.labels(model=model).observe(chunk["queue_time"])
+        if num_new:
+            if self.last_token_time is None:  # first token(s): TTFT; tokens arriving with it had no gap
+                m.time_to_first_token.labels(model=model).observe(now - self.arrival)
+                num_gaps, gap = num_new - 1, 0.0
+            else:  # several tokens in one message share the gap evenly
+                num_gaps, gap = num_new, (now - self.last_token_time) / num_new
+            for _ in range(num_gaps):
+                m.inter_token_latency.labels(model=model).observe(gap)
+            self.last_token_time = now
+        self.prompt_tokens = chunk["prompt_tokens"]
+        self.completion_tokens = chunk["completion_tokens"]
+
+    def finish(self, finish_reason: str) -> None:
+        """Count the request once, by finish reason (stop, length, abort, error)."""
+        if self.finished:
+            return
+        self.finished = True
+        m, model = self.metrics, self.model
+        m.requests.labels(model=model, finish_reason=finish_reason).inc()
+        m.prompt_tokens.labels(model=model).inc(self.prompt_tokens)
+        m.generation_tokens.labels(model=model).inc(self.completion_tokens)
+        m.e2e_request_latency.labels(model=model).observe(time.perf_counter() - self.arrival)
+
+
+class EngineStatsAggregator:
+    """Sums the replicas' engine gauges; turns their step times and preemption totals into increments."""
+
+    def __init__(self, metrics: ServingMetrics, model: str):
+        self.metrics = metrics
+        self.model = model
+        self._latest: dict[str, tuple[float, dict[str, Any]]] = {}  # replica_id -> (monotonic time, stats)
+
+    def update(self, stats: dict[str, Any]) -> None:
+        m, model = self.metrics, self.model
+        replica = stats["replica_id"]
+        previous = self._latest.get(replica)
+        step = m.engine_step.labels(model=model, rank="0")
+        for seconds in stats["step_times"]:
+            step.observe(seconds)
+        delta = stats["num_preemptions"] - (previous[1]["num_preemptions"] if previous else 0)
+        if delta > 0:
+            m.preemptions.labels(model=model).inc(delta)
+        self._latest[replica] = (time.monotonic(), stats)
+        self._set_gauges()
+
+    def _set_gauges(self) -> None:
+        now = time.monotonic()
+        self._latest = {r: v for r, v in self._latest.items() if now - v[0] < STALE_AFTER_S}
+        live = [s for _, s in self._latest.values()]
+        m, model = self.metrics, self.model
+        m.num_requests_running.labels(model=model).set(sum(s["num_running"] for s in live))
+        m.num_requests_waiting.labels(model=model).set(sum(s["num_waiting"] for s in live))
+        blocks = sum(s["num_blocks"] for s in live)
+        used = sum(s["num_used_blocks"] for s in live)
+        m.kv_cache_usage_ratio.labels(model=model).set(used / blocks if blocks else 0.0)
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self._latest)

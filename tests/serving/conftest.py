@@ -1,0 +1,84 @@
+"""A real Serve app on 127.0.0.1 per test module: Ray, the gRPC and HTTP proxies, real SmolLM2 replicas.
+
+A module sets `SERVE_CONFIG = {...}` (ServeConfig fields) to size its app; ports are free ones picked here, as
+other test runs may share the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("ray.serve")
+
+BASE_CONFIG = dict(replicas=1, cpus_per_rank=2, kv_cache_gb=0.25, max_num_seqs=16, max_queued_requests=16,
+                   stats_interval_s=0.25)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def serving(request):
+    """The running app's ServeConfig; the app and Ray stop when the module's tests are done."""
+    from cpuserve.serving.app import start_serving, stop_serving
+    from cpuserve.serving.config import ServeConfig
+
+    fields = {**BASE_CONFIG, **getattr(request.module, "SERVE_CONFIG", {})}
+    config = ServeConfig(**fields, grpc_port=free_port(), http_port=free_port(), metrics_port=free_port())
+    start_serving(config)
+    try:
+        deadline = time.monotonic() + 180
+        while True:  # serve.run(blocking=False) returns before the proxies route: wait for /health
+            try:
+                if httpx.get(f"http://127.0.0.1:{config.http_port}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the Serve app did not become healthy in 180 s"
+            time.sleep(0.5)
+        yield config
+    finally:
+        stop_serving()
+
+
+@pytest.fixture(scope="module")
+def http_url(serving) -> str:
+    return f"http://127.0.0.1:{serving.http_port}"
+
+
+@pytest.fixture(scope="module")
+def grpc_stub(serving):
+    import grpc
+
+    from cpuserve.v1 import inference_pb2_grpc
+
+    channel = grpc.insecure_channel(f"127.0.0.1:{serving.grpc_port}")
+    yield inference_pb2_grpc.InferenceStub(channel)
+    channel.close()
+
+
+@pytest.fixture(scope="module")
+def scrape(serving):
+    """A function returning the metrics endpoint as {'name{labels}': value}, labels as exposed (sorted)."""
+
+    def _scrape() -> dict[str, float]:
+        text = httpx.get(f"http://127.0.0.1:{serving.metrics_port}/metrics", timeout=5).text
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, value = line.rsplit(" ", 1)
+                out[key] = float(value)
+        return out
+
+    return _scrape
+
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
