@@ -55,6 +55,9 @@ def start_serving(config: ServeConfig, blocking_timeout_s: float = 600) -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if not config.access_log:
         os.environ.setdefault("RAY_SERVE_ENABLE_ACCESS_LOG", "0")
+    # Ray's gRPC proxy accepts 2 GiB messages by default: bound memory per request. A started cluster (Kubernetes)
+    # takes this from the pod's environment instead.
+    os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(2 * config.max_request_bytes))
     if not ray.is_initialized():
         if config.ray_address:
             ray.init(address=config.ray_address, log_to_driver=False)

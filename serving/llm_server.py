@@ -68,8 +68,10 @@ class LLMServer:
             yield {"error": e.to_dict()}
             return
         except ValueError as e:  # the engine names the field: empty prompt, too long, bad token id, ...
-            default = "messages" if "messages" in request else "prompt"
-            yield {"error": RequestError.from_value_error(e, default).to_dict()}
+            chat = "messages" in request
+            error = RequestError.from_value_error(e, "messages" if chat else "prompt",
+                                                  rename={"prompt": "messages"} if chat else None)
+            yield {"error": error.to_dict()}
             return
         except RuntimeError as e:  # EngineDeadError: this replica cannot serve; Serve's health check restarts it
             yield {"error": RequestError(str(e), None, UNAVAILABLE).to_dict()}

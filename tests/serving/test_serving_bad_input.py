@@ -1,0 +1,164 @@
+"""Bad input through the real stack: each case gets INVALID_ARGUMENT / NOT_FOUND or HTTP 400/404 (413 for an
+oversized body) with an error naming the field, and the server then still serves a valid request."""
+
+from __future__ import annotations
+
+import grpc
+import httpx
+import pytest
+
+from cpuserve.v1 import inference_pb2 as pb
+
+pytestmark = pytest.mark.slow
+
+# a short context so "prompt over the context" is cheap; a small body limit so "oversized" is too
+SERVE_CONFIG = dict(max_model_len=256, max_request_bytes=65536)
+LONG_TEXT = "word " * 400  # ~400 tokens > 256
+OK_COMPLETION = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
+
+HTTP_CASES = [  # (id, path, body: dict | raw bytes, status, param)
+    ("empty prompt", "completions", {"prompt": ""}, 400, "prompt"),
+    ("empty token ids", "completions", {"prompt": []}, 400, "prompt"),
+    ("token id out of range", "completions", {"prompt": [1, 10_000_000]}, 400, "prompt"),
+    ("prompt over the context", "completions", {"prompt": LONG_TEXT}, 400, "prompt"),
+    ("chat over the context", "chat/completions", {"messages": [{"role": "user", "content": LONG_TEXT}]}, 400,
+     "messages"),
+    ("unknown model", "completions", {"model": "gpt-9", "prompt": "hi"}, 404, "model"),
+    ("unknown model (chat)", "chat/completions", {"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]},
+     404, "model"),
+    ("temperature < 0", "completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("top_p = 0", "completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("top_p > 1", "completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("top_k < 0", "completions", {"prompt": "hi", "top_k": -1}, 400, "top_k"),
+    ("min_p > 1", "completions", {"prompt": "hi", "min_p": 2}, 400, "min_p"),
+    ("max_tokens = 0", "completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("presence_penalty > 2", "completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("repetition_penalty = 0", "completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("frequency_penalty", "completions", {"prompt": "hi", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ("logprobs > 20", "completions", {"prompt": "hi", "logprobs": 30}, 400, "logprobs"),
+    ("top_logprobs > 20", "chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                                               "top_logprobs": 30}, 400, "top_logprobs"),
+    ("n = 2", "completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("empty stop string", "completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ("negative stop token", "completions", {"prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ("malformed JSON", "completions", b'{"prompt": "hi",', 400, "body"),
+    ("JSON not an object", "completions", b'["hi"]', 400, "body"),
+    ("wrong type: temperature", "completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("wrong type: max_tokens", "completions", {"prompt": "hi", "max_tokens": 1.5}, 400, "max_tokens"),
+    ("wrong type: stream", "completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("wrong type: prompt", "completions", {"prompt": 5}, 400, "prompt"),
+    ("wrong type: messages", "chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("wrong type: content", "chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400,
+     "messages.0.content"),
+    ("unknown role", "chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages.0.role"),
+    ("missing prompt", "completions", {"max_tokens": 4}, 400, "prompt"),
+    ("missing messages", "chat/completions", {"max_tokens": 4}, 400, "messages"),
+    ("missing content", "chat/completions", {"messages": [{"role": "user"}]}, 400, "messages.0.content"),
+    ("empty messages", "chat/completions", {"messages": []}, 400, "messages"),
+    ("invalid UTF-8", "completions", b'{"prompt": "caf\xe9"}', 400, "body"),
+    ("oversized body", "completions", {"prompt": "x" * 70_000}, 413, "body"),
+]
+
+
+def _assert_still_serves(http_url: str) -> None:
+    r = httpx.post(f"{http_url}/v1/completions", json=OK_COMPLETION, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("path,body,status,param", [c[1:] for c in HTTP_CASES], ids=[c[0] for c in HTTP_CASES])
+def test_http_bad_input(http_url, path, body, status, param):
+    url = f"{http_url}/v1/{path}"
+    if isinstance(body, bytes):
+        r = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=60)
+    else:
+        r = httpx.post(url, json=body, timeout=60)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"]
+    _assert_still_serves(http_url)
+
+
+def test_http_stream_bad_input_is_an_error_status_not_a_stream(http_url):
+    r = httpx.post(f"{http_url}/v1/completions", json={"prompt": "", "stream": True}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_http_unknown_path_and_method(http_url):
+    r = httpx.get(f"{http_url}/v1/nothing", timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.get(f"{http_url}/v1/completions", timeout=10)
+    assert r.status_code == 405 and "error" in r.json()
+    _assert_still_serves(http_url)
+
+
+def _text(text: str, **sampling) -> pb.GenerateRequest:
+    return pb.GenerateRequest(text=text, sampling=pb.SamplingParameters(**sampling))
+
+
+GRPC_CASES = [  # (id, request: message | raw bytes, code, field named in the details)
+    ("empty prompt", _text(""), "INVALID_ARGUMENT", "prompt"),
+    ("no prompt", pb.GenerateRequest(), "INVALID_ARGUMENT", "prompt"),
+    ("empty token ids", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[])), "INVALID_ARGUMENT", "prompt"),
+    ("token id out of range", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[10_000_000])), "INVALID_ARGUMENT",
+     "prompt"),
+    ("prompt over the context", _text(LONG_TEXT), "INVALID_ARGUMENT", "prompt"),
+    ("unknown model", pb.GenerateRequest(model="gpt-9", text="hi"), "NOT_FOUND", "model"),
+    ("temperature < 0", _text("hi", temperature=-1), "INVALID_ARGUMENT", "temperature"),
+    ("top_p = 0", _text("hi", top_p=0), "INVALID_ARGUMENT", "top_p"),
+    ("top_p > 1", _text("hi", top_p=1.5), "INVALID_ARGUMENT", "top_p"),
+    ("min_p > 1", _text("hi", min_p=2), "INVALID_ARGUMENT", "min_p"),
+    ("max_tokens = 0", _text("hi", max_tokens=0), "INVALID_ARGUMENT", "max_tokens"),
+    ("presence_penalty < -2", _text("hi", presence_penalty=-3), "INVALID_ARGUMENT", "presence_penalty"),
+    ("repetition_penalty = 0", _text("hi", repetition_penalty=0), "INVALID_ARGUMENT", "repetition_penalty"),
+    ("logprobs > 20", _text("hi", logprobs=30), "INVALID_ARGUMENT", "logprobs"),
+    ("empty stop string", _text("hi", stop=[""]), "INVALID_ARGUMENT", "stop"),
+    ("no chat messages", pb.GenerateRequest(chat=pb.ChatMessages()), "INVALID_ARGUMENT", "chat.messages"),
+    ("unknown role", pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="robot", content="x")])),
+     "INVALID_ARGUMENT", "role"),
+    ("invalid UTF-8 in text", _text("abc").SerializeToString().replace(b"abc", b"a\xffc"), "INVALID_ARGUMENT", "text"),
+    ("invalid UTF-8 in chat content",
+     pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="abc")]))
+     .SerializeToString().replace(b"abc", b"a\xffc"), "INVALID_ARGUMENT", "chat.messages.content"),
+    ("invalid UTF-8 in stop", _text("hi", stop=["abc"]).SerializeToString().replace(b"abc", b"a\xffc"),
+     "INVALID_ARGUMENT", "sampling.stop"),
+    ("not a protobuf message", b"\xff\xff\xff\xff", "INVALID_ARGUMENT", "request"),
+    ("oversized prompt", _text("x" * 70_000), "INVALID_ARGUMENT", "text"),
+]
+
+
+@pytest.fixture(scope="module")
+def raw_rpcs(serving):
+    """Generate and Complete taking raw request bytes, to send what a protobuf library would refuse to build."""
+    channel = grpc.insecure_channel(f"127.0.0.1:{serving.grpc_port}")
+    yield (channel.unary_stream("/cpuserve.v1.Inference/Generate", request_serializer=None,
+                                response_deserializer=pb.GenerateResponse.FromString),
+           channel.unary_unary("/cpuserve.v1.Inference/Complete", request_serializer=None,
+                               response_deserializer=pb.CompleteResponse.FromString))
+    channel.close()
+
+
+@pytest.mark.parametrize("request_,code,field", [c[1:] for c in GRPC_CASES], ids=[c[0] for c in GRPC_CASES])
+def test_grpc_bad_input(grpc_stub, raw_rpcs, request_, code, field):
+    raw = request_ if isinstance(request_, bytes) else request_.SerializeToString()
+    generate, complete = raw_rpcs
+    for call in (lambda: list(generate(raw, timeout=60)), lambda: complete(raw, timeout=60)):
+        with pytest.raises(grpc.RpcError) as info:  # the streaming and the unary rpc validate alike
+            call()
+        assert info.value.code() == getattr(grpc.StatusCode, code), info.value.details()
+        assert field in info.value.details()
+    ok = grpc_stub.Complete(_text("Hello", max_tokens=2, temperature=0), timeout=60)
+    assert ok.usage.completion_tokens == 2
+
+
+def test_grpc_message_over_grpc_limit_then_serves(grpc_stub):
+    """grpc itself refuses a message over its 4 MiB receive limit, before the app; the server lives on."""
+    with pytest.raises(grpc.RpcError) as info:
+        list(grpc_stub.Generate(_text("x" * (5 << 20)), timeout=60))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert grpc_stub.Complete(_text("Hello", max_tokens=2, temperature=0), timeout=60).usage.completion_tokens == 2
+
+
+def test_grpc_tokenize_unknown_model(grpc_stub):
+    with pytest.raises(grpc.RpcError) as info:
+        grpc_stub.Tokenize(pb.TokenizeRequest(model="gpt-9", text="hi"))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND and "model" in info.value.details()
