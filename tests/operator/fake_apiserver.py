@@ -108,7 +108,14 @@ class FakeApiServer:
         self._bump(obj)
         self.objects[key] = obj
         self._emit(kind.plural, ns, "ADDED", obj)
+        owners = {o.get("uid") for o in meta.get("ownerReferences") or []}
+        if owners and not owners & {o["metadata"]["uid"] for o in self.objects.values()}:
+            self._loop.call_soon(self._collect, key)  # like the real GC: an orphan from birth goes soon
         return 201, obj
+
+    def _collect(self, key: tuple[str, str, str]) -> None:
+        if key in self.objects:
+            self._delete(key)
 
     def _update(self, kind: Kind, key: tuple[str, str, str], new: dict[str, Any], sub: str | None) -> dict[str, Any]:
         old = self.objects[key]
