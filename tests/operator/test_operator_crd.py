@@ -81,3 +81,21 @@ def test_crd_schema_is_structural():
 def test_chart_crd_is_the_generated_one():
     chart_crd = yaml.safe_load((ROOT / "charts/cpuserve/crds/llmservice.yaml").read_text())
     assert chart_crd == build_crd(), "regenerate: python -m cpuserve.operator crd > charts/cpuserve/crds/llmservice.yaml"
+
+
+def test_every_schema_node_has_a_type():
+    """Structural schema rule: each property, item and map value declares its type."""
+    missing = []
+
+    def walk(node, where):
+        if "type" not in node:
+            missing.append(where)
+        for name, sub in (node.get("properties") or {}).items():
+            walk(sub, f"{where}.{name}")
+        if isinstance(node.get("items"), dict):
+            walk(node["items"], f"{where}[]")
+        if isinstance(node.get("additionalProperties"), dict):
+            walk(node["additionalProperties"], f"{where}{{}}")
+
+    walk(build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"], "")
+    assert missing == []
