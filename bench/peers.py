@@ -1,0 +1,158 @@
+"""The peers bench/engine.py compares cpuserve with, measured the same way (see engine_workers.py).
+
+llama.cpp runs in its fastest CPU configuration (flash attention on) through llama-cpp-python's low-level API:
+the high-level `Llama` class runs one sequence, so several sequences are one llama_batch with one seq_id each,
+one llama_decode per step and a greedy argmax of each sequence's logits. Hugging Face transformers runs eager
+fp32, the reference implementation.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+
+import numpy as np
+
+from engine_workers import kv_tokens, log, make_prompts, repeat
+
+
+# -- llama.cpp ------------------------------------------------------------------------------------------
+class LlamaCpp:
+    """One llama.cpp model; a fresh context per measurement, sized for it."""
+
+    def __init__(self, path: str, threads: int):
+        import llama_cpp as L
+
+        self.L, self.threads = L, threads
+        self._quiet = L.llama_log_callback(lambda level, text, data: None)  # keep a reference: C holds it
+        L.llama_log_set(self._quiet, ctypes.c_void_p())
+        L.llama_backend_init()
+        self.model = L.llama_model_load_from_file(path.encode(), L.llama_model_default_params())
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {path}")
+        self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
+        self.ctx = None
+
+    def new_context(self, num_seqs: int, n_ctx: int, n_batch: int) -> None:
+        L = self.L
+        self.free_context()
+        p = L.llama_context_default_params()
+        p.n_ctx, p.n_seq_max = n_ctx, num_seqs  # each sequence gets n_ctx / n_seq_max cells
+        p.n_batch, p.n_ubatch = n_batch, min(n_batch, 512)
+        p.n_threads = p.n_threads_batch = self.threads
+        p.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        self.ctx = L.llama_init_from_model(self.model, p)
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not make a context of {p.n_ctx} tokens, {num_seqs} sequences")
+        self.batch = L.llama_batch_init(n_batch, 0, 1)
+
+    def free_context(self) -> None:
+        if self.ctx:
+            self.L.llama_batch_free(self.batch)
+            self.L.llama_free(self.ctx)
+            self.ctx = None
+
+    def decode(self, seqs: list[list[int]], start_pos: int) -> np.ndarray:
+        """Append each sequence's tokens at start_pos; returns the argmax of each one's last logits."""
+        b = self.batch
+        i = 0
+        for seq_id, tokens in enumerate(seqs):
+            for j, token in enumerate(tokens):
+                b.token[i], b.pos[i], b.n_seq_id[i] = token, start_pos + j, 1
+                b.seq_id[i][0] = seq_id
+                b.logits[i] = j == len(tokens) - 1  # logits only where a token is sampled
+                i += 1
+        b.n_tokens = i
+        rc = self.L.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+        logits = np.ctypeslib.as_array(self.L.llama_get_logits(self.ctx), shape=(len(seqs), self.n_vocab))
+        return logits.argmax(axis=1)
+
+    def prefill(self, prompt: list[int]) -> float:
+        self.L.llama_memory_clear(self.L.llama_get_memory(self.ctx), True)
+        start = time.perf_counter()
+        self.decode([prompt], 0)
+        return len(prompt) / (time.perf_counter() - start)
+
+    def decode_rate(self, prompts: list[list[int]], gen_tokens: int) -> float:
+        """Prefill every prompt in one batch, then time gen_tokens - 1 steps of one token per sequence."""
+        self.L.llama_memory_clear(self.L.llama_get_memory(self.ctx), True)
+        next_ids = self.decode(prompts, 0)
+        start = time.perf_counter()
+        for step in range(gen_tokens - 1):
+            next_ids = self.decode([[int(t)] for t in next_ids], len(prompts[0]) + step)
+        return len(prompts) * (gen_tokens - 1) / (time.perf_counter() - start)
+
+
+def measure_llama_cpp(cfg: dict) -> dict:
+    llama = LlamaCpp(cfg["model"], cfg["threads"])
+    n_ctx = kv_tokens(cfg)  # the same capacity as cpuserve's pool: room for the largest measurement
+    out: dict = {"decode": {}}
+    if cfg.get("prefill_len"):
+        log(f"llama.cpp: prefill {cfg['prefill_len']} tokens")
+        llama.new_context(1, n_ctx, cfg["prefill_len"])
+        out["prefill"] = repeat(lambda s: llama.prefill(make_prompts(1, cfg["prefill_len"], s)[0]), cfg["reps"], 1000)
+    for batch in cfg["batches"]:
+        log(f"llama.cpp: decode batch {batch}, {cfg['gen_tokens']} tokens each")
+        llama.new_context(batch, n_ctx, batch * cfg["prompt_len"])
+        out["decode"][str(batch)] = repeat(
+            lambda s: llama.decode_rate(make_prompts(batch, cfg["prompt_len"], s), cfg["gen_tokens"]),
+            cfg["reps"], 2000 + 100 * batch)
+    llama.free_context()
+    return out
+
+
+# -- Hugging Face transformers --------------------------------------------------------------------------
+class StepClock:
+    """A logits processor that only notes the time: it is called once per generated token, after the forward."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def hf_decode_rate(model, prompts: list[list[int]], gen_tokens: int) -> float:
+    import torch
+    from transformers import LogitsProcessorList
+
+    ids = torch.tensor(prompts)  # same-length prompts: the padded batch needs no padding, mask is all ones
+    clock = StepClock()
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=gen_tokens, min_new_tokens=gen_tokens,
+                   do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([clock]))
+    # call 1 follows the prefill; calls 2..N follow the N - 1 decode forwards we time
+    return len(prompts) * (len(clock.times) - 1) / (clock.times[-1] - clock.times[0])
+
+
+def hf_prefill(model, prompt: list[int]) -> float:
+    import torch
+
+    start = time.perf_counter()
+    model(torch.tensor([prompt]), logits_to_keep=1)  # as generate's prefill: logits of the last token only
+    return len(prompt) / (time.perf_counter() - start)
+
+
+def measure_hf(cfg: dict) -> dict:
+    import torch
+    import transformers
+
+    torch.set_num_threads(cfg["threads"])
+    transformers.utils.logging.disable_progress_bar()
+    folder, file = os.path.split(os.path.abspath(cfg["model"]))
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    out: dict = {"decode": {}}
+    with torch.inference_mode():
+        if cfg.get("prefill_len"):
+            log(f"transformers: prefill {cfg['prefill_len']} tokens")
+            out["prefill"] = repeat(lambda s: hf_prefill(model, make_prompts(1, cfg["prefill_len"], s)[0]),
+                                    cfg["reps"], 1000)
+        for batch in cfg["batches"]:
+            log(f"transformers: decode batch {batch}, {cfg['gen_tokens']} tokens each")
+            out["decode"][str(batch)] = repeat(
+                lambda s: hf_decode_rate(model, make_prompts(batch, cfg["prompt_len"], s), cfg["gen_tokens"]),
+                cfg["reps"], 2000 + 100 * batch)
+    return out

@@ -1,0 +1,83 @@
+"""Smoke test of bench/engine.py: its measuring code runs and its table has every row, with sane numbers.
+
+A few tokens on SmolLM2, each engine in its own process as in the real benchmark; not a measurement.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow  # loads the real model (in a child process)
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
+# tiny sizes: every code path (prefill, decode at 1/8/32, attention, KV bytes), in seconds
+SIZES = dict(reps=1, prefill_len=32, prompt_len=8, gen_tokens=3, attn_lens=[128], threads=2, batches=[1, 8, 32])
+CPUSERVE_ROWS = ["prefill vs llama.cpp", "decode b1 vs llama.cpp", "decode b8 vs llama.cpp",
+                 "decode b32 vs llama.cpp", "peak RSS vs llama.cpp", "prefill vs HF fp32", "decode b1 vs HF fp32",
+                 "decode b8 vs HF fp32", "peak RSS vs HF fp32", "SlimAttention vs SDPA L=128",
+                 "kv bytes/token int8 vs bf16"]
+
+
+def load_bench():
+    # by file path: "engine" as a module name would collide with the repo's engine/ folder
+    spec = importlib.util.spec_from_file_location("cpuserve_bench_engine", os.path.join(BENCH, "engine.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # puts bench/ on sys.path for engine_workers and peers
+    return module
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_bench()
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    from cpuserve.engine.loader import default_model_path
+
+    return default_model_path()
+
+
+def test_cpuserve_side_fills_every_row(bench, model_path):
+    raw = bench.collect(SIZES, model_path, skip_hf=True, skip_1b=True, skip_llama_cpp=True)
+    for name in ("cpuserve", "attention", "kv_bytes"):
+        assert "error" not in raw[name], raw[name]
+    rows = {r["measure"]: r for r in bench.build_rows(raw)}
+    assert list(rows) == CPUSERVE_ROWS
+    for row in rows.values():
+        assert isinstance(row["cpuserve"], float | int) and row["cpuserve"] > 0, row
+    assert rows["decode b1 vs llama.cpp"]["peer"] == "n/a (skipped)"  # a skipped peer says so, no ratio
+    assert rows["decode b1 vs llama.cpp"]["ratio"] is None
+    assert 0.4 < rows["kv bytes/token int8 vs bf16"]["ratio"] < 0.6  # ~(64 + 4) / 128 for head_dim 64
+    assert rows["kv bytes/token int8 vs bf16"]["met"] == "met"
+    assert rows["SlimAttention vs SDPA L=128"]["ratio"] > 0
+    assert 50 < raw["cpuserve"]["peak_rss_mb"] < 8000
+    table = bench.format_table(list(rows.values()), {})
+    assert all(name in table for name in CPUSERVE_ROWS)
+
+
+def test_llama_cpp_side_measures(bench, model_path):
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        pytest.skip("llama-cpp-python is not installed: it is the optional `bench` extra (compiles llama.cpp, "
+                    "~10 min), not installed in CI")
+    answer = bench.run_worker("llama_cpp", dict(SIZES, model=model_path))
+    assert "error" not in answer, answer
+    assert answer["prefill"]["median"] > 0
+    assert sorted(answer["decode"], key=int) == ["1", "8", "32"]
+    assert all(d["median"] > 0 and len(d["runs"]) == 1 for d in answer["decode"].values())
+    assert answer["peak_rss_mb"] > 50
+
+
+def test_a_failing_peer_is_reported_not_hidden(bench, model_path):
+    answer = bench.run_worker("llama_cpp", dict(SIZES, model=os.path.join(BENCH, "no-such.gguf")))
+    if answer.get("error", "").startswith("not installed"):
+        pytest.skip("llama-cpp-python is not installed: it is the optional `bench` extra, not installed in CI")
+    assert "could not load" in answer["error"]
+    rows = bench.build_rows({"sizes": SIZES, "cpuserve": {"decode": {}}, "attention": {}, "kv_bytes": {},
+                                    "llama_cpp": answer, "hf": {"error": "skipped"}})
+    assert "could not load" in rows[0]["peer"] and rows[0]["ratio"] is None
