@@ -1,0 +1,1 @@
+"""Replica groups: k ranks serve one model with its weights split k ways (tensor parallel)."""

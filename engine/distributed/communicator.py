@@ -1,0 +1,130 @@
+"""One communicator interface, two transports: shared memory on one host, torch.distributed across hosts.
+
+Rendezvous is by environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), so the same code runs as
+processes spawned by the engine, as Ray actors on one node and as separate pods.
+
+Every rank must call the same collectives in the same order (SPMD); the shapes and dtypes must agree.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+TRANSPORTS = ("shm", "torch")
+
+
+class RankFailedError(RuntimeError):
+    """A peer rank died or stopped answering: the group is broken and must be rebuilt."""
+
+
+@dataclass(slots=True)
+class CommStats:
+    num_ops: int = 0
+    num_bytes: int = 0  # bytes of the tensors this rank passed to collectives
+    seconds: float = 0.0  # wall time inside collectives, waiting for slower peers included
+
+    def reset(self) -> None:
+        self.num_ops, self.num_bytes, self.seconds = 0, 0, 0.0
+
+
+class Communicator(ABC):
+    rank: int
+    world_size: int
+
+    def __init__(self, rank: int, world_size: int):
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"RANK={rank} must be in [0, WORLD_SIZE={world_size})")
+        self.rank, self.world_size = rank, world_size
+        self.stats = CommStats()
+
+    @abstractmethod
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum x over all ranks, in place (every rank gets the same bits); returns x."""
+
+    @abstractmethod
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Copy src's x into every rank's x (same shape and dtype everywhere), in place; returns x."""
+
+    @abstractmethod
+    def gather(self, x: torch.Tensor, dst: int = 0) -> torch.Tensor | None:
+        """[world_size, *x.shape] stacked in rank order on dst; None elsewhere."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the transport; the communicator is unusable afterwards."""
+
+    def broadcast_ints(self, values: torch.Tensor | None, src: int = 0) -> torch.Tensor:
+        """A variable-length int64 vector from src (which passes it; the others pass None)."""
+        n = torch.tensor([0 if values is None else values.numel()], dtype=torch.int64)
+        self.broadcast(n, src)
+        out = values if self.rank == src else torch.empty(int(n), dtype=torch.int64)
+        return self.broadcast(out, src)
+
+
+def env_rendezvous() -> tuple[int, int, str, int]:
+    """(rank, world_size, master_addr, master_port) from the environment; ValueError naming what is missing."""
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise ValueError(f"rendezvous needs environment variables {missing}: set RANK, WORLD_SIZE, MASTER_ADDR "
+                         f"and MASTER_PORT on every rank")
+    return (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]))
+
+
+def is_local_address(addr: str) -> bool:
+    """True when MASTER_ADDR is this host: then every rank that reaches it through shared memory is local too."""
+    try:
+        ip = ipaddress.ip_address(socket.gethostbyname(addr))
+    except (OSError, ValueError):
+        return False
+    if ip.is_loopback:
+        return True
+    try:
+        return str(ip) in socket.gethostbyname_ex(socket.gethostname())[2]
+    except OSError:
+        return False
+
+
+def make_communicator(transport: str | None = None, timeout: float = 120.0) -> Communicator:
+    """Join the group described by the environment.
+
+    Args:
+        transport: "shm" (all ranks on this host), "torch" (torch.distributed: ccl if importable, else gloo), or
+            None: CPUSERVE_COMM if set, else shm when MASTER_ADDR is this host, else torch.
+        timeout: seconds a collective may wait for a live peer before the group counts as broken.
+    """
+    rank, world, addr, port = env_rendezvous()
+    transport = transport or os.environ.get("CPUSERVE_COMM") or ("shm" if is_local_address(addr) else "torch")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport={transport!r} is not supported; use one of {TRANSPORTS}")
+    if transport == "shm":
+        from cpuserve.engine.distributed.shm import ShmCommunicator
+
+        return ShmCommunicator(rank, world, group_name=f"{addr}-{port}", timeout=timeout)
+    from cpuserve.engine.distributed.torch_dist import TorchDistCommunicator
+
+    return TorchDistCommunicator(rank, world, timeout=timeout)
+
+
+def timed(method):
+    """Count a collective's wall time and bytes into self.stats (cheap: two clock reads)."""
+
+    def wrapper(self, x, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(self, x, *args, **kwargs)
+        finally:
+            self.stats.num_ops += 1
+            self.stats.num_bytes += 0 if x is None else x.numel() * x.element_size()
+            self.stats.seconds += time.perf_counter() - start
+
+    wrapper.__name__ = method.__name__
+    wrapper.__doc__ = method.__doc__
+    return wrapper
