@@ -1,0 +1,64 @@
+"""`cpuserve serve` flags and YAML -> ServeConfig, without Ray: the flags the operator passes, precedence, errors."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from cpuserve.engine.cli import build_parser
+from cpuserve.serving.cli import config_from_args
+from cpuserve.serving.config import ServeConfig, load_config
+
+
+def parse(*argv: str) -> ServeConfig:
+    return config_from_args(build_parser().parse_args(["serve", *argv]))
+
+
+def test_defaults_serve_the_default_model_on_loopback():
+    c = parse()
+    assert (c.model, c.host, c.grpc_port, c.http_port, c.metrics_port) == (None, "127.0.0.1", 9000, 8000, 8080)
+    assert c.model_name == "SmolLM2-135M-Instruct" and c.ray_address is None and c.replicas == 1
+
+
+def test_operator_flags_parse(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("k1\n\nk2\n")
+    c = parse("--weights", "int8", "--group-size", "128", "--kv-cache", "bf16", "--kv-cache-gb", "2.5",
+              "--replicas", "3", "--ranks-per-replica", "1", "--cpus-per-rank", "4", "--max-num-seqs", "32",
+              "--max-num-batched-tokens", "1024", "--max-queued-requests", "10", "--host", "0.0.0.0",
+              "--grpc-port", "9100", "--http-port", "8100", "--metrics-port", "8190", "--ray-address", "auto",
+              "--socket-resource", "cpuserve_socket", "--api-key-file", str(keys))
+    assert (c.weights, c.group_size, c.kv_cache, c.kv_cache_gb) == ("int8", 128, "bf16", 2.5)
+    assert (c.replicas, c.cpus_per_replica, c.max_num_seqs, c.max_queued_requests) == (3, 4, 32, 10)
+    assert (c.ray_address, c.socket_resource, c.api_keys()) == ("auto", "cpuserve_socket", frozenset({"k1", "k2"}))
+    options = c.engine_options()
+    assert options["num_threads"] == 4 and options["max_num_batched_tokens"] == 1024
+
+
+def test_yaml_with_flags_on_top(tmp_path):
+    f = tmp_path / "serve.yaml"
+    f.write_text("replicas: 2\ncpusPerRank: 1\nmaxQueuedRequests: 5\nkv_cache: fp32\n")
+    c = parse("--config", str(f), "--replicas", "4")
+    assert (c.replicas, c.cpus_per_rank, c.max_queued_requests, c.kv_cache) == (4, 1, 5, "fp32")
+    assert ServeConfig(**c.model_dump()) == c  # what build_app receives round-trips
+
+
+@pytest.mark.parametrize("fields,named", [
+    ({"ranks_per_replica": 2}, "ranks_per_replica"),
+    ({"tls_cert_file": __file__}, "tls_key_file"),
+    ({"model": "/nonexistent/model.gguf"}, "model"),
+    ({"replicas": 0}, "replicas"),
+    ({"grpc_port": 8000}, "ports must differ"),
+    ({"unknown_field": 1}, "unknown_field"),
+])
+def test_bad_config_names_the_field(fields, named):
+    with pytest.raises(ValidationError) as info:
+        ServeConfig(**fields)
+    assert named in str(info.value)
+
+
+def test_yaml_must_be_a_mapping(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("- replicas\n")
+    with pytest.raises(ValueError, match="YAML mapping"):
+        load_config(str(f))
