@@ -5,7 +5,7 @@
 
 Every engine runs the same GGUF with the same threads, each in its own process (its peak RSS is its own);
 cpuserve with its defaults (int4 weights, int8 KV cache). Numbers are medians of --reps repetitions after a
-warm-up. The machine is shared and noisy, so only ratios taken in one run mean much: ratio = cpuserve / peer,
+warm-up, repetitions interleaved across engines (same prompts for each). The machine is shared and noisy, so only ratios taken in one run mean much: ratio = cpuserve / peer,
 higher is better for speed, lower for memory. A peer that fails shows why in its row.
 """
 from __future__ import annotations
@@ -13,10 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # engine_workers, peers, attention
-from engine_workers import log, run_worker  # noqa: E402
+from engine_workers import Worker, log, run_worker  # noqa: E402
 
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "cpuserve-bench")  # the 1B GGUF: ~0.6 GB, kept
 # (measure, minimum or maximum ratio): the issue's targets
@@ -53,25 +54,65 @@ def synthetic_1b() -> str:
     return path
 
 
+def compare(engines: dict[str, tuple[str, dict]], measures: list[tuple], reps: int) -> dict[str, dict]:
+    """Measure several engines, each in its own live process, interleaving their repetitions.
+
+    Args:
+        engines: {result name: (engine, config)}; engine is a session of engine_workers.SESSIONS.
+        measures: (op, args, result names taking part), e.g. ("decode", (8,), ["cpuserve", "hf"]).
+        reps: repetitions per measure after one warm-up each; repetition i gives every engine the same prompts.
+    Returns:
+        {name: {"prefill": {"median", "runs"}, "decode": {"8": {...}}, "peak_rss_mb": ...}} or {"error": why}.
+    """
+    workers = {}
+    for name, (engine, cfg) in engines.items():
+        log(f"loading {name}")
+        workers[name] = Worker(engine, cfg)
+    results = {name: {"decode": {}} for name in engines}
+    for op, args, names in measures:
+        live = [n for n in names if n in workers and not workers[n].error]
+        log(f"{op} {' '.join(map(str, args))}: {', '.join(live)} interleaved, {reps} reps")
+        seed = 1000 * (1 + (args[0] if args else 0))  # distinct prompts per measure
+        for n in live:
+            workers[n].call(op, *args, seed - 1)  # warm-up
+        runs = {n: [] for n in live}
+        for i in range(reps):
+            for n in live:  # round-robin: a drift in machine load hits every engine alike
+                runs[n].append(workers[n].call(op, *args, seed + i))
+        for n in live:
+            if None not in runs[n]:
+                entry = {"median": statistics.median(runs[n]), "runs": runs[n]}
+                if op == "prefill":
+                    results[n]["prefill"] = entry
+                else:
+                    results[n]["decode"][str(args[0])] = entry
+    for name, worker in workers.items():
+        results[name]["peak_rss_mb"] = worker.close()
+        if worker.error:
+            results[name]["error"] = worker.error
+    return results
+
+
 def collect(cfg: dict, model: str, skip_hf: bool, skip_1b: bool, skip_llama_cpp: bool = False,
             save=lambda raw: None) -> dict:
-    """Every measurement, each in its own process: {name: worker answer}; save(raw) after each one."""
+    """Every measurement: {name: answer}; save(raw) after each group so a late failure keeps the rest."""
     base = dict(cfg, model=model)
-    skipped = {"error": "skipped"}
-    big = dict(cfg, prefill_len=0)  # the 1B: decode only
-    plan = [("cpuserve", "cpuserve", base, True), ("kv_bytes", "kv_bytes", base, True),
-            ("attention", "attention", base, True), ("llama_cpp", "llama_cpp", base, not skip_llama_cpp),
-            ("hf", "hf", dict(base, batches=[b for b in cfg["batches"] if b <= 8]), not skip_hf),
-            ("cpuserve_1b", "cpuserve", big, not skip_1b), ("llama_cpp_1b", "llama_cpp", big,
-                                                             not (skip_1b or skip_llama_cpp))]
-    raw = {"sizes": base}
-    for name, task, task_cfg, wanted in plan:
-        if name.endswith("_1b") and skip_1b:
-            continue
-        if name.endswith("_1b"):
-            task_cfg = dict(task_cfg, model=synthetic_1b())
-        raw[name] = run_worker(task, task_cfg) if wanted else skipped
-        save(raw)  # a long run interrupted late still leaves its numbers
+    raw = {"sizes": base, "kv_bytes": run_worker("kv_bytes", base), "attention": run_worker("attention", base)}
+    save(raw)
+    peers = [n for n, skip in (("llama_cpp", skip_llama_cpp), ("hf", skip_hf)) if not skip]
+    engines = {n: (n, base) for n in ["cpuserve", *peers]}
+    measures = [("prefill", (), list(engines))]
+    # padded batch generate in HF is slow: batch 1 and 8 only
+    measures += [("decode", (b,), [n for n in engines if n != "hf" or b <= 8]) for b in cfg["batches"]]
+    raw.update(compare(engines, measures, cfg["reps"]))
+    save(raw)
+    if not skip_1b:
+        big = dict(cfg, model=synthetic_1b(), prefill_len=0)  # decode only; written (once) before measuring
+        engines = {n + "_1b": (n, big) for n in ["cpuserve", *peers] if n != "hf"}
+        raw.update(compare(engines, [("decode", (b,), list(engines)) for b in cfg["batches"]], cfg["reps"]))
+        save(raw)
+    for name in ("llama_cpp", "hf") + (() if skip_1b else ("llama_cpp_1b",)):
+        raw.setdefault(name, {"error": "skipped"})
     return raw
 
 

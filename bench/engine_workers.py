@@ -1,17 +1,18 @@
 """The measuring side of bench/engine.py: each engine runs in its own process so peak RSS is its own.
 
-    python bench/engine_workers.py TASK < config.json     # prints one JSON line: the measured numbers
+    python bench/engine_workers.py TASK < config.json     # one-shot TASK (ONE_SHOT): one JSON line back
+    python bench/engine_workers.py --serve ENGINE         # a session (SESSIONS): one JSON request per line
 
-TASK is one of TASKS. The config is a dict of sizes (see engine.py `sizes`); the answer carries the medians,
-every repetition, and the process's peak RSS (ru_maxrss). Decode speed everywhere is tokens produced after
-every sequence has its first token, over the time they took: prefill is measured apart, never mixed in.
+Sessions keep a loaded engine alive so bench/engine.py can interleave repetitions across engines: the machine
+is shared, and a load that drifts over minutes then hits every engine alike instead of whichever ran last.
+Decode speed everywhere is tokens produced after every sequence has its first token, over the time they took:
+prefill is measured apart, never mixed in.
 """
 from __future__ import annotations
 
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import time
@@ -31,13 +32,6 @@ def make_prompts(num_seqs: int, length: int, seed: int) -> list[list[int]]:
     """Random token ids, different for every repetition: a repeated prompt would hit cpuserve's prefix cache."""
     rng = np.random.default_rng(seed)
     return rng.integers(FIRST_ID, LAST_ID, size=(num_seqs, length)).tolist()
-
-
-def repeat(fn, reps: int, seed0: int) -> dict:
-    """One warm-up call, then `reps` calls with fresh prompts: {"median": ..., "runs": [...]}."""
-    fn(seed0 - 1)
-    runs = [fn(seed0 + i) for i in range(reps)]
-    return {"median": statistics.median(runs), "runs": runs}
 
 
 def peak_rss_mb() -> float:
@@ -99,19 +93,17 @@ def load_cpuserve(cfg: dict):
     return LLM(model=cfg["model"], num_threads=cfg["threads"], kv_cache_gb=kv_gb, show_progress=False)
 
 
-def measure_cpuserve(cfg: dict) -> dict:
-    llm = load_cpuserve(cfg)
-    out: dict = {"decode": {}}
-    if cfg.get("prefill_len"):
-        log(f"cpuserve: prefill {cfg['prefill_len']} tokens")
-        out["prefill"] = repeat(lambda s: cpuserve_prefill(llm, make_prompts(1, cfg["prefill_len"], s)[0]),
-                                cfg["reps"], 1000)
-    for batch in cfg["batches"]:
-        log(f"cpuserve: decode batch {batch}, {cfg['gen_tokens']} tokens each")
-        out["decode"][str(batch)] = repeat(
-            lambda s: cpuserve_decode(llm, make_prompts(batch, cfg["prompt_len"], s), cfg["gen_tokens"]),
-            cfg["reps"], 2000 + 100 * batch)
-    return out
+class CpuserveSession:
+    """One loaded cpuserve engine; prefill() and decode() each return one measurement in tokens/s."""
+
+    def __init__(self, cfg: dict):
+        self.cfg, self.llm = cfg, load_cpuserve(cfg)
+
+    def prefill(self, seed: int) -> float:
+        return cpuserve_prefill(self.llm, make_prompts(1, self.cfg["prefill_len"], seed)[0])
+
+    def decode(self, batch: int, seed: int) -> float:
+        return cpuserve_decode(self.llm, make_prompts(batch, self.cfg["prompt_len"], seed), self.cfg["gen_tokens"])
 
 
 def profile_cpuserve(cfg: dict) -> dict:
@@ -157,18 +149,21 @@ def _peer(name: str):
     return getattr(peers, name)
 
 
-TASKS = {
-    "cpuserve": measure_cpuserve,
-    "profile": profile_cpuserve,
-    "attention": measure_attention,
-    "kv_bytes": measure_kv_bytes,
-    "llama_cpp": lambda cfg: _peer("measure_llama_cpp")(cfg),
-    "hf": lambda cfg: _peer("measure_hf")(cfg),
-}
+ONE_SHOT = {"profile": profile_cpuserve, "attention": measure_attention, "kv_bytes": measure_kv_bytes}
+SESSIONS = {"cpuserve": CpuserveSession,
+            "llama_cpp": lambda cfg: _peer("LlamaCppSession")(cfg),
+            "hf": lambda cfg: _peer("HFSession")(cfg)}
+
+
+def _error(e: BaseException) -> str:
+    if isinstance(e, ImportError):  # an optional peer (llama_cpp, transformers) that is not installed
+        return f"not installed: {e}"
+    traceback.print_exc()
+    return f"{type(e).__name__}: {str(e)[:200]}"
 
 
 def run_worker(task: str, cfg: dict, timeout: float | None = None) -> dict:
-    """Run TASK in a fresh Python process; returns its numbers, or {"error": why} if it failed.
+    """Run a one-shot TASK in a fresh Python process; returns its numbers, or {"error": why} if it failed.
 
     The child's stderr (progress, tracebacks) goes straight to ours; its answer is the last JSON line of stdout.
     """
@@ -183,15 +178,75 @@ def run_worker(task: str, cfg: dict, timeout: float | None = None) -> dict:
     return json.loads(answers[-1])
 
 
+class Worker:
+    """The parent's handle on a session process: call(op, *args) -> float, close() -> peak RSS in MB.
+
+    After a failure `error` says why and the worker answers nothing more.
+    """
+
+    def __init__(self, engine: str, cfg: dict):
+        self.engine, self.error = engine, None
+        self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "engine_workers.py"), "--serve", engine],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._send(cfg)
+
+    def _send(self, message: dict) -> dict:
+        try:
+            self.proc.stdin.write(json.dumps(message) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except (BrokenPipeError, OSError):
+            line = ""
+        if not line:  # killed (out of memory?) or crashed in native code
+            answer = {"error": f"{self.engine} process died (exit code {self.proc.poll()})"}
+        else:
+            answer = json.loads(line)
+        self.error = self.error or answer.get("error")
+        return answer
+
+    def call(self, op: str, *args) -> float | None:
+        return None if self.error else self._send({"op": op, "args": list(args)}).get("value")
+
+    def close(self) -> float | None:
+        answer = {} if self.proc.poll() is not None else self._send({"op": "done"})
+        self.proc.wait()
+        return answer.get("peak_rss_mb")
+
+
+def serve(engine: str) -> None:
+    reply = os.fdopen(os.dup(1), "w")  # answers only: anything a library prints goes to stderr instead
+    os.dup2(2, 1)
+
+    def send(message: dict) -> None:
+        reply.write(json.dumps(message) + "\n")
+        reply.flush()
+
+    cfg = json.loads(sys.stdin.readline())
+    try:
+        session = SESSIONS[engine](cfg)
+        send({"ready": True})
+    except Exception as e:
+        send({"error": _error(e)})
+        session = None
+    for line in sys.stdin:
+        request = json.loads(line)
+        if request["op"] == "done":
+            break
+        try:
+            send({"value": getattr(session, request["op"])(*request["args"])})
+        except Exception as e:
+            send({"error": _error(e)})
+    send({"peak_rss_mb": peak_rss_mb()})
+
+
 def main() -> None:
+    if sys.argv[1] == "--serve":
+        return serve(sys.argv[2])
     task, cfg = sys.argv[1], json.loads(sys.stdin.read())
     try:
-        result = TASKS[task](cfg)
-    except ImportError as e:  # an optional peer (llama_cpp, transformers) that is not installed
-        result = {"error": f"not installed: {e}"}
+        result = ONE_SHOT[task](cfg)
     except Exception as e:  # reported in the table, never hidden
-        traceback.print_exc()
-        result = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        result = {"error": _error(e)}
     result["peak_rss_mb"] = peak_rss_mb()
     print(json.dumps(result), flush=True)
 

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from engine_workers import kv_tokens, log, make_prompts, repeat
+from engine_workers import kv_tokens, make_prompts
 
 
 # -- llama.cpp ------------------------------------------------------------------------------------------
@@ -85,22 +85,26 @@ class LlamaCpp:
         return len(prompts) * (gen_tokens - 1) / (time.perf_counter() - start)
 
 
-def measure_llama_cpp(cfg: dict) -> dict:
-    llama = LlamaCpp(cfg["model"], cfg["threads"])
-    n_ctx = kv_tokens(cfg)  # the same capacity as cpuserve's pool: room for the largest measurement
-    out: dict = {"decode": {}}
-    if cfg.get("prefill_len"):
-        log(f"llama.cpp: prefill {cfg['prefill_len']} tokens")
-        llama.new_context(1, n_ctx, cfg["prefill_len"])
-        out["prefill"] = repeat(lambda s: llama.prefill(make_prompts(1, cfg["prefill_len"], s)[0]), cfg["reps"], 1000)
-    for batch in cfg["batches"]:
-        log(f"llama.cpp: decode batch {batch}, {cfg['gen_tokens']} tokens each")
-        llama.new_context(batch, n_ctx, batch * cfg["prompt_len"])
-        out["decode"][str(batch)] = repeat(
-            lambda s: llama.decode_rate(make_prompts(batch, cfg["prompt_len"], s), cfg["gen_tokens"]),
-            cfg["reps"], 2000 + 100 * batch)
-    llama.free_context()
-    return out
+class LlamaCppSession:
+    """The session bench/engine.py drives (see engine_workers.serve): one measurement per call."""
+
+    def __init__(self, cfg: dict):
+        self.cfg, self.llama = cfg, LlamaCpp(cfg["model"], cfg["threads"])
+        self.n_ctx = kv_tokens(cfg)  # the same capacity as cpuserve's pool: room for the largest measurement
+        self.shape = None  # (sequences, n_batch) of the current context
+
+    def _context(self, num_seqs: int, n_batch: int) -> None:
+        if self.shape != (num_seqs, n_batch):  # a new context only when the measure changes, not per repetition
+            self.llama.new_context(num_seqs, self.n_ctx, n_batch)
+            self.shape = (num_seqs, n_batch)
+
+    def prefill(self, seed: int) -> float:
+        self._context(1, self.cfg["prefill_len"])
+        return self.llama.prefill(make_prompts(1, self.cfg["prefill_len"], seed)[0])
+
+    def decode(self, batch: int, seed: int) -> float:
+        self._context(batch, batch * self.cfg["prompt_len"])
+        return self.llama.decode_rate(make_prompts(batch, self.cfg["prompt_len"], seed), self.cfg["gen_tokens"])
 
 
 # -- Hugging Face transformers --------------------------------------------------------------------------
@@ -135,24 +139,25 @@ def hf_prefill(model, prompt: list[int]) -> float:
     return len(prompt) / (time.perf_counter() - start)
 
 
-def measure_hf(cfg: dict) -> dict:
-    import torch
-    import transformers
+class HFSession:
+    def __init__(self, cfg: dict):
+        import torch
+        import transformers
 
-    torch.set_num_threads(cfg["threads"])
-    transformers.utils.logging.disable_progress_bar()
-    folder, file = os.path.split(os.path.abspath(cfg["model"]))
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
-    out: dict = {"decode": {}}
-    with torch.inference_mode():
-        if cfg.get("prefill_len"):
-            log(f"transformers: prefill {cfg['prefill_len']} tokens")
-            out["prefill"] = repeat(lambda s: hf_prefill(model, make_prompts(1, cfg["prefill_len"], s)[0]),
-                                    cfg["reps"], 1000)
-        for batch in cfg["batches"]:
-            log(f"transformers: decode batch {batch}, {cfg['gen_tokens']} tokens each")
-            out["decode"][str(batch)] = repeat(
-                lambda s: hf_decode_rate(model, make_prompts(batch, cfg["prompt_len"], s), cfg["gen_tokens"]),
-                cfg["reps"], 2000 + 100 * batch)
-    return out
+        torch.set_num_threads(cfg["threads"])
+        transformers.utils.logging.disable_progress_bar()
+        folder, file = os.path.split(os.path.abspath(cfg["model"]))
+        self.cfg, self.model = cfg, transformers.AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=file, dtype=torch.float32, attn_implementation="eager").eval()
+
+    def prefill(self, seed: int) -> float:
+        import torch
+
+        with torch.inference_mode():
+            return hf_prefill(self.model, make_prompts(1, self.cfg["prefill_len"], seed)[0])
+
+    def decode(self, batch: int, seed: int) -> float:
+        import torch
+
+        with torch.inference_mode():
+            return hf_decode_rate(self.model, make_prompts(batch, self.cfg["prompt_len"], seed), self.cfg["gen_tokens"])

@@ -59,13 +59,22 @@ def test_cpuserve_side_fills_every_row(bench, model_path):
     assert all(name in table for name in CPUSERVE_ROWS)
 
 
-def test_llama_cpp_side_measures(bench, model_path):
+def _require_llama_cpp() -> None:
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
         pytest.skip("llama-cpp-python is not installed: it is the optional `bench` extra (compiles llama.cpp, "
                     "~10 min), not installed in CI")
-    answer = bench.run_worker("llama_cpp", dict(SIZES, model=model_path))
+
+
+def llama_measures(name: str) -> list[tuple]:
+    return [("prefill", (), [name])] + [("decode", (b,), [name]) for b in SIZES["batches"]]
+
+
+def test_llama_cpp_side_measures(bench, model_path):
+    _require_llama_cpp()
+    answer = bench.compare({"llama_cpp": ("llama_cpp", dict(SIZES, model=model_path))}, llama_measures("llama_cpp"),
+                           reps=1)["llama_cpp"]
     assert "error" not in answer, answer
     assert answer["prefill"]["median"] > 0
     assert sorted(answer["decode"], key=int) == ["1", "8", "32"]
@@ -73,11 +82,11 @@ def test_llama_cpp_side_measures(bench, model_path):
     assert answer["peak_rss_mb"] > 50
 
 
-def test_a_failing_peer_is_reported_not_hidden(bench, model_path):
-    answer = bench.run_worker("llama_cpp", dict(SIZES, model=os.path.join(BENCH, "no-such.gguf")))
-    if answer.get("error", "").startswith("not installed"):
-        pytest.skip("llama-cpp-python is not installed: it is the optional `bench` extra, not installed in CI")
+def test_a_failing_peer_is_reported_not_hidden(bench):
+    _require_llama_cpp()
+    bad = dict(SIZES, model=os.path.join(BENCH, "no-such.gguf"))
+    answer = bench.compare({"llama_cpp": ("llama_cpp", bad)}, llama_measures("llama_cpp"), reps=1)["llama_cpp"]
     assert "could not load" in answer["error"]
     rows = bench.build_rows({"sizes": SIZES, "cpuserve": {"decode": {}}, "attention": {}, "kv_bytes": {},
-                                    "llama_cpp": answer, "hf": {"error": "skipped"}})
+                             "llama_cpp": answer, "hf": {"error": "skipped"}})
     assert "could not load" in rows[0]["peer"] and rows[0]["ratio"] is None
