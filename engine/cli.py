@@ -37,9 +37,17 @@ def _generate(args: argparse.Namespace) -> int:
     from cpuserve.engine.llm import LLM
     from cpuserve.engine.sampling_params import SamplingParams
 
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM(**engine_kwargs(args), ranks=args.ranks)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
+    try:
+        _print_generations(llm, args, params)
+    finally:
+        llm.engine.close()  # a replica group's worker processes stop with it
+    return 0
+
+
+def _print_generations(llm, args: argparse.Namespace, params) -> None:
     for prompt in args.prompt:
         if args.raw:
             ids = llm.tokenizer.encode(prompt)
@@ -49,7 +57,6 @@ def _generate(args: argparse.Namespace) -> int:
         out = llm.generate([ids], params)[0]
         print(out.text.strip())
         print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)
-    return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -78,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--raw", action="store_true", help="no chat template: continue the prompt text")
+    gen.add_argument("--ranks", type=int, default=1,
+                     help="tensor-parallel ranks (processes; CPU sets from CPUSERVE_CPUS or split from the mask)")
     gen.set_defaults(func=_generate)
     bench = sub.add_parser("bench", help="run bench/engine.py (options after --)")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)

@@ -26,6 +26,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's context length
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # None = the cores of this process's affinity mask
+    ranks: int = 1  # tensor-parallel ranks of one replica group (processes, each bound to its own CPU set)
+    tp_mode: str = "exact"  # "exact": bit-identical to 1 rank (all-gathers); "reduce": row-parallel all-reduces
     seed: int = 0
     show_progress: bool = True
     # derived at startup
@@ -48,6 +50,10 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= block_size={self.block_size}"
             )
+        if self.ranks < 1:
+            raise ValueError(f"ranks={self.ranks} must be >= 1")
+        if self.tp_mode not in ("exact", "reduce"):
+            raise ValueError(f"tp_mode={self.tp_mode!r} is not supported; use 'exact' or 'reduce'")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads={self.num_threads} must be >= 1")
         if self.model is not None and not os.path.exists(self.model):

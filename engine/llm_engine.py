@@ -42,7 +42,9 @@ class LLMEngine:
         checkpoint = load_checkpoint(config.model, show_progress=False)  # the builder's bar covers the stream
         self.tokenizer = checkpoint.tokenizer
         self.args = checkpoint.args
-        self.model = build_model(checkpoint, config.weights, config.group_size, config.show_progress)
+        # a replica group builds its shards in start_group instead: no rank ever holds the whole model
+        self.model = build_model(checkpoint, config.weights, config.group_size, config.show_progress) \
+            if config.ranks == 1 else None
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         self.max_model_len = min(config.max_model_len or self.args.max_seq_len, self.args.max_seq_len)
         self.kv_bytes_per_token = kv_bytes_per_token(self.args, config.kv_cache)
@@ -50,8 +52,14 @@ class LLMEngine:
         if config.num_blocks < 1:
             raise ValueError(f"kv_cache_gb={config.kv_cache_gb} holds no block of {config.block_size} tokens "
                              f"({self.kv_bytes_per_token} bytes per token); raise it")
-        self.runner = ModelRunner(self.model, config.kv_cache, config.num_blocks, config.block_size,
-                                  self.max_model_len)
+        if config.ranks == 1:
+            self.runner = ModelRunner(self.model, config.kv_cache, config.num_blocks, config.block_size,
+                                      self.max_model_len)
+        else:  # rank 0 here, ranks 1..k-1 in their own processes; same runner interface
+            from cpuserve.engine.distributed.group import start_group
+
+            self.runner = start_group(config, self.max_model_len, self.args.vocab_size)
+            self.num_threads = self.runner.num_threads
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self._streams: dict[str, TextStream] = {}
@@ -169,6 +177,12 @@ class LLMEngine:
         finally:
             self.block_manager.free(request)
         return torch.cat(logits)
+
+    def close(self) -> None:
+        """Stop the replica group's worker processes (a single-rank engine has nothing to stop)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

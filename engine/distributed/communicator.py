@@ -56,16 +56,36 @@ class Communicator(ABC):
     def gather(self, x: torch.Tensor, dst: int = 0) -> torch.Tensor | None:
         """[world_size, *x.shape] stacked in rank order on dst; None elsewhere."""
 
+    def all_gather_cols(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor:
+        """x [N, widths[rank]] on each rank -> [N, sum(widths)], rank 0's columns first, on every rank.
+
+        Generic path: pad to the widest, gather at rank 0, broadcast. Transports override it with one step.
+        """
+        wide = max(widths)
+        padded = x if x.shape[1] == wide else torch.cat([x, x.new_zeros(x.shape[0], wide - x.shape[1])], 1)
+        stacked = self.gather(padded.contiguous())  # [world, N, wide] on rank 0
+        if stacked is None:
+            stacked = torch.empty((self.world_size, *padded.shape), dtype=x.dtype)
+        self.broadcast(stacked)
+        return torch.cat([stacked[r, :, :w] for r, w in enumerate(widths)], 1)
+
     @abstractmethod
     def close(self) -> None:
         """Release the transport; the communicator is unusable afterwards."""
 
-    def broadcast_ints(self, values: torch.Tensor | None, src: int = 0) -> torch.Tensor:
-        """A variable-length int64 vector from src (which passes it; the others pass None)."""
+    def broadcast_ints(self, values: torch.Tensor | None, src: int = 0, idle: bool = False) -> torch.Tensor:
+        """A variable-length int64 vector from src (which passes it; the others pass None).
+
+        idle: the receiver may wait indefinitely (a worker between steps), as long as src is alive.
+        """
         n = torch.tensor([0 if values is None else values.numel()], dtype=torch.int64)
         self.broadcast(n, src)
         out = values if self.rank == src else torch.empty(int(n), dtype=torch.int64)
         return self.broadcast(out, src)
+
+    def barrier(self, timeout: float | None = None) -> None:
+        """Every rank reaches this point (timeout: seconds, None = the transport's own)."""
+        self.all_reduce(torch.zeros(1))
 
 
 def env_rendezvous() -> tuple[int, int, str, int]:
@@ -92,25 +112,30 @@ def is_local_address(addr: str) -> bool:
         return False
 
 
-def make_communicator(transport: str | None = None, timeout: float = 120.0) -> Communicator:
+def make_communicator(transport: str | None = None, timeout: float = 120.0,
+                      rendezvous: tuple[int, int, str, int] | None = None, startup_check=None) -> Communicator:
     """Join the group described by the environment.
 
     Args:
         transport: "shm" (all ranks on this host), "torch" (torch.distributed: ccl if importable, else gloo), or
             None: CPUSERVE_COMM if set, else shm when MASTER_ADDR is this host, else torch.
         timeout: seconds a collective may wait for a live peer before the group counts as broken.
+        rendezvous: (rank, world_size, master_addr, master_port) instead of the environment (a process that
+            hosts rank 0 beside other work should not rewrite its own environment).
+        startup_check: shm only: returns why the group cannot form while peers are awaited, or None.
     """
-    rank, world, addr, port = env_rendezvous()
+    rank, world, addr, port = rendezvous or env_rendezvous()
     transport = transport or os.environ.get("CPUSERVE_COMM") or ("shm" if is_local_address(addr) else "torch")
     if transport not in TRANSPORTS:
         raise ValueError(f"transport={transport!r} is not supported; use one of {TRANSPORTS}")
     if transport == "shm":
         from cpuserve.engine.distributed.shm import ShmCommunicator
 
-        return ShmCommunicator(rank, world, group_name=f"{addr}-{port}", timeout=timeout)
+        return ShmCommunicator(rank, world, group_name=f"{addr}-{port}", timeout=timeout,
+                               startup_check=startup_check)
     from cpuserve.engine.distributed.torch_dist import TorchDistCommunicator
 
-    return TorchDistCommunicator(rank, world, timeout=timeout)
+    return TorchDistCommunicator(rank, world, addr, port, timeout=timeout)
 
 
 def timed(method):

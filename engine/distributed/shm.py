@@ -40,7 +40,9 @@ _HALF = (torch.bfloat16, torch.float16)
 
 class ShmCommunicator(Communicator):
     def __init__(self, rank: int, world_size: int, group_name: str, slot_bytes: int = 8 << 20,
-                 timeout: float = 120.0, shm_dir: str = "/dev/shm"):
+                 timeout: float = 120.0, shm_dir: str = "/dev/shm", startup_check=None):
+        """startup_check: called while waiting for peers to attach; returns why the group cannot form, or None
+        (the engine passes one that notices a worker process that died while starting)."""
         super().__init__(rank, world_size)
         self.slot_bytes = slot_bytes
         self.timeout = timeout
@@ -58,14 +60,22 @@ class ShmCommunicator(Communicator):
                         for r in range(world_size)] for b in (0, 1)]  # [buffer][rank] -> [slot_bytes] uint8
         self._ctrl[rank * _LINE + _PID] = os.getpid()
         self._ctrl[rank * _LINE + _ATTACHED] = 1
-        self._wait_attached(path)
+        try:
+            self._wait_attached(path, startup_check)
+        except BaseException:
+            if rank == 0 and os.path.exists(path):
+                os.unlink(path)
+            raise
         log.info("shm communicator: rank %d/%d, segment %s, %d MiB per slot", rank, world_size, name,
                  slot_bytes >> 20)
 
     # -- barrier --------------------------------------------------------------------------------------
-    def _wait_attached(self, path: str) -> None:
+    def _wait_attached(self, path: str, startup_check) -> None:
         deadline = time.monotonic() + self.timeout
         while not all(self._ctrl[r * _LINE + _ATTACHED] for r in range(self.world_size)):
+            problem = startup_check() if startup_check is not None else None
+            if problem:
+                raise RankFailedError(f"shm rendezvous: {problem}")
             if time.monotonic() > deadline:
                 raise RankFailedError(f"shm rendezvous: not every rank attached to {path} within {self.timeout}s")
             time.sleep(0.001)
@@ -159,6 +169,20 @@ class ShmCommunicator(Communicator):
                 part += s[:n]
 
     @timed
+    def all_gather_cols(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor:
+        """One barrier: every rank writes its columns to its slot, then concatenates all slots."""
+        n = x.shape[0]
+        if n * max(widths) * x.element_size() > self.slot_bytes:
+            return super().all_gather_cols(x, widths)  # too big for one slot: the chunked generic path
+        x = x.contiguous()
+        seq, b = self._begin(self.timeout)
+        slots = self._typed(x.dtype)[b]
+        ctypes.memmove(slots[self.rank].data_ptr(), x.data_ptr(), x.numel() * x.element_size())
+        self._post(seq)
+        self._wait(range(self.world_size), seq, self.timeout)
+        return torch.cat([slots[r][: n * w].view(n, w) for r, w in enumerate(widths)], 1)  # [N, sum(widths)]
+
+    @timed
     def broadcast(self, x: torch.Tensor, src: int = 0, timeout: float | None = -1.0) -> torch.Tensor:
         assert x.is_contiguous()
         timeout = self.timeout if timeout == -1.0 else timeout
@@ -191,13 +215,18 @@ class ShmCommunicator(Communicator):
                     outs[r][i * step: i * step + part.numel()].view(torch.uint8).copy_(self._slot(b, r, nbytes))
         return out
 
-    def broadcast_ints(self, values: torch.Tensor | None, src: int = 0, timeout: float | None = -1.0) -> torch.Tensor:
-        """As the base class, but a waiting receiver may be given timeout=None (an idle worker waits forever,
-        still checking that src is alive)."""
+    def broadcast_ints(self, values: torch.Tensor | None, src: int = 0, idle: bool = False) -> torch.Tensor:
         n = torch.tensor([0 if values is None else values.numel()], dtype=torch.int64)
-        self.broadcast(n, src, timeout=timeout)
+        self.broadcast(n, src, timeout=None if idle else -1.0)
         out = values if self.rank == src else torch.empty(int(n), dtype=torch.int64)
         return self.broadcast(out, src)
+
+    def barrier(self, timeout: float | None = None) -> None:
+        saved, self.timeout = self.timeout, (timeout if timeout is not None else self.timeout)
+        try:
+            self.all_reduce(torch.zeros(1))
+        finally:
+            self.timeout = saved
 
     def close(self) -> None:
         self._ctrl = self._data = self._slots = None

@@ -23,12 +23,13 @@ def default_backend() -> str:
 
 
 class TorchDistCommunicator(Communicator):
-    def __init__(self, rank: int, world_size: int, backend: str | None = None, timeout: float = 120.0):
+    def __init__(self, rank: int, world_size: int, addr: str, port: int, backend: str | None = None,
+                 timeout: float = 120.0):
         super().__init__(rank, world_size)
         backend = backend or default_backend()
         if backend == "ccl":
             import oneccl_bindings_for_pytorch  # noqa: F401  (registers the ccl backend)
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
         self.backend = backend
         log.info("torch.distributed communicator: rank %d/%d, backend %s", rank, world_size, backend)
@@ -48,6 +49,14 @@ class TorchDistCommunicator(Communicator):
         out = torch.empty((self.world_size, *x.shape), dtype=x.dtype) if self.rank == dst else None
         _run(dist.gather, x, list(out) if out is not None else None, dst)
         return out
+
+    @timed
+    def all_gather_cols(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor:
+        wide = max(widths)
+        padded = x if x.shape[1] == wide else torch.cat([x, x.new_zeros(x.shape[0], wide - x.shape[1])], 1)
+        parts = [torch.empty_like(padded) for _ in widths]
+        _run(dist.all_gather, parts, padded.contiguous())
+        return torch.cat([p[:, :w] for p, w in zip(parts, widths)], 1)
 
     def close(self) -> None:
         if dist.is_initialized():

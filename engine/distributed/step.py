@@ -1,0 +1,94 @@
+"""One engine step on a replica group: the wire format rank 0 broadcasts, and the reduced top-k sampling.
+
+Wire (one int64 vector, so a step costs one broadcast):
+
+    [kind, num_candidates, num_items,
+     then per scheduled item: num_tokens, start_pos, needs_sample, num_blocks, *token_ids, *block_ids]
+
+Every rank (rank 0 included) rebuilds the step from the wire and runs the runner's own prepare_inputs on it,
+so all ranks feed their shard exactly the same positions, slots, block tables and logit rows.
+
+Sampling: each rank takes the top num_candidates logits of its vocab shard; rank 0 gathers them, scatters them
+into a -inf row of the full vocab and runs the ordinary sampler on it. That is exact whenever the sampler can only
+pick among the global top num_candidates (greedy: 1; top-k: k); anything else (top-p without top-k, penalties,
+logprobs) gathers the full shards (num_candidates = 0). The sampler's noise is drawn over the full vocab from the
+request's generator on rank 0, so seeded streams match a single rank's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cpuserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+
+KIND_STOP, KIND_SAMPLE, KIND_SCORE = 0, 1, 2
+FULL = 0  # num_candidates meaning "gather the whole shard"
+
+
+@dataclass(slots=True)
+class _Blocks:
+    """Stands in for a Request on worker ranks: prepare_inputs reads only its block ids."""
+
+    block_ids: list[int]
+
+
+def num_candidates(params: list, vocab_per_rank: int) -> int:
+    """Per-rank candidates that keep this step's sampling exact; FULL when nothing smaller does."""
+    need = 1
+    for p in params:
+        if p.logprobs is not None or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0:
+            return FULL  # logprobs need the full softmax; penalties can lift a token from outside any top-k
+        if not p.is_greedy:
+            if p.top_k <= 0:
+                return FULL
+            need = max(need, p.top_k)
+    return FULL if need >= vocab_per_rank else need
+
+
+def pack(out: SchedulerOutput, kind: int, candidates: int) -> torch.Tensor:
+    wire = [kind, candidates, len(out.scheduled)]
+    for item in out.scheduled:
+        blocks = item.request.block_ids
+        wire += [len(item.token_ids), item.start_pos, int(item.needs_sample), len(blocks)]
+        wire += item.token_ids
+        wire += blocks
+    return torch.tensor(wire, dtype=torch.int64)
+
+
+def unpack(wire: torch.Tensor) -> tuple[int, int, SchedulerOutput]:
+    """(kind, num_candidates, a SchedulerOutput whose requests carry only their block ids)."""
+    w = wire.tolist()
+    kind, candidates, num_items = w[0], w[1], w[2]
+    scheduled, i = [], 3
+    for _ in range(num_items):
+        n, start, needs_sample, nb = w[i: i + 4]
+        i += 4
+        tokens, blocks = w[i: i + n], w[i + n: i + n + nb]
+        i += n + nb
+        scheduled.append(ScheduledRequest(_Blocks(blocks), tokens, start, bool(needs_sample)))
+    return kind, candidates, SchedulerOutput(scheduled)
+
+
+def local_candidates(logits: torch.Tensor, k: int, vocab_start: int) -> torch.Tensor:
+    """[S, 2k] float32: this shard's top-k values, then their global token ids (exact in fp32 below 2**24)."""
+    values, ids = torch.topk(logits, k, dim=-1)  # [S, k] each
+    return torch.cat([values, (ids + vocab_start).float()], dim=-1)
+
+
+def dense_from_candidates(gathered: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """gathered [ranks, S, 2k] -> [S, V] float32 logits: the candidates in place, -inf elsewhere."""
+    ranks, s, two_k = gathered.shape
+    k = two_k // 2
+    per_row = gathered.permute(1, 0, 2).reshape(s, ranks, 2, k)  # [S, ranks, values|ids, k]
+    values = per_row[:, :, 0].reshape(s, ranks * k)
+    ids = per_row[:, :, 1].reshape(s, ranks * k).long()
+    dense = torch.full((s, vocab_size), float("-inf"))
+    return dense.scatter_(1, ids, values)
+
+
+def dense_from_shards(gathered: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """gathered [ranks, S, V_pad] (rank r holds ids [r*V_pad, (r+1)*V_pad)) -> [S, V] float32."""
+    ranks, s, v_pad = gathered.shape
+    return gathered.permute(1, 0, 2).reshape(s, ranks * v_pad)[:, :vocab_size]  # [S, V]

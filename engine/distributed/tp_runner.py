@@ -1,0 +1,90 @@
+"""Rank 0's runner for a replica group: broadcast the step, run shard 0, reduce the candidates, sample.
+
+It offers the ModelRunner interface the engine uses (run, forward_logits), so the scheduler, the engine's step
+and the sampler are the single-rank ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from cpuserve.engine.distributed import step
+from cpuserve.engine.distributed.communicator import Communicator, RankFailedError
+from cpuserve.engine.distributed.worker import contribute, run_shard
+from cpuserve.engine.model_runner import ModelRunner
+from cpuserve.engine.sampler import TokenLogprob, sample
+from cpuserve.engine.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+class TPRunner:
+    def __init__(self, runner: ModelRunner, comm: Communicator, vocab_size: int, on_close=None):
+        self.runner = runner
+        self.comm = comm
+        self.vocab_size = vocab_size
+        self.plan = runner.model.plan
+        self._on_close = on_close  # stops the worker processes
+        self.broken: str | None = None
+        self.use_candidates = True  # False: always gather full logits (the benchmark's baseline)
+        self.compute_seconds = 0.0  # forward time outside collectives, accumulated (bench/tp.py)
+
+    def _step(self, out: SchedulerOutput, kind: int, candidates: int) -> torch.Tensor | None:
+        """Run one step on the group; rank 0 gets the gathered candidates (or shards)."""
+        if self.broken:
+            raise RankFailedError(f"replica group is down ({self.broken}); restart the engine")
+        try:
+            wire = step.pack(out, kind, candidates)
+            self.comm.broadcast_ints(wire)
+            comm_before, start = self.comm.stats.seconds, time.perf_counter()
+            _, _, logits = run_shard(self.runner, wire)
+            self.compute_seconds += time.perf_counter() - start - (self.comm.stats.seconds - comm_before)
+            return contribute(self.comm, logits, candidates, self.plan.vocab[0])
+        except RankFailedError as e:
+            self.broken = str(e)
+            log.error("replica group failed: %s", e)
+            self.close()
+            raise
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput) -> list[tuple[int, TokenLogprob | None] | None]:
+        samplers = [i for i, item in enumerate(out.scheduled) if item.needs_sample]
+        requests = [out.scheduled[i].request for i in samplers]
+        params = [r.params for r in requests]
+        candidates = step.num_candidates(params, self.plan.vocab_padded) if self.use_candidates else step.FULL
+        gathered = self._step(out, step.KIND_SAMPLE, candidates)
+        per_item: list[tuple[int, TokenLogprob | None] | None] = [None] * len(out.scheduled)
+        if not samplers:
+            return per_item
+        if candidates == 1:  # all greedy: the best candidate, lowest id on ties (what argmax picks)
+            token_ids = _best(gathered)
+            for j, i in enumerate(samplers):
+                per_item[i] = (token_ids[j], None)
+            return per_item
+        logits = (step.dense_from_shards(gathered, self.vocab_size) if candidates == step.FULL
+                  else step.dense_from_candidates(gathered, self.vocab_size))  # [S, V]
+        result = sample(logits, params, [r.generator for r in requests], [r.all_token_ids for r in requests],
+                        [r.num_prompt_tokens for r in requests])
+        for j, i in enumerate(samplers):
+            per_item[i] = (result.token_ids[j], result.logprobs[j])
+        return per_item
+
+    @torch.inference_mode()
+    def forward_logits(self, out: SchedulerOutput) -> torch.Tensor:
+        """Logits at every scheduled token, [N, V] float32 (scoring)."""
+        return step.dense_from_shards(self._step(out, step.KIND_SCORE, step.FULL), self.vocab_size)
+
+    def close(self) -> None:
+        if self._on_close is not None:
+            on_close, self._on_close = self._on_close, None
+            on_close(self)
+
+
+def _best(gathered: torch.Tensor) -> list[int]:
+    """gathered [ranks, S, 2] (value, id) -> per row the id of the largest value, the lowest id among equals."""
+    values, ids = gathered[..., 0].t(), gathered[..., 1].t()  # [S, ranks] each
+    best = values.max(dim=1, keepdim=True).values
+    return ids.masked_fill(values != best, float("inf")).min(dim=1).values.long().tolist()

@@ -1,0 +1,127 @@
+"""Replica groups on the real model: 2 ranks (real processes, one core each) against 1 rank."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from cpuserve.engine.distributed.communicator import RankFailedError
+from cpuserve.engine.distributed.sharding import ShardPlan
+from cpuserve.engine.llm import LLM
+from cpuserve.engine.models.args import ModelArgs
+from cpuserve.engine.sampling_params import SamplingParams
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,",
+           "The best way to learn a language is", "import numpy as np\n", "Water boils at",
+           "Here is a list of fruits: apple,"]
+
+
+def _segments() -> set[str]:
+    return set(glob.glob(f"/dev/shm/cpuserve-{os.getuid()}-*"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except FileNotFoundError:
+        return False
+
+
+def test_shard_plan_covers_every_weight_once():
+    args = ModelArgs("llama", dim=576, n_layers=1, n_heads=9, n_kv_heads=3, head_dim=64, ffn_dim=1536,
+                     vocab_size=49153, max_seq_len=64)
+    plans = [ShardPlan.make(args, r, 2) for r in range(2)]
+    assert [p.kv_heads for p in plans] == [(0, 2), (2, 3)] and [p.q_heads for p in plans] == [(0, 6), (6, 9)]
+    assert [p.ffn for p in plans] == [(0, 768), (768, 1536)] and [p.dim for p in plans] == [(0, 288), (288, 576)]
+    vocab = torch.randn(49153, 576)
+    shards = [p.slice("model.embed_tokens.weight", vocab, args) for p in plans]
+    assert all(s.shape == (24577, 576) for s in shards)
+    assert torch.equal(torch.cat(shards)[:49153], vocab) and not shards[1][-1].any()
+    q = torch.randn(9 * 64, 576)
+    assert torch.equal(torch.cat([p.slice("model.layers.0.self_attn.q_proj.weight", q, args) for p in plans]), q)
+    down = torch.randn(576, 1536)
+    reduce_plans = [ShardPlan.make(args, r, 2, exact=False) for r in range(2)]
+    assert torch.equal(torch.cat([p.slice("model.layers.0.mlp.down_proj.weight", down, args)
+                                  for p in reduce_plans], 1), down)
+    with pytest.raises(ValueError, match="n_kv_heads=3"):
+        ShardPlan.make(args, 0, 4)
+
+
+@pytest.fixture(scope="module")
+def llm_tp():
+    llm = LLM(weights="int4", kv_cache="int8", kv_cache_gb=0.25, show_progress=False, ranks=2)
+    yield llm
+    llm.engine.close()
+
+
+def _ids(llm, text):
+    return llm.tokenizer.encode(text)
+
+
+@pytest.mark.slow
+def test_greedy_tokens_identical_to_one_rank(llm_tp, llm_int4):
+    params = SamplingParams(max_tokens=32, temperature=0)
+    ids = [_ids(llm_int4, p) for p in PROMPTS]
+    one = [o.token_ids for o in llm_int4.generate(ids, params)]
+    two = [o.token_ids for o in llm_tp.generate(ids, params)]
+    assert two == one
+    assert torch.equal(llm_tp.engine.score(ids[0]), llm_int4.engine.score(ids[0]))  # full-logit gather path
+
+
+@pytest.mark.slow
+def test_seeded_sampling_identical_to_one_rank(llm_tp, llm_int4):
+    ids = [_ids(llm_int4, p) for p in PROMPTS[:4]]
+    for params in (SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=11),  # full shards
+                   SamplingParams(max_tokens=24, temperature=0.9, top_k=40, seed=12),  # reduced top-k
+                   SamplingParams(max_tokens=8, temperature=0.7, top_k=5, logprobs=3, seed=13)):
+        one = llm_int4.generate(ids, params)
+        two = llm_tp.generate(ids, params)
+        assert [o.token_ids for o in two] == [o.token_ids for o in one], params
+        if params.logprobs:
+            assert [o.logprobs for o in two] == [o.logprobs for o in one]
+
+
+@pytest.mark.slow
+def test_killed_worker_raises_instead_of_hanging():
+    before, mask = _segments(), os.sched_getaffinity(0)
+    llm = LLM(weights="int4", kv_cache_gb=0.1, show_progress=False, ranks=2)
+    engine = llm.engine
+    pid = engine.runner.worker_pids[0]
+    try:
+        for p in PROMPTS[:4]:
+            engine.add_request(p, SamplingParams(max_tokens=200, temperature=0))
+        for _ in range(3):
+            engine.step()
+        os.kill(pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(RankFailedError, match="rank 1"):
+            for _ in range(50):
+                engine.step()
+        assert time.monotonic() - start < 10
+        with pytest.raises(RankFailedError, match="replica group is down"):
+            engine.step()  # stays down with a clear error: the caller restarts the group
+    finally:
+        engine.close()
+    assert not _alive(pid)
+    assert _segments() == before
+    assert os.sched_getaffinity(0) == mask  # rank 0 gave its cores back
+
+
+@pytest.mark.slow
+def test_reduce_mode_logits_close_to_one_rank(llm_int4):
+    """tp_mode="reduce" (row-parallel all-reduce) rounds partial sums to bf16: close to one rank, not identical."""
+    ids = _ids(llm_int4, PROMPTS[4] + " to read books in it every day, and to talk with people who speak it.")
+    llm = LLM(weights="int4", kv_cache="int8", kv_cache_gb=0.25, show_progress=False, ranks=2, tp_mode="reduce")
+    try:
+        two = llm.engine.score(ids)
+    finally:
+        llm.engine.close()
+    one = llm_int4.engine.score(ids)
+    assert (two.argmax(-1) == one.argmax(-1)).float().mean() >= 0.9
+    assert (two - one).abs().max() < 1.0 < one.abs().max()
