@@ -45,9 +45,12 @@ class AsyncLLMEngine:
         return cls(LLMEngine(EngineConfig.from_kwargs(model=model, **config)))
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncIterator[StepOutput]:
+                       priority: int = 0, coalesce: bool = False) -> AsyncIterator[StepOutput]:
         """Yields one StepOutput per new token; the last has finished=True. Raises ValueError on bad input
-        before anything is queued. Leaving the iteration early (cancel, disconnect) aborts the request."""
+        before anything is queued. Leaving the iteration early (cancel, disconnect) aborts the request.
+
+        coalesce: when the consumer falls behind the engine, hand over every token waiting for it as one
+        chunk instead of one chunk each (a server streaming over a slow hop sends fewer, larger messages)."""
         if self.error is not None:
             raise EngineDeadError(f"engine stopped: {self.error!r}")
         if request_id in self._streams:
@@ -57,9 +60,17 @@ class AsyncLLMEngine:
         self._streams[request_id] = (asyncio.get_running_loop(), chunks)
         self._send(("add", request))
         finished = False
+        pending = None
         try:
             while not finished:
-                chunk = await chunks.get()
+                chunk = pending if pending is not None else await chunks.get()
+                pending = None
+                while coalesce and isinstance(chunk, StepOutput) and not chunk.finished and not chunks.empty():
+                    later = chunks.get_nowait()
+                    if isinstance(later, BaseException):  # an error is raised on its own, after the tokens
+                        pending = later
+                        break
+                    chunk = chunk.merge(later)
                 if isinstance(chunk, ValueError):
                     raise chunk
                 if isinstance(chunk, BaseException):

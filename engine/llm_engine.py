@@ -18,7 +18,7 @@ from cpuserve.engine.request import Request, RequestStatus
 from cpuserve.engine.sampling_params import SamplingParams
 from cpuserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from cpuserve.engine.text_stream import TextStream
-from cpuserve.engine.threads import configure_threads, tune_allocator
+from cpuserve.engine.threads import configure_threads, release_free_memory, tune_allocator
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,6 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.num_threads = configure_threads(config.num_threads)
-        tune_allocator()
         checkpoint = load_checkpoint(config.model, show_progress=False)  # the builder's bar covers the stream
         self.tokenizer = checkpoint.tokenizer
         self.args = checkpoint.args
@@ -60,6 +59,8 @@ class LLMEngine:
 
             self.runner = start_group(config, self.max_model_len, self.args.vocab_size)
             self.num_threads = self.runner.num_threads
+        release_free_memory()  # loading left fp32 copies of every weight behind in the heap
+        tune_allocator()  # from here on keep freed activations for the next step
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self._streams: dict[str, TextStream] = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from cpuserve.engine.layers.attention import decode_mask
 from cpuserve.engine.models.args import ModelArgs
 from cpuserve.engine.models.llama import AttentionMetadata, LayerKV, LlamaModel, PrefillChunk
 from cpuserve.engine.models.rope import rope_tables
@@ -26,11 +27,11 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.cos, self.sin = rope_tables(args, max_model_len, model.dtype)  # [max_len, D] each
-        shape = (num_blocks, block_size, args.n_kv_heads, args.head_dim)
+        shape = (num_blocks, block_size, 2 * args.n_kv_heads, args.head_dim)  # K heads then V heads
         dtype = KV_DTYPES[kv_cache]
         for layer in model.layers:  # one pool per layer, pre-allocated once and updated in place
-            scales = (torch.zeros(shape[:3]), torch.zeros(shape[:3])) if kv_cache == "int8" else (None, None)
-            layer.attention.kv = LayerKV(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype), *scales)
+            scale = torch.zeros(shape[:3]) if kv_cache == "int8" else None
+            layer.attention.kv = LayerKV(torch.zeros(shape, dtype=dtype), scale)
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> list[tuple[int, TokenLogprob | None] | None]:
@@ -82,13 +83,15 @@ class ModelRunner:
                 logit_rows.append(row + n - 1)
                 samplers.append(i)
         pos = torch.tensor(positions, dtype=torch.long)
+        lens = torch.tensor(decode_lens, dtype=torch.int32) if decode_lens else None
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             cos=self.cos[pos].unsqueeze(1),  # [N, 1, D]
             sin=self.sin[pos].unsqueeze(1),
             num_decode=len(decode_tables),
             decode_block_tables=_pad(decode_tables) if decode_tables else None,
-            decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32) if decode_lens else None,
+            decode_context_lens=lens,
+            decode_invalid=decode_mask(lens, bs) if decode_lens else None,
             prefills=prefills,
         )
         return torch.tensor(tokens, dtype=torch.long), meta, torch.tensor(logit_rows, dtype=torch.long), samplers

@@ -22,6 +22,15 @@ class StepOutput:
     num_cached_tokens: int = 0
     queue_time: float | None = None  # seconds from arrival to first scheduling, on the first chunk only
 
+    def merge(self, later: "StepOutput") -> "StepOutput":
+        """This chunk followed by a later one of the same request, as one chunk."""
+        logprobs = None if self.logprobs is None and later.logprobs is None else \
+            (self.logprobs or []) + (later.logprobs or [])
+        return StepOutput(
+            self.request_id, self.new_token_ids + later.new_token_ids, self.new_text + later.new_text, logprobs,
+            later.finished, later.finish_reason, later.num_prompt_tokens, later.num_generated_tokens,
+            later.num_cached_tokens, self.queue_time if self.queue_time is not None else later.queue_time)
+
 
 @dataclass(slots=True)
 class RequestOutput:

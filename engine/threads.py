@@ -39,3 +39,11 @@ def tune_allocator() -> bool:
     m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
     ok = libc.mallopt(m_mmap_threshold, 32 << 20) and libc.mallopt(m_trim_threshold, 1 << 30)
     return bool(ok and libc.mallopt(m_top_pad, 64 << 20))
+
+
+def release_free_memory() -> None:
+    """Hand the heap's free pages back to the OS (after loading: the fp32 copies of the weights are gone)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -5,12 +5,15 @@ h // g. Scores and softmax run in fp32; results come back in q's dtype.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
-from cpuserve.engine.layers.kv_quant import gather_kv, quantize_kv, write_kv
+from cpuserve.engine.layers.kv_quant import gather_kv, quantize_kv, write_kv, write_kv_fused
 
-__all__ = ["quantize_kv", "write_kv", "gather_kv", "slim_attention", "paged_decode_attention",
+__all__ = ["quantize_kv", "write_kv", "write_kv_fused", "gather_kv", "decode_mask", "slim_attention",
+           "paged_decode_attention",
            "reference_attention", "SLIM_BLOCK_ROWS", "DECODE_CHUNK_TOKENS"]
 
 SLIM_BLOCK_ROWS = 64  # query rows per SlimAttention block (bench/attention.py: 32..128 within noise, 256 slower)
@@ -69,8 +72,7 @@ def slim_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, scale: float,
     vh = v.float().transpose(0, 1).contiguous()  # vh: [Hkv, T, D]
     out = torch.empty(seq_len, num_kv_heads, g, head_dim, dtype=q.dtype)
     rows_max = min(block_rows, seq_len)
-    # causal[r * g + j, c] masks key c of the block's last rows_max columns for query row r
-    causal = torch.full((rows_max, rows_max), float("-inf")).triu_(1).repeat_interleave(g, dim=0)
+    causal = _causal_mask(rows_max, g)
     # One scores buffer and one output buffer for all blocks: fresh multi-MB tensors per block would cost
     # page faults on every call.
     score_buf = torch.empty(num_kv_heads * rows_max * g * total)
@@ -89,9 +91,28 @@ def slim_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, scale: float,
     return out.view(seq_len, num_heads, head_dim)
 
 
+def decode_mask(context_lens: Tensor, block_size: int) -> Tensor:
+    """invalid[s, 0, 0, t]: position t is past sequence s's context (padding blocks, unwritten slots).
+
+    Depends only on the step's batch, so the model computes it once per step, not once per layer.
+    """
+    lens = context_lens.to(torch.int64)
+    total = -(-int(lens.max()) // block_size) * block_size
+    return (torch.arange(total)[None, :] >= lens[:, None]).view(len(lens), 1, 1, total)
+
+
+@functools.lru_cache(maxsize=64)
+def _causal_mask(rows: int, g: int) -> Tensor:
+    """causal[r * g + j, c] masks key c of a row block's last `rows` columns for query row r (read only).
+
+    Every layer of every prefill step needs the same few masks: build each once.
+    """
+    return torch.full((rows, rows), float("-inf")).triu_(1).repeat_interleave(g, dim=0)
+
+
 def paged_decode_attention(q: Tensor, k_cache: Tensor, k_scale: Tensor | None, v_cache: Tensor,
                            v_scale: Tensor | None, block_tables: Tensor, context_lens: Tensor, scale: float,
-                           chunk_tokens: int = DECODE_CHUNK_TOKENS) -> Tensor:
+                           chunk_tokens: int = DECODE_CHUNK_TOKENS, invalid: Tensor | None = None) -> Tensor:
     """One new token per sequence against its paged context, batched over sequences.
 
     Two passes over the context in chunks of whole blocks; each chunk is gathered from the pool and converted
@@ -106,19 +127,18 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, k_scale: Tensor | None, v
         context_lens: [S] int32, >= 1, including the new token.
         chunk_tokens: (sequence, context token) pairs per chunk, summed over the batch; each chunk covers the
             same whole blocks of every sequence (at least one block).
+        invalid: decode_mask(context_lens, B), when the caller already has it.
     Returns:
         [S, H, D] in q.dtype.
     """
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     g = num_heads // num_kv_heads
-    lens = context_lens.to(torch.int64)
-    num_blocks = (int(lens.max()) + block_size - 1) // block_size
+    if invalid is None:
+        invalid = decode_mask(context_lens, block_size)
+    num_blocks = invalid.shape[-1] // block_size
     chunk_blocks = max(1, chunk_tokens // (num_seqs * block_size))
-    total = num_blocks * block_size
     qg = (q.float() * scale).reshape(num_seqs, num_kv_heads, g, head_dim)  # qg: [S, Hkv, g, D]
-    # invalid[s, 0, 0, t]: position t is past sequence s's context (padding blocks, unwritten slots)
-    invalid = (torch.arange(total)[None, :] >= lens[:, None]).view(num_seqs, 1, 1, total)
     parts = []
     for c0 in range(0, num_blocks, chunk_blocks):
         c1 = min(num_blocks, c0 + chunk_blocks)

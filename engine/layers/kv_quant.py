@@ -49,6 +49,23 @@ def write_kv(k_cache: Tensor, k_scale: Tensor | None, v_cache: Tensor, v_scale: 
             rows.index_copy_(0, slot_mapping, x.to(cache.dtype))
 
 
+def write_kv_fused(kv_cache: Tensor, kv_scale: Tensor | None, kv: Tensor, slot_mapping: Tensor) -> None:
+    """Store new tokens' keys and values held side by side, with one quantization and one scatter.
+
+    Args:
+        kv_cache: [num_blocks, B, 2 * Hkv, D] (K heads then V heads); kv_scale: [num_blocks, B, 2 * Hkv] fp32
+            for int8, else None; kv: [N, 2 * Hkv, D]; slot_mapping: [N] int64.
+    """
+    rows = kv_cache.view(-1, kv_cache.shape[-2], kv_cache.shape[-1])  # rows: [num_blocks * B, 2 Hkv, D]
+    if kv_cache.dtype == torch.int8:
+        assert kv_scale is not None, "int8 cache needs a scale tensor"
+        q, s = quantize_kv(kv)
+        rows.index_copy_(0, slot_mapping, q)
+        kv_scale.view(-1, kv_scale.shape[-1]).index_copy_(0, slot_mapping, s)  # [num_blocks * B, 2 Hkv]
+    else:
+        rows.index_copy_(0, slot_mapping, kv.to(kv_cache.dtype))
+
+
 def gather_kv(cache: Tensor, scale: Tensor | None, block_table: Tensor, length: int, dtype: torch.dtype) -> Tensor:
     """One sequence's first `length` tokens, contiguous and dequantized.
 

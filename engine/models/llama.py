@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cpuserve.engine.layers.attention import gather_kv, paged_decode_attention, slim_attention, write_kv
+from cpuserve.engine.layers.attention import gather_kv, paged_decode_attention, slim_attention, write_kv_fused
 from cpuserve.engine.layers.quant_linear import QuantLinear
 from cpuserve.engine.models.args import ModelArgs
 from cpuserve.engine.models.rope import apply_rope
@@ -34,15 +34,40 @@ class AttentionMetadata:
     num_decode: int  # rows [0, num_decode) are single-token decodes, one per sequence
     decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks] int32
     decode_context_lens: torch.Tensor | None  # [num_decode] int32, including the new token
+    decode_invalid: torch.Tensor | None  # decode_mask(decode_context_lens, B), shared by every layer
     prefills: list[PrefillChunk]
 
 
 @dataclass(slots=True)
 class LayerKV:
-    k: torch.Tensor  # [num_blocks, block_size, n_kv_heads, head_dim]
-    v: torch.Tensor
-    k_scale: torch.Tensor | None  # [num_blocks, block_size, n_kv_heads] fp32 for int8 caches
-    v_scale: torch.Tensor | None
+    """One layer's pool. K heads and V heads sit side by side so a step writes both with one scatter.
+
+        kv:    [num_blocks, block_size, 2 * n_kv_heads, head_dim]   (K heads 0..Hkv-1, then V heads)
+        scale: [num_blocks, block_size, 2 * n_kv_heads] fp32 for int8 caches, else None
+    """
+
+    kv: torch.Tensor
+    scale: torch.Tensor | None
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv.shape[2] // 2
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.kv[:, :, : self.num_kv_heads]  # [num_blocks, B, Hkv, D] view
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.kv[:, :, self.num_kv_heads:]
+
+    @property
+    def k_scale(self) -> torch.Tensor | None:
+        return None if self.scale is None else self.scale[:, :, : self.num_kv_heads]
+
+    @property
+    def v_scale(self) -> torch.Tensor | None:
+        return None if self.scale is None else self.scale[:, :, self.num_kv_heads:]
 
 
 class RMSNorm(nn.Module):
@@ -68,15 +93,16 @@ class Attention(nn.Module):
         n = x.shape[0]
         h, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.qkv(x).view(n, h + 2 * hkv, d)  # qkv: [N, H + 2 Hkv, D]
-        qk = apply_rope(qkv[:, : h + hkv], meta.cos, meta.sin)  # one rotation for q and k together
-        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + hkv:]
+        # one rotation for q and k together, written back so k and v stay adjacent for the fused KV write
+        qkv[:, : h + hkv] = apply_rope(qkv[:, : h + hkv], meta.cos, meta.sin)
+        q = qkv[:, :h]  # q: [N, H, D]
         kv = self.kv
-        write_kv(kv.k, kv.k_scale, kv.v, kv.v_scale, k, v, meta.slot_mapping)
+        write_kv_fused(kv.kv, kv.scale, qkv[:, h:], meta.slot_mapping)
         parts = []
         if meta.num_decode:  # decode
             parts.append(paged_decode_attention(
                 q[: meta.num_decode], kv.k, kv.k_scale, kv.v, kv.v_scale,
-                meta.decode_block_tables, meta.decode_context_lens, self.scale))
+                meta.decode_block_tables, meta.decode_context_lens, self.scale, invalid=meta.decode_invalid))
         for p in meta.prefills:  # prefill: read the context back from the pool, as a later chunk would
             length = p.q_start + p.num_tokens
             k_ctx = gather_kv(kv.k, kv.k_scale, p.block_table, length, q.dtype)  # [T, Hkv, D]
