@@ -1,8 +1,16 @@
 """Replica groups (tensor parallel): communication and decode speed, 1 rank x 2 threads vs 2 ranks x 1 thread.
 
-    python bench/tp.py allreduce          # all-reduce latency, shm transport vs gloo, 576..65536 floats
+    python bench/tp.py allreduce      # all-reduce latency, shm transport vs gloo, 576..65536 floats
+    python bench/tp.py decode         # decode tok/s, compute/communication split, bytes per token
+    python bench/tp.py topk           # reduced top-k sampling vs all-gathering the full logits (step time)
+    python bench/tp.py all [--quick] [--skip-1b]
 
-Numbers are medians; the machine has 2 cores shared with other work, so compare ratios taken in one run.
+Decode rows: batch 1 and 8, greedy, 32 generated tokens after a 32-token prompt, median of 3 runs; 2-rank rows in
+both layouts ("exact": bit-identical to 1 rank, 4 all-gathers per layer; "reduce": 2 all-reduces per layer).
+"comm" is rank 0's time inside collectives (waiting for the slower rank included), "compute" its forward time
+outside them; the rest of the step is scheduling, sampling and Python. The synthetic 1B GGUF is written once
+into ~/.cache/cpuserve-bench by bench/engine.py's writer. The machine has 2 cores shared with other work:
+compare ratios taken in one run.
 """
 
 from __future__ import annotations
@@ -14,15 +22,68 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
+def decode_table(models: dict[str, str | None], batches, gen_tokens: int, reps: int) -> list[str]:
+    from tp_decode import measure
+
+    rows = ["| model | batch | layout | tok/s | vs 1x2 | step ms | compute | comm | bytes/token | collectives/step |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, path in models.items():
+        for batch in batches:
+            base = measure(path, 1, threads=2, batch=batch, gen_tokens=gen_tokens, reps=reps)
+            rows.append(f"| {name} | {batch} | 1 rank x 2 threads | {base['tok_s']:.1f} | 1.00x | "
+                        f"{base['step_ms']:.1f} | | | | |")
+            for mode in ("exact", "reduce"):
+                r = measure(path, 2, tp_mode=mode, batch=batch, gen_tokens=gen_tokens, reps=reps)
+                rows.append(f"| {name} | {batch} | 2 ranks x 1 thread, {mode} | {r['tok_s']:.1f} | "
+                            f"{r['tok_s'] / base['tok_s']:.2f}x | {r['step_ms']:.1f} | {r['compute_frac']:.0%} | "
+                            f"{r['comm_frac']:.0%} | {r['bytes_per_token'] / 1024:.0f} KiB | "
+                            f"{r['ops_per_step']:.0f} |")
+            print("\n".join(rows[-3:]), flush=True)
+    return rows
+
+
+def topk_table(models: dict[str, str | None], gen_tokens: int, reps: int) -> list[str]:
+    from tp_decode import measure
+
+    rows = ["| model | batch | sampling | step ms, top-k candidates | step ms, full logits gathered | ratio |",
+            "|---|---:|---|---:|---:|---:|"]
+    cases = [("greedy", dict(temperature=0)), ("top_k=40, T=0.8", dict(temperature=0.8, top_k=40, seed=1))]
+    for name, path in models.items():
+        for label, kw in cases:
+            for batch in (1, 8):
+                reduced = measure(path, 2, batch=batch, gen_tokens=gen_tokens, reps=reps, params_kw=kw)
+                full = measure(path, 2, batch=batch, gen_tokens=gen_tokens, reps=reps, params_kw=kw,
+                               candidates=False)
+                rows.append(f"| {name} | {batch} | {label} | {reduced['step_ms']:.2f} | {full['step_ms']:.2f} | "
+                            f"{full['step_ms'] / reduced['step_ms']:.2f}x |")
+                print(rows[-1], flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", choices=["allreduce"], nargs="?", default="allreduce")
-    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("part", choices=["allreduce", "decode", "topk", "all"], nargs="?", default="all")
+    parser.add_argument("--iters", type=int, default=200, help="all-reduces per timed batch")
+    parser.add_argument("--quick", action="store_true", help="smoke run: few tokens, one repetition")
+    parser.add_argument("--skip-1b", action="store_true")
     args = parser.parse_args(argv)
-    if args.part == "allreduce":
+    gen_tokens, reps = (8, 1) if args.quick else (32, 3)
+    models: dict[str, str | None] = {"SmolLM2-135M": None}
+    if not args.skip_1b and args.part in ("decode", "all"):
+        from engine import synthetic_1b
+
+        models["synthetic 1B"] = synthetic_1b()
+    out = []
+    if args.part in ("allreduce", "all"):
         from tp_allreduce import table
 
-        print("\n".join(table(args.iters)))
+        out += table(args.iters) + [""]
+        print("\n".join(out), flush=True)
+    if args.part in ("decode", "all"):
+        out += decode_table(models, (1, 8), gen_tokens, reps) + [""]
+    if args.part in ("topk", "all"):
+        out += topk_table({"SmolLM2-135M": None}, gen_tokens, reps)
+    print("\n" + "\n".join(out))
 
 
 if __name__ == "__main__":
