@@ -25,8 +25,9 @@ def value(metrics: dict[str, float], name: str, labels: str = M) -> float:
     return metrics.get(f"{name}{{{labels}}}", 0.0)
 
 
-def wait_for(scrape, predicate, timeout: float = 5.0) -> dict[str, float]:
-    """Scrape until predicate(metrics) holds (replicas report every 0.25 s here)."""
+def wait_for(scrape, predicate, timeout: float = 30.0) -> dict[str, float]:
+    """Scrape until predicate(metrics) holds (replicas report every 0.25 s here; on a loaded CI machine Ray's
+    cancellation can take seconds to reach the replica, so the bound is generous — it returns at once when met)."""
     deadline = time.monotonic() + timeout
     while True:
         metrics = scrape()
@@ -148,6 +149,6 @@ def test_backpressure_rejects_at_once_then_recovers(serving, http_url, scrape):
     assert max(took) < 0.5, took
     assert http_response.status_code == 429 and http_response.json()["error"]["type"] == "rate_limit_error"
     assert value(busy, "cpuserve_num_requests_running") == 4 and value(busy, "cpuserve_num_requests_waiting") == 4
-    assert pool_is_free(wait_for(scrape, pool_is_free, timeout=10)), scrape()
+    assert pool_is_free(wait_for(scrape, pool_is_free)), scrape()
     r = httpx.post(f"{http_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2, "temperature": 0}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
