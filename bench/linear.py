@@ -7,26 +7,14 @@ Prints median milliseconds per call and the speed-up over fp32 F.linear (higher 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from attention import median_ms  # bench/ is on sys.path when a bench script runs
 from cpuserve.engine.layers.quant_linear import QuantLinear
 
 FORMATS = ("int4", "int8", "bf16", "fp32")
-
-
-def median_ms(fn, repeats: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
 
 
 @torch.inference_mode()
