@@ -38,15 +38,8 @@ def write_kv(k_cache: Tensor, k_scale: Tensor | None, v_cache: Tensor, v_scale: 
     Args:
         k, v: [N, Hkv, D]; slot_mapping: [N] int64, slot = block_id * B + offset.
     """
-    for cache, scale, x in ((k_cache, k_scale, k), (v_cache, v_scale, v)):
-        rows = cache.view(-1, cache.shape[-2], cache.shape[-1])  # rows: [num_blocks * B, Hkv, D]
-        if cache.dtype == torch.int8:
-            assert scale is not None, "int8 cache needs a scale tensor"
-            q, s = quantize_kv(x)
-            rows.index_copy_(0, slot_mapping, q)
-            scale.view(-1, scale.shape[-1]).index_copy_(0, slot_mapping, s)  # [num_blocks * B, Hkv]
-        else:
-            rows.index_copy_(0, slot_mapping, x.to(cache.dtype))
+    write_kv_fused(k_cache, k_scale, k, slot_mapping)  # any head count works: here Hkv heads of one kind
+    write_kv_fused(v_cache, v_scale, v, slot_mapping)
 
 
 def write_kv_fused(kv_cache: Tensor, kv_scale: Tensor | None, kv: Tensor, slot_mapping: Tensor) -> None:
