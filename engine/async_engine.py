@@ -96,9 +96,12 @@ class AsyncLLMEngine:
         return times
 
     def shutdown(self) -> None:
+        """Stop the engine thread, then the replica group's workers (a single-rank engine has none)."""
         self._stopped = True
         self._wakeup.set()
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():  # the group's collectives belong to that thread: never race a step
+            self.engine.close()
 
     def _send(self, command: tuple) -> None:
         self._commands.put(command)

@@ -28,6 +28,8 @@ class EngineConfig:
     num_threads: int | None = None  # None = the cores of this process's affinity mask
     ranks: int = 1  # tensor-parallel ranks of one replica group (processes, each bound to its own CPU set)
     tp_mode: str = "exact"  # "exact": bit-identical to 1 rank (all-gathers); "reduce": row-parallel all-reduces
+    transport: str | None = None  # "shm" | "torch"; None: CPUSERVE_COMM, else shm when all ranks share a host
+    launcher: Any = None  # starts ranks 1..k-1 (distributed/group.py); None = processes on this host
     seed: int = 0
     show_progress: bool = True
     # derived at startup
@@ -54,6 +56,8 @@ class EngineConfig:
             raise ValueError(f"ranks={self.ranks} must be >= 1")
         if self.tp_mode not in ("exact", "reduce"):
             raise ValueError(f"tp_mode={self.tp_mode!r} is not supported; use 'exact' or 'reduce'")
+        if self.transport not in (None, "shm", "torch"):
+            raise ValueError(f"transport={self.transport!r} is not supported; use 'shm' or 'torch'")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads={self.num_threads} must be >= 1")
         if self.model is not None and not os.path.exists(self.model):

@@ -22,12 +22,13 @@ log = logging.getLogger(__name__)
 
 
 class TPRunner:
-    def __init__(self, runner: ModelRunner, comm: Communicator, vocab_size: int, on_close=None):
+    def __init__(self, runner: ModelRunner, comm: Communicator, vocab_size: int, on_close=None, check=None):
         self.runner = runner
         self.comm = comm
         self.vocab_size = vocab_size
         self.plan = runner.model.plan
         self._on_close = on_close  # stops the worker processes
+        self._check = check  # returns why a worker is gone (it may die while the group idles), or None
         self.broken: str | None = None
         self.use_candidates = True  # False: always gather full logits (the benchmark's baseline)
         self.compute_seconds = 0.0  # forward time outside collectives, accumulated (bench/tp.py)
@@ -76,6 +77,10 @@ class TPRunner:
     def forward_logits(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits at every scheduled token, [N, V] float32 (scoring)."""
         return step.dense_from_shards(self._step(out, step.KIND_SCORE, step.FULL), self.vocab_size)
+
+    def problem(self) -> str | None:
+        """Why this group cannot serve any more (a failed step, a worker gone), or None (health checks)."""
+        return self.broken or (self._check() if self._check is not None else None)
 
     def close(self) -> None:
         if self._on_close is not None:
