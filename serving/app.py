@@ -3,6 +3,8 @@
     Ingress (1 replica, 0 CPUs, on the head node: it owns the pod's ports and the Prometheus registry)
       --DeploymentHandle, streaming--> LLMServer (N replicas; each: cpus_per_rank CPUs, one engine,
                                         one unit of socket_resource when given)
+                                         with ranks_per_replica = k > 1: a placement group of k such bundles
+                                         per replica, the replica in bundle 0, rank actors in 1..k-1
 
 A RayService can name `cpuserve.serving.app:build_app` as its import_path with ServeConfig fields as args;
 the proxies' ports then come from the RayService's own http_options/grpc_options.
@@ -31,11 +33,17 @@ def build_app(args: dict[str, Any] | ServeConfig):
     from cpuserve.serving.llm_server import LLMServer
 
     config = args if isinstance(args, ServeConfig) else ServeConfig(**args)
+    config.check_model()
     data = config.model_dump()
-    replica_resources = {config.socket_resource: 1} if config.socket_resource else {}
+    rank_resources = {config.socket_resource: 1} if config.socket_resource else {}
+    group = {}
+    if config.ranks_per_replica > 1:  # Serve creates the group per replica and removes it with the replica
+        bundle = {"CPU": config.cpus_per_rank, **rank_resources}
+        group = dict(placement_group_bundles=[bundle] * config.ranks_per_replica,
+                     placement_group_strategy=config.placement_strategy)
     server = serve.deployment(LLMServer, name="LLMServer").options(
-        num_replicas=config.replicas,
-        ray_actor_options={"num_cpus": config.cpus_per_replica, "resources": replica_resources},
+        num_replicas=config.replicas, **group,
+        ray_actor_options={"num_cpus": config.cpus_per_rank, "resources": rank_resources},  # rank 0 (bundle 0)
         # admission happens at the ingress; this only caps what one replica accepts
         max_ongoing_requests=config.max_num_seqs + config.max_queued_requests + 1,
         health_check_period_s=2, graceful_shutdown_timeout_s=5)
@@ -58,20 +66,22 @@ def start_serving(config: ServeConfig, blocking_timeout_s: float = 600) -> None:
     # Ray's gRPC proxy accepts 2 GiB messages by default: bound memory per request. A started cluster (Kubernetes)
     # takes this from the pod's environment instead.
     os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(2 * config.max_request_bytes))
+    app = build_app(config)  # before Ray starts: a config the model cannot take fails here
     if not ray.is_initialized():
         if config.ray_address:
             ray.init(address=config.ray_address, log_to_driver=False)
         else:
             ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
                      num_cpus=max(config.replicas * config.cpus_per_replica, len(os.sched_getaffinity(0))),
-                     resources={config.socket_resource: config.replicas} if config.socket_resource else None)
+                     resources={config.socket_resource: config.replicas * config.ranks_per_replica}
+                     if config.socket_resource else None)
     if config.tls_cert_file:
         log.warning("TLS applies to HTTP only: Ray Serve's gRPC proxy listens in plaintext on port %d",
                     config.grpc_port)
     serve.start(http_options=HTTPOptions(host=config.host, port=config.http_port,
                                          ssl_certfile=config.tls_cert_file, ssl_keyfile=config.tls_key_file),
                 grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]))
-    serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+    serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
 
 
 def stop_serving() -> None:

@@ -10,7 +10,7 @@ import threading
 # flag -> ServeConfig field, for the flags this module adds (the engine's come from add_engine_args)
 _SERVE_FLAGS = ("replicas", "ranks_per_replica", "cpus_per_rank", "max_queued_requests", "host", "grpc_port",
                 "http_port", "metrics_port", "ray_address", "api_key_file", "tls_cert_file", "tls_key_file",
-                "socket_resource", "served_model_name")
+                "socket_resource", "placement_strategy", "transport", "served_model_name")
 _ENGINE_FLAGS = ("model", "weights", "group_size", "kv_cache", "kv_cache_gb", "block_size", "max_num_seqs",
                  "max_num_batched_tokens", "max_model_len")
 
@@ -22,8 +22,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description="Flags override --config; unset flags keep the YAML's or the defaults.")
     add_engine_args(p)
     p.add_argument("--replicas", type=int, help="LLMServer replicas, one engine each (default 1)")
-    p.add_argument("--ranks-per-replica", type=int, help="sockets per replica group (only 1 for now)")
+    p.add_argument("--ranks-per-replica", type=int,
+                   help="tensor-parallel ranks (sockets) per replica, at most the model's KV heads: rank 0 in the "
+                        "replica, the others in Ray actors of its placement group (default 1)")
     p.add_argument("--cpus-per-rank", type=int, help="CPUs and torch threads per rank (default 2)")
+    p.add_argument("--placement-strategy", choices=("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"),
+                   help="Ray strategy of a replica's rank bundles: STRICT_PACK (default) = one node; PACK may use "
+                        "several (one rank per --socket-resource pod)")
+    p.add_argument("--transport", choices=("shm", "torch"),
+                   help="collectives between ranks; default shm when a replica's ranks share a node, else torch")
     p.add_argument("--max-queued-requests", type=int,
                    help="waiting requests allowed beyond the running batches; more get 429 (default 64)")
     p.add_argument("--host", help="address of the HTTP and metrics endpoints (default 127.0.0.1)")
@@ -34,7 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key-file", help="one accepted API key per line")
     p.add_argument("--tls-cert-file")
     p.add_argument("--tls-key-file")
-    p.add_argument("--socket-resource", help="custom Ray resource each rank needs one unit of")
+    p.add_argument("--socket-resource", help="custom Ray resource each rank (bundle) needs one unit of")
     p.add_argument("--served-model-name", help="the name clients pass as model")
     p.add_argument("--config", help="YAML file of ServeConfig fields (see serving/config.py)")
     # None = not given, so a YAML value or the ServeConfig default applies
@@ -57,6 +64,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         config = config_from_args(args)
+        config.check_model()  # its ValueError names the field; main() prints it
     except ValidationError as e:
         err = e.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or "config"
@@ -65,7 +73,8 @@ def _serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"starting: {config.model_name}, {config.replicas} replica(s) x {config.cpus_per_replica} CPU(s), "
+    print(f"starting: {config.model_name}, {config.replicas} replica(s) x {config.ranks_per_replica} rank(s) x "
+          f"{config.cpus_per_rank} CPU(s), "
           f"weights={config.weights}, kv-cache={config.kv_cache}", file=sys.stderr, flush=True)
     try:
         start_serving(config)

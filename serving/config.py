@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, Literal
 
@@ -45,11 +46,17 @@ class ServeConfig(BaseSettings):
     # -- replicas and placement ---------------------------------------------------------------------------
     replicas: int = Field(1, ge=1)
     ranks_per_replica: int = Field(1, ge=1)
-    """Sockets one replica group spans; only 1 until tensor parallelism lands."""
+    """Tensor-parallel ranks (sockets) of one replica group, at most the model's KV heads: rank 0 in the
+    LLMServer replica, ranks 1..k-1 in Ray actors of the replica's placement group (serving/rank_actors.py)."""
     cpus_per_rank: int = Field(2, ge=1)
-    """Ray CPUs reserved per rank; the engine uses this many torch threads."""
+    """Ray CPUs reserved per rank (one placement group bundle each); every rank uses this many torch threads."""
     socket_resource: str | None = None
     """Custom Ray resource each rank asks one unit of (Kubernetes: one per NUMA-pinned pod)."""
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
+    """Ray strategy of a replica group's bundles: STRICT_PACK = one node; PACK lets ranks spill to other nodes
+    (one rank per socket_resource pod on Kubernetes needs PACK or STRICT_SPREAD)."""
+    transport: Literal["shm", "torch"] | None = None
+    """Collectives of a replica group: shm (one host) or torch (gloo/ccl); None: shm when the ranks share a node."""
 
     # -- admission ----------------------------------------------------------------------------------------
     max_queued_requests: int = Field(64, ge=0)
@@ -75,9 +82,6 @@ class ServeConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> "ServeConfig":
-        if self.ranks_per_replica != 1:
-            raise ValueError(f"ranks_per_replica={self.ranks_per_replica}: only 1 rank per replica works until "
-                             "tensor parallelism lands; run more --replicas instead")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file and tls_key_file go together: give both or neither")
         for name in ("model", "api_key_file", "tls_cert_file", "tls_key_file"):
@@ -105,7 +109,17 @@ class ServeConfig(BaseSettings):
                     kv_cache_gb=self.kv_cache_gb, block_size=self.block_size, max_num_seqs=self.max_num_seqs,
                     max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
                     enable_prefix_caching=self.enable_prefix_caching, num_threads=self.cpus_per_rank,
-                    seed=self.seed, show_progress=False)
+                    ranks=self.ranks_per_replica, transport=self.transport, seed=self.seed, show_progress=False)
+
+    def check_model(self) -> None:
+        """Checks that need the model's header (not its weights): run before deploying, so a bad value fails
+        here, naming its field, instead of in every replica Serve keeps restarting."""
+        if self.ranks_per_replica == 1:
+            return
+        n_kv_heads = _model_args(self.model).n_kv_heads
+        if self.ranks_per_replica > n_kv_heads:
+            raise ValueError(f"ranks_per_replica={self.ranks_per_replica} exceeds the model's {n_kv_heads} KV heads: "
+                             f"every rank needs at least one; use ranks_per_replica <= {n_kv_heads}")
 
     def api_keys(self) -> frozenset[str]:
         if self.api_key_file is None:
@@ -126,6 +140,13 @@ def load_config(path: str | None = None, **overrides: Any) -> ServeConfig:
         data = {_snake(k): v for k, v in loaded.items()}
     data.update({k: v for k, v in overrides.items() if v is not None})
     return ServeConfig(**data)
+
+
+@functools.lru_cache(maxsize=4)
+def _model_args(model: str | None):
+    from cpuserve.engine.loader import load_checkpoint
+
+    return load_checkpoint(model, show_progress=False).args
 
 
 def _snake(key: str) -> str:

@@ -13,7 +13,7 @@ import logging
 import os
 from typing import Any, AsyncIterator
 
-from cpuserve.engine.async_engine import AsyncLLMEngine
+from cpuserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from cpuserve.engine.sampling_params import SamplingParams
 from cpuserve.serving.config import ServeConfig
 from cpuserve.serving.protocol import UNAVAILABLE, RequestError, chunk_from_step
@@ -31,20 +31,26 @@ class LLMServer:
 
     def __init__(self, config: dict[str, Any] | ServeConfig, engine_cls: type = AsyncLLMEngine):
         self.config = config if isinstance(config, ServeConfig) else ServeConfig(**config)
-        self.engine = engine_cls.from_config(**self.config.engine_options())
-        self.tokenizer = self.engine.tokenizer
         self.replica_id = f"{os.getpid()}"
         self._ids = itertools.count()
         self._stats_task: asyncio.Task | None = None
         self._ingress = None
+        options = self.config.engine_options()
         try:  # inside a Serve replica: find the ingress to report to (no handle cycle in the app graph)
             from ray import serve
 
             ctx = serve.get_replica_context()
             self.replica_id = ctx.replica_id.unique_id
             self._ingress = serve.get_deployment_handle("Ingress", app_name=ctx.app_name)
-        except Exception:  # not running under Serve
+        except Exception:  # not running under Serve: a replica group's ranks are the engine's own processes
             self._ingress = None
+        if self._ingress is not None and self.config.ranks_per_replica > 1:
+            from cpuserve.serving.rank_actors import RayLauncher
+
+            options["launcher"] = RayLauncher(f"cpuserve-{self.replica_id}", self.config.cpus_per_rank,
+                                              self.config.socket_resource)
+        self.engine = engine_cls.from_config(**options)
+        self.tokenizer = self.engine.tokenizer
 
     # -- requests -------------------------------------------------------------------------------------------
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -74,13 +80,16 @@ class LLMServer:
                                                   rename={"prompt": "messages"} if chat else None)
             yield {"error": error.to_dict()}
             return
-        except RuntimeError as e:  # EngineDeadError: this replica cannot serve; Serve's health check restarts it
-            yield {"error": RequestError(str(e), None, UNAVAILABLE).to_dict()}
+        except EngineDeadError as e:
+            yield _unavailable(e)
             return
         # the first chunk names the replica, so clients (and tests) can see where a request ran
         yield {**chunk_from_step(first, self._token_text), "replica": self.replica_id}
-        async for step in stream:
-            yield chunk_from_step(step, self._token_text)
+        try:
+            async for step in stream:
+                yield chunk_from_step(step, self._token_text)
+        except EngineDeadError as e:  # mid-stream (a rank died): end this stream with the error, not an exception
+            yield _unavailable(e)
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -116,6 +125,10 @@ class LLMServer:
         self._ensure_stats_task()
         if getattr(self.engine, "error", None) is not None:
             raise RuntimeError(f"engine stopped: {self.engine.error!r}")
+        runner = getattr(getattr(self.engine, "engine", None), "runner", None)
+        problem = getattr(runner, "problem", None)  # replica groups only
+        if problem is not None and (reason := problem()):
+            raise RuntimeError(f"replica group down: {reason}")
 
     def _ensure_stats_task(self) -> None:
         if self._ingress is not None and self._stats_task is None:
@@ -129,7 +142,12 @@ class LLMServer:
                 log.debug("stats report failed: %r", e)
             await asyncio.sleep(self.config.stats_interval_s)
 
-    def __del__(self) -> None:
+    def __del__(self) -> None:  # Serve calls this when it stops the replica: stops the rank actors too
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+def _unavailable(e: EngineDeadError) -> dict[str, Any]:
+    """This replica cannot serve; Serve's health check restarts it (and its group), so a retry succeeds."""
+    return {"error": RequestError(f"{e}; this replica restarts: retry the request", None, UNAVAILABLE).to_dict()}

@@ -44,7 +44,9 @@ def test_yaml_with_flags_on_top(tmp_path):
 
 
 @pytest.mark.parametrize("fields,named", [
-    ({"ranks_per_replica": 2}, "ranks_per_replica"),
+    ({"ranks_per_replica": 0}, "ranks_per_replica"),
+    ({"placement_strategy": "ANYWHERE"}, "placement_strategy"),
+    ({"transport": "nccl"}, "transport"),
     ({"tls_cert_file": __file__}, "tls_key_file"),
     ({"model": "/nonexistent/model.gguf"}, "model"),
     ({"replicas": 0}, "replicas"),
@@ -62,3 +64,25 @@ def test_yaml_must_be_a_mapping(tmp_path):
     f.write_text("- replicas\n")
     with pytest.raises(ValueError, match="YAML mapping"):
         load_config(str(f))
+
+
+def test_replica_group_flags_and_engine_options():
+    c = parse("--ranks-per-replica", "3", "--cpus-per-rank", "4", "--placement-strategy", "PACK",
+              "--transport", "torch", "--socket-resource", "cpuserve_socket")
+    assert (c.ranks_per_replica, c.cpus_per_replica, c.placement_strategy) == (3, 12, "PACK")
+    options = c.engine_options()
+    assert (options["ranks"], options["num_threads"], options["transport"]) == (3, 4, "torch")
+    c.check_model()  # SmolLM2 has 3 KV heads: 3 ranks fit
+
+
+def test_more_ranks_than_kv_heads_names_the_field(capsys):
+    """SmolLM2 has 3 KV heads: 4 ranks cannot split them. Caught before Ray starts: by the CLI, and by build_app
+    (what a RayService imports), not by every replica Serve would keep restarting."""
+    from cpuserve.engine.cli import main
+    from cpuserve.serving.app import build_app
+
+    assert main(["serve", "--ranks-per-replica", "4", "--cpus-per-rank", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "ranks_per_replica=4" in err and "3 KV heads" in err and "ranks_per_replica <= 3" in err
+    with pytest.raises(ValueError, match=r"ranks_per_replica=4 exceeds the model's 3 KV heads"):
+        build_app(ServeConfig(ranks_per_replica=4))
