@@ -1,6 +1,7 @@
 """A real Serve app on 127.0.0.1 per test module: Ray, the gRPC and HTTP proxies, real SmolLM2 replicas.
 
-A module sets `SERVE_CONFIG = {...}` (ServeConfig fields) to size its app; ports are free ones picked here, as
+A module sets `SERVE_CONFIG = {...}` (ServeConfig fields) to size its app, and may parametrize `serving` indirectly
+(scope="module") with dicts of further fields to run its tests on several apps; ports are free ones picked here, as
 other test runs may share the machine.
 """
 
@@ -31,7 +32,7 @@ def serving(request):
     from cpuserve.serving.app import start_serving, stop_serving
     from cpuserve.serving.config import ServeConfig
 
-    fields = {**BASE_CONFIG, **getattr(request.module, "SERVE_CONFIG", {})}
+    fields = {**BASE_CONFIG, **getattr(request.module, "SERVE_CONFIG", {}), **getattr(request, "param", {})}
     config = ServeConfig(**fields, grpc_port=free_port(), http_port=free_port(), metrics_port=free_port())
     start_serving(config)
     try:
@@ -47,6 +48,14 @@ def serving(request):
         yield config
     finally:
         stop_serving()
+
+
+@pytest.fixture(scope="module")
+def engine_alone():
+    """The engine without serving, as one single-rank replica runs it (int4 weights, int8 KV, one thread)."""
+    from cpuserve.engine.llm import LLM
+
+    return LLM(weights="int4", kv_cache="int8", kv_cache_gb=0.1, num_threads=1, show_progress=False)
 
 
 @pytest.fixture(scope="module")

@@ -31,14 +31,6 @@ def greedy(max_tokens: int = NUM_TOKENS, **kw) -> pb.SamplingParameters:
     return pb.SamplingParameters(max_tokens=max_tokens, temperature=0, ignore_eos=True, **kw)
 
 
-@pytest.fixture(scope="module")
-def engine_alone():
-    """The engine without serving, as one replica runs it (int4 weights, int8 KV, one thread)."""
-    from cpuserve.engine.llm import LLM
-
-    return LLM(weights="int4", kv_cache="int8", kv_cache_gb=0.1, num_threads=1, show_progress=False)
-
-
 def test_grpc_generate_streams_tokens_incrementally(grpc_stub):
     arrivals, messages = [], []
     start = time.perf_counter()
