@@ -33,8 +33,15 @@ def serving(request):
     from cpuserve.serving.config import ServeConfig
 
     fields = {**BASE_CONFIG, **getattr(request.module, "SERVE_CONFIG", {}), **getattr(request, "param", {})}
-    config = ServeConfig(**fields, grpc_port=free_port(), http_port=free_port(), metrics_port=free_port())
-    start_serving(config)
+    for attempt in range(3):  # a port picked here may be taken before the proxies bind it (Ray's GCS picks one too)
+        config = ServeConfig(**fields, grpc_port=free_port(), http_port=free_port(), metrics_port=free_port())
+        try:
+            start_serving(config)
+            break
+        except Exception as e:
+            stop_serving()
+            if "bind" not in str(e) or attempt == 2:
+                raise
     try:
         deadline = time.monotonic() + 180
         while True:  # serve.run(blocking=False) returns before the proxies route: wait for /health

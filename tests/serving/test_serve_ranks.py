@@ -1,7 +1,7 @@
 """Replica groups under Ray Serve: one replica of 2 ranks (rank 0 in the LLMServer replica, rank 1 in a Ray actor of
 the replica's placement group), one core each, against the single-rank engine alone; every test runs on an app
 with torch (gloo) collectives and on one with shm (the default on one node). A killed rank fails the in-flight
-stream with UNAVAILABLE, and Serve restarts the replica with a new group."""
+stream with UNAVAILABLE; a killed rank, in flight or idle, makes Serve restart the replica with a new group."""
 
 from __future__ import annotations
 
@@ -88,6 +88,27 @@ def test_killed_rank_fails_the_stream_then_the_replica_restarts(serving, grpc_st
     assert failed < 30, f"the stream took {failed:.1f} s to fail"
 
     # Serve's health check fails the replica and starts a new one (new placement group, new rank actor)
+    assert_recovers(grpc_stub, engine_alone, killed, old_name, pid)
+
+
+def test_rank_killed_while_idle_restarts_the_replica(serving, grpc_stub, engine_alone):
+    """No request notices: the replica's health check sees the dead worker and Serve replaces the replica."""
+    import ray
+
+    (old_name, worker), = rank_workers().items()
+    pid = ray.get(worker.where.remote())["pid"]
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    while old_name in rank_workers() or not rank_workers():  # replaced before any request is sent
+        assert time.monotonic() - killed < RECOVERY_TIMEOUT, "the replica was not replaced"
+        time.sleep(1)
+    assert_recovers(grpc_stub, engine_alone, killed, old_name, pid)
+
+
+def assert_recovers(grpc_stub, engine_alone, killed: float, old_name: str, old_pid: int) -> None:
+    """Within RECOVERY_TIMEOUT of the kill a request succeeds, with one-rank tokens, on a new rank actor."""
+    import ray
+
     request = pb.GenerateRequest(text=PROMPTS[0], sampling=pb.SamplingParameters(**GREEDY))
     while True:
         try:
@@ -99,4 +120,4 @@ def test_killed_rank_fails_the_stream_then_the_replica_restarts(serving, grpc_st
     assert list(recovered.token_ids) == engine_alone.generate([PROMPTS[0]], SamplingParams(**GREEDY))[0].token_ids
     workers = rank_workers()
     assert len(workers) == 1 and old_name not in workers, workers  # one rank actor: the new replica's
-    assert ray.get(next(iter(workers.values())).where.remote())["pid"] != pid and not _alive(pid)
+    assert ray.get(next(iter(workers.values())).where.remote())["pid"] != old_pid and not _alive(old_pid)
