@@ -52,7 +52,9 @@ def serve_args(spec: LLMServiceSpec) -> list[str]:
              "--max-num-seqs", str(b.max_num_seqs), "--max-num-batched-tokens", str(b.max_num_batched_tokens),
              "--max-queued-requests", str(b.max_queued_requests), "--host", "0.0.0.0",
              "--grpc-port", str(p.grpc), "--http-port", str(p.http), "--metrics-port", str(p.metrics),
-             "--ray-address", "auto", "--socket-resource", naming.SOCKET_RESOURCE]
+             "--ray-address", "auto", "--socket-resource", naming.SOCKET_RESOURCE,
+             # each rank pod is its own Ray node offering one socket unit: a group's bundles land on k pods
+             "--placement-strategy", "STRICT_SPREAD"]
     if spec.security.api_keys is not None:
         args += ["--api-key-file", f"{API_KEYS_DIR}/{spec.security.api_keys.key}"]
     if spec.security.tls_secret_name:

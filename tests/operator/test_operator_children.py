@@ -138,7 +138,7 @@ def test_head_runs_serve_with_the_spec():
                      "--max-num-seqs": "64", "--max-num-batched-tokens": "2048", "--max-queued-requests": "256",
                      "--host": "0.0.0.0", "--grpc-port": "9100", "--http-port": "8100", "--metrics-port": "8180",
                      "--ray-address": "auto", "--socket-resource": "cpuserve_socket",
-                     "--api-key-file": "/etc/cpuserve/api-keys/keys.txt",
+                     "--placement-strategy": "STRICT_SPREAD", "--api-key-file": "/etc/cpuserve/api-keys/keys.txt",
                      "--tls-cert-file": "/etc/cpuserve/tls/tls.crt", "--tls-key-file": "/etc/cpuserve/tls/tls.key"}
     head = by_kind(build_children(body, spec, SETTINGS, False), "Pod")[0]
     init = head["spec"]["initContainers"][0]

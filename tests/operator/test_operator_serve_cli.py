@@ -29,4 +29,5 @@ def test_head_command_line_parses_with_cpuserve_serve():
         ("serve", "/models/llama/model.gguf", "int8", 128, "bf16", 2.5)
     assert (args.replicas, args.cpus_per_rank, args.grpc_port, args.ray_address, args.socket_resource) == \
         (2, 8, 9000, "auto", "cpuserve_socket")
+    assert args.placement_strategy == "STRICT_SPREAD"  # one rank per pod, each pod its own Ray node
     assert args.tls_cert_file == "/etc/cpuserve/tls/tls.crt" and args.api_key_file == "/etc/cpuserve/api-keys/api-keys"
