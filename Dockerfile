@@ -21,6 +21,8 @@ RUN pip install "torch==2.13.0" \
  && python -c "import cpuserve.operator.crd, cpuserve.serving.metrics"
 
 FROM ${PYTHON_IMAGE}
+# g++ builds the fused decode kernels (engine/csrc) for the CPU the pod lands on, at first start
+RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN groupadd --gid 10001 cpuserve \
  && useradd --uid 10001 --gid 10001 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin cpuserve
 COPY --from=build /opt/cpuserve /opt/cpuserve

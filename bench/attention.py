@@ -5,7 +5,8 @@
 Prefill: SlimAttention vs torch SDPA (is_causal=True, enable_gqa=True: torch's CPU flash kernel) at 1024 and
 4096 tokens, bf16 and fp32; ratio = sdpa_ms / slim_ms (> 1: SlimAttention is faster).
 Decode: paged_decode_attention with an int8 vs a bf16 cache at batch 1/8/32, context 512;
-ratio = bf16_ms / int8_ms.
+ratio = bf16_ms / int8_ms. Then the fused C++ kernel (torch.ops.cpuserve.decode_attention) against that
+plain-torch kernel on the same int8 pool; ratio = torch_ms / native_ms.
 """
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+from cpuserve.engine.layers import native
 from cpuserve.engine.threads import tune_allocator as tune_malloc  # the engine's own setting, applied the same way
-from cpuserve.engine.layers.attention import (DECODE_CHUNK_TOKENS, SLIM_BLOCK_ROWS, paged_decode_attention,
-                                              slim_attention, write_kv)
+from cpuserve.engine.layers.attention import (DECODE_CHUNK_TOKENS, NATIVE_SLIM_BLOCK_ROWS, SLIM_BLOCK_ROWS,
+                                              paged_decode_attention, slim_attention, write_kv)
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 
@@ -34,7 +36,10 @@ def median_ms(fn, repeats: int, warmup: int = 1) -> float:
     return 1000 * statistics.median(times)
 
 
-def bench_prefill(seq_len: int, dtype: torch.dtype, repeats: int, block_rows: int) -> dict:
+def bench_prefill(seq_len: int, dtype: torch.dtype, repeats: int, block_rows: int | None = None) -> dict:
+    """SlimAttention as the engine runs it (the C++ kernel for bf16 when built) against SDPA."""
+    fused = dtype == torch.bfloat16 and native.available()
+    block_rows = block_rows or (NATIVE_SLIM_BLOCK_ROWS if fused else SLIM_BLOCK_ROWS)
     q = torch.randn(seq_len, HEADS, HEAD_DIM).to(dtype)
     k = torch.randn(seq_len, KV_HEADS, HEAD_DIM).to(dtype)
     v = torch.randn(seq_len, KV_HEADS, HEAD_DIM).to(dtype)
@@ -42,18 +47,26 @@ def bench_prefill(seq_len: int, dtype: torch.dtype, repeats: int, block_rows: in
     qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, L, D]: SDPA's layout
     sdpa = median_ms(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
                                                             enable_gqa=True), repeats)
-    slim = median_ms(lambda: slim_attention(q, k, v, 0, scale, block_rows=block_rows), repeats)
-    return {"bench": "prefill", "case": f"L={seq_len} {str(dtype)[6:]} rows={block_rows}",
+    if fused:
+        slim = median_ms(lambda: torch.ops.cpuserve.slim_attention(q, k, v, 0, scale, block_rows), repeats)
+    else:
+        slim = median_ms(lambda: slim_attention(q, k, v, 0, scale, block_rows=block_rows), repeats)
+    kind = "native" if fused else "torch"
+    return {"bench": "prefill", "case": f"L={seq_len} {str(dtype)[6:]} {kind} rows={block_rows}",
             "base_ms": round(sdpa, 2), "ours_ms": round(slim, 2), "ratio": round(sdpa / slim, 2),
             "vs": "sdpa/slim"}
 
 
 def make_pool(cache_dtype: torch.dtype, batch: int, context: int):
+    """K and V views of one pool [num_blocks, B, 2 Hkv, D] as the engine lays it out; shuffled block tables."""
     blocks_per_seq = context // BLOCK_SIZE
     num_blocks = batch * blocks_per_seq + 1
-    shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-    k_cache, v_cache = torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype)
-    scales = (torch.zeros(shape[:3]), torch.zeros(shape[:3])) if cache_dtype == torch.int8 else (None, None)
+    pool = torch.zeros(num_blocks, BLOCK_SIZE, 2 * KV_HEADS, HEAD_DIM, dtype=cache_dtype)
+    k_cache, v_cache = pool[:, :, :KV_HEADS], pool[:, :, KV_HEADS:]
+    scales = (None, None)
+    if cache_dtype == torch.int8:
+        scale = torch.zeros(pool.shape[:3])
+        scales = (scale[..., :KV_HEADS], scale[..., KV_HEADS:])
     tables = (torch.randperm(num_blocks - 1)[: batch * blocks_per_seq] + 1).view(batch, blocks_per_seq)
     slots = (tables.repeat_interleave(BLOCK_SIZE, 1) * BLOCK_SIZE + torch.arange(context) % BLOCK_SIZE).view(-1)
     kv = torch.randn(batch * context, KV_HEADS, HEAD_DIM)
@@ -74,12 +87,26 @@ def bench_decode(batch: int, context: int, repeats: int, chunk_tokens: int) -> d
             "ratio": round(ms[torch.bfloat16] / ms[torch.int8], 2), "vs": "bf16/int8"}
 
 
+def bench_native_decode(batch: int, context: int, repeats: int) -> dict:
+    q = torch.randn(batch, HEADS, HEAD_DIM).to(torch.bfloat16)
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    cache, tables = make_pool(torch.int8, batch, context)
+    pool, scale = cache[0]._base, cache[1]._base  # the pool behind the K/V views
+    plain = median_ms(lambda: paged_decode_attention(q, *cache, tables, lens, HEAD_DIM ** -0.5), repeats, warmup=3)
+    fused = median_ms(lambda: torch.ops.cpuserve.decode_attention(q, pool, scale, tables, lens, HEAD_DIM ** -0.5),
+                      repeats, warmup=3)
+    return {"bench": "decode int8", "case": f"S={batch} ctx={context}", "base_ms": round(plain, 3),
+            "ours_ms": round(fused, 3), "ratio": round(plain / fused, 2), "vs": "torch/native"}
+
+
 @torch.inference_mode()
 def run(prefill_lens=(1024, 4096), dtypes=(torch.bfloat16, torch.float32), batches=(1, 8, 32), context=512,
-        repeats: int = 5, block_rows: int = SLIM_BLOCK_ROWS, chunk_tokens: int = DECODE_CHUNK_TOKENS) -> list[dict]:
+        repeats: int = 5, block_rows: int | None = None, chunk_tokens: int = DECODE_CHUNK_TOKENS) -> list[dict]:
     """Rows of {bench, case, base_ms, ours_ms, ratio, vs}; medians of `repeats` runs."""
     rows = [bench_prefill(n, dt, repeats, block_rows) for n in prefill_lens for dt in dtypes]
     rows += [bench_decode(b, context, max(repeats, 20), chunk_tokens) for b in batches]
+    if native.available():
+        rows += [bench_native_decode(b, context, max(repeats, 20)) for b in batches]
     return rows
 
 
@@ -95,7 +122,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="1024-token prefill only")
-    ap.add_argument("--block-rows", type=int, default=SLIM_BLOCK_ROWS)
+    ap.add_argument("--block-rows", type=int, default=None, help="SlimAttention row block (default: the engine's)")
     ap.add_argument("--chunk-tokens", type=int, default=DECODE_CHUNK_TOKENS)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     ap.add_argument("--no-malloc-tuning", action="store_true", help="leave glibc malloc at its defaults")

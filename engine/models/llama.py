@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cpuserve.engine.layers.attention import gather_kv, paged_decode_attention, slim_attention, write_kv_fused
+from cpuserve.engine.layers import native
+from cpuserve.engine.layers.attention import gather_kv, paged_decode_attention, prefill_attention, write_kv_fused
 from cpuserve.engine.layers.quant_linear import QuantLinear
 from cpuserve.engine.models.args import ModelArgs
 from cpuserve.engine.models.rope import apply_rope
@@ -77,6 +78,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if native.enabled():
+            return torch.ops.cpuserve.rms_norm(x.contiguous(), self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
@@ -93,13 +96,21 @@ class Attention(nn.Module):
         n = x.shape[0]
         h, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.qkv(x).view(n, h + 2 * hkv, d)  # qkv: [N, H + 2 Hkv, D]
-        # one rotation for q and k together, written back so k and v stay adjacent for the fused KV write
-        qkv[:, : h + hkv] = apply_rope(qkv[:, : h + hkv], meta.cos, meta.sin)
-        q = qkv[:, :h]  # q: [N, H, D]
         kv = self.kv
-        write_kv_fused(kv.kv, kv.scale, qkv[:, h:], meta.slot_mapping)
+        fused = native.enabled()
+        if fused:  # RoPE on q and k, then K and V into the pool: one C++ pass
+            torch.ops.cpuserve.rope_write_kv(qkv, meta.cos, meta.sin, h, kv.kv, kv.scale, meta.slot_mapping)
+        else:
+            # one rotation for q and k together, written back so k and v stay adjacent for the fused KV write
+            qkv[:, : h + hkv] = apply_rope(qkv[:, : h + hkv], meta.cos, meta.sin)
+            write_kv_fused(kv.kv, kv.scale, qkv[:, h:], meta.slot_mapping)
+        q = qkv[:, :h]  # q: [N, H, D]
         parts = []
-        if meta.num_decode:  # decode
+        if meta.num_decode and fused:
+            parts.append(torch.ops.cpuserve.decode_attention(
+                q[: meta.num_decode], kv.kv, kv.scale, meta.decode_block_tables, meta.decode_context_lens,
+                self.scale))
+        elif meta.num_decode:
             parts.append(paged_decode_attention(
                 q[: meta.num_decode], kv.k, kv.k_scale, kv.v, kv.v_scale,
                 meta.decode_block_tables, meta.decode_context_lens, self.scale, invalid=meta.decode_invalid))
@@ -108,7 +119,7 @@ class Attention(nn.Module):
             k_ctx = gather_kv(kv.k, kv.k_scale, p.block_table, length, q.dtype)  # [T, Hkv, D]
             v_ctx = gather_kv(kv.v, kv.v_scale, p.block_table, length, q.dtype)
             q_rows = q[p.token_start: p.token_start + p.num_tokens]
-            parts.append(slim_attention(q_rows, k_ctx, v_ctx, p.q_start, self.scale))
+            parts.append(prefill_attention(q_rows, k_ctx, v_ctx, p.q_start, self.scale))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)  # out: [N, H, D]
         return self.o_proj(out.reshape(n, h * d))
 
@@ -120,7 +131,10 @@ class MLP(nn.Module):
         self.down = down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        gate_up = self.gate_up(x)
+        if native.enabled():
+            return self.down(torch.ops.cpuserve.silu_mul(gate_up.contiguous()))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
 
 

@@ -2,8 +2,14 @@
 import pytest
 import torch
 
+from cpuserve.engine.layers import native
 from cpuserve.engine.layers.attention import (gather_kv, paged_decode_attention, quantize_kv,
                                               reference_attention, slim_attention, write_kv)
+
+
+def native_slim(q, k, v, q_start, scale, block_rows):
+    assert native.available(), "the fused kernels must build here (gcc and ninja are installed by the project)"
+    return torch.ops.cpuserve.slim_attention(q, k, v, q_start, scale, block_rows)
 
 # fp32: same math, different summation order. bf16: the result is rounded to bf16 (2^-9 relative of values
 # that are convex combinations of N(0,1) entries, so |out| < ~4).
@@ -18,7 +24,8 @@ def rand(*shape, dtype=torch.float32, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# the C++ SlimAttention takes bf16 only (fp32 prefill runs the torch version)
+@pytest.mark.parametrize("impl,dtype", [("torch", torch.float32), ("torch", torch.bfloat16), ("native", torch.bfloat16)])
 @pytest.mark.parametrize("seq_len,q_start,heads,kv_heads,head_dim,block_rows", [
     (37, 0, 9, 3, 64, 16),     # several blocks, last one partial, GQA 3
     (1, 20, 4, 4, 16, 16),     # single decode-like row over a prefix, MHA
@@ -26,25 +33,28 @@ def rand(*shape, dtype=torch.float32, seed=0):
     (130, 0, 8, 1, 32, 128),   # MQA, one full block + 2 rows
     (5, 3, 6, 2, 8, 128),      # block_rows > L
 ])
-def test_slim_attention_matches_reference(dtype, seq_len, q_start, heads, kv_heads, head_dim, block_rows):
+def test_slim_attention_matches_reference(impl, dtype, seq_len, q_start, heads, kv_heads, head_dim, block_rows):
     total = q_start + seq_len
-    q = rand(seq_len, heads, head_dim, dtype=dtype, seed=1)
+    # q as the model passes it: rows of the fused qkv output (strided), each row's heads dense
+    q = rand(seq_len, heads + 2 * kv_heads, head_dim, dtype=dtype, seed=1)[:, :heads]
     k = rand(total, kv_heads, head_dim, dtype=dtype, seed=2)
     v = rand(total, kv_heads, head_dim, dtype=dtype, seed=3)
     scale = head_dim ** -0.5
-    out = slim_attention(q, k, v, q_start, scale, block_rows=block_rows)
+    fn = slim_attention if impl == "torch" else native_slim
+    out = fn(q, k, v, q_start, scale, block_rows=block_rows)
     ref = reference_attention(q, k, v, q_start, scale)
     assert out.shape == (seq_len, heads, head_dim) and out.dtype == dtype
     assert (out.float() - ref.float()).abs().max() < TOL[dtype]
 
 
-def test_slim_attention_is_causal():
-    q, k, v = rand(8, 2, 16, seed=1), rand(8, 2, 16, seed=2), rand(8, 2, 16, seed=3)
-    base = slim_attention(q, k, v, 0, 0.25, block_rows=4)
+@pytest.mark.parametrize("fn,dtype", [(slim_attention, torch.float32), (native_slim, torch.bfloat16)])
+def test_slim_attention_is_causal(fn, dtype):
+    q, k, v = (rand(8, 2, 16, seed=s, dtype=dtype) for s in (1, 2, 3))
+    base = fn(q, k, v, 0, 0.25, block_rows=4)
     k2, v2 = k.clone(), v.clone()
     k2[5:] += 10
     v2[5:] -= 10
-    changed = slim_attention(q, k2, v2, 0, 0.25, block_rows=4)
+    changed = fn(q, k2, v2, 0, 0.25, block_rows=4)
     assert torch.equal(base[:5], changed[:5])
     assert not torch.allclose(base[5:], changed[5:])
 
@@ -61,14 +71,24 @@ def test_quantize_kv_round_trip_within_half_step():
 
 
 def make_cache(dtype, num_blocks, block_size, kv_heads, head_dim):
-    """A pool full of garbage (NaN for floats, inf/NaN scales), as torch.empty may leave it."""
+    """K and V views of one pool [num_blocks, B, 2 Hkv, D], laid out as LayerKV does, full of garbage (NaN for
+    floats, NaN/inf scales), as torch.empty may leave it."""
+    shape = (num_blocks, block_size, 2 * kv_heads, head_dim)
     if dtype == torch.int8:
-        k = torch.randint(-128, 128, (num_blocks, block_size, kv_heads, head_dim), dtype=torch.int8)
-        ks = torch.full((num_blocks, block_size, kv_heads), float("nan"))
-        vs = torch.full((num_blocks, block_size, kv_heads), float("inf"))
-        return k, ks, k.clone(), vs
-    k = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
-    return k, None, k.clone(), None
+        pool = torch.randint(-128, 128, shape, dtype=torch.int8)
+        scale = torch.cat([torch.full(shape[:2] + (kv_heads,), float("nan")),
+                           torch.full(shape[:2] + (kv_heads,), float("inf"))], -1)
+        return pool[:, :, :kv_heads], scale[..., :kv_heads], pool[:, :, kv_heads:], scale[..., kv_heads:]
+    pool = torch.full(shape, float("nan"), dtype=dtype)
+    return pool[:, :, :kv_heads], None, pool[:, :, kv_heads:], None
+
+
+def native_decode(q, cache, tables, lens, scale, chunk_tokens=None):
+    """The C++ kernel over the pool behind make_cache's views (chunk_tokens: it reads token by token)."""
+    assert native.available(), "the fused kernels must build here (gcc and ninja are installed by the project)"
+    pool = cache[0]._base
+    pool_scale = None if cache[1] is None else cache[1]._base
+    return torch.ops.cpuserve.decode_attention(q, pool, pool_scale, tables, lens, scale)
 
 
 def fill_sequences(cache, lens, block_size, max_blocks, kv_heads, head_dim, seed=0):
@@ -109,16 +129,23 @@ def test_write_then_gather_recovers_values(dtype):
     (torch.int8, torch.bfloat16), (torch.int8, torch.float32), (torch.bfloat16, torch.bfloat16),
     (torch.float32, torch.float32),
 ])
-@pytest.mark.parametrize("chunk_tokens", [16, 200, 4096])  # 1 block, 2 blocks (uneven), all
-def test_paged_decode_matches_reference(cache_dtype, q_dtype, chunk_tokens):
+@pytest.mark.parametrize("impl,chunk_tokens", [
+    (paged_decode_attention, 16), (paged_decode_attention, 200), (paged_decode_attention, 4096),  # 1, 2, all blocks
+    (native_decode, None),
+])
+def test_paged_decode_matches_reference(cache_dtype, q_dtype, impl, chunk_tokens):
     block_size, kv_heads, heads, head_dim = 16, 3, 9, 64
     lens = [5, 33, 100, 1, 64, 17]  # partial, exact and single-token blocks in one batch
     cache = make_cache(cache_dtype, 48, block_size, kv_heads, head_dim)
     tables, truths = fill_sequences(cache, lens, block_size, 8, kv_heads, head_dim)
-    q = rand(len(lens), heads, head_dim, dtype=q_dtype, seed=99)
+    # q as the model passes it: a slice of the fused qkv rows (rows strided, each head's D contiguous)
+    q = rand(len(lens), heads + 2 * kv_heads, head_dim, dtype=q_dtype, seed=99)[:, :heads]
     scale = head_dim ** -0.5
-    out = paged_decode_attention(q, *cache, tables, torch.tensor(lens, dtype=torch.int32), scale,
-                                 chunk_tokens=chunk_tokens)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    if impl is paged_decode_attention:
+        out = paged_decode_attention(q, *cache, tables, lens_t, scale, chunk_tokens=chunk_tokens)
+    else:
+        out = native_decode(q, cache, tables, lens_t, scale)
     assert out.shape == q.shape and out.dtype == q_dtype and torch.isfinite(out.float()).all()
     for s, length in enumerate(lens):
         k = gather_kv(cache[0], cache[1], tables[s], length, torch.float32)
@@ -129,3 +156,14 @@ def test_paged_decode_matches_reference(cache_dtype, q_dtype, chunk_tokens):
         if cache_dtype == torch.int8:
             truth = reference_attention(q[s:s + 1].float(), *truths[s], length - 1, scale)
             assert (out[s].float() - truth[0]).abs().max() < INT8_VS_TRUTH_TOL, f"sequence {s} vs fp32 truth"
+
+
+def test_native_slim_rows_do_not_depend_on_chunking():
+    """A prompt prefilled whole, in chunks, or after a prefix-cache hit must give bit-identical rows: replica
+    ranks and batch-invariance tests compare engines whose prompts were split differently."""
+    q, k, v = (rand(700, heads, 64, dtype=torch.bfloat16, seed=s) for s, heads in ((1, 9), (2, 3), (3, 3)))
+    whole = native_slim(q, k, v, 0, 0.125, block_rows=32)
+    for start in (100, 517, 699):  # chunks crossing, starting inside, and at the end of a 512-key block
+        part = native_slim(q[start:].contiguous(), k, v, start, 0.125, block_rows=32)
+        assert torch.equal(part, whole[start:]), f"chunk from {start}"
+    assert torch.equal(native_slim(q, k, v, 0, 0.125, block_rows=16), whole)  # nor on the row block size

@@ -1,0 +1,366 @@
+// Fused CPU kernels for the decode hot path, registered as torch.ops.cpuserve.*.
+//
+// Eager PyTorch spends most of a batch-1 decode step dispatching ~40 small ops per layer (RMSNorm's composite,
+// RoPE's slices and cats, the KV quantize-and-scatter, the paged attention's gathers and casts). Each op here
+// replaces one such chain with one pass over the data. Numerics follow the plain-torch path in
+// engine/layers: fp32 arithmetic, one rounding to the activation dtype at the end.
+//
+// Built on first use by engine/layers/native.py (torch.utils.cpp_extension, -O3 -march=native).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr float kInt8Max = 127.0f;
+constexpr int64_t kMaxGroup = 16;  // query heads per kv head held in registers by the AVX-512 score loop
+constexpr float kMinScale = 1e-30f;  // engine/layers/kv_quant.py: an all-zero row divides 0 by a tiny number
+
+inline float load(float x) { return x; }
+inline float load(int8_t x) { return static_cast<float>(x); }
+inline float load(at::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = load(src[i]);
+}
+
+template <typename T>
+inline T store(float x) { return static_cast<T>(x); }  // BFloat16's constructor rounds to nearest even
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc = 0.f;
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+#if defined(__AVX512F__)
+// 16 elements as fp32 lanes
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 load16(const at::BFloat16* p) {
+  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+#endif
+
+void check_cpu_contiguous(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// Calls fn(T{}) with T the activation type: float32 or bfloat16 (the engine's two activation dtypes).
+template <typename Fn>
+void dispatch_act(at::ScalarType dtype, const char* name, Fn&& fn) {
+  switch (dtype) {
+    case at::kFloat: fn(float{}); break;
+    case at::kBFloat16: fn(at::BFloat16{}); break;
+    default: TORCH_CHECK(false, name, ": activations must be float32 or bfloat16, got ", dtype);
+  }
+}
+
+// Calls fn(ptr) with the pool's data pointer typed as int8, bfloat16 or float32.
+template <typename Fn>
+void dispatch_cache(at::Tensor& pool, Fn&& fn) {
+  switch (pool.scalar_type()) {
+    case at::kChar: fn(pool.data_ptr<int8_t>()); break;
+    case at::kBFloat16: fn(pool.data_ptr<at::BFloat16>()); break;
+    case at::kFloat: fn(pool.data_ptr<float>()); break;
+    default: TORCH_CHECK(false, "kv pool dtype ", pool.scalar_type(), " is not int8, bfloat16 or float32");
+  }
+}
+
+// ---- decode attention over a paged KV pool ------------------------------------------------------------------
+//
+// q [S, H, D] (any stride but the last: a slice of the fused qkv rows); kv [num_blocks, B, 2 * Hkv, D] (K heads,
+// then V heads); scale [num_blocks, B, 2 * Hkv] fp32 for int8 pools; block_tables [S, max_blocks] int32;
+// context_lens [S] int32. A task is one sequence and a range of its kv heads: each of their query heads scores
+// every context token (scaled by the token's K scale), softmax, then the V rows weighted by p * V scale are
+// summed. A task walks the context once for K and once for V, reading each slot's heads together (one slot's
+// heads share cache lines). Only the first context_lens[s] tokens are read, so unwritten slots never matter.
+
+// Scores of query rows qf [n, D] against one cached row k [D], into out[j * stride] (n <= kMaxGroup).
+template <typename cache_t>
+inline void score_row(const float* qf, int64_t n, const cache_t* k, int64_t D, float ks, float* out,
+                      int64_t stride, float* buf) {
+#if defined(__AVX512F__)
+  if (D % 16 == 0 && n <= kMaxGroup) {
+    __m512 acc[kMaxGroup];
+    for (int64_t j = 0; j < n; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D; c += 16) {
+      const __m512 kc = load16(k + c);
+      for (int64_t j = 0; j < n; ++j) acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + j * D + c), kc, acc[j]);
+    }
+    for (int64_t j = 0; j < n; ++j) out[j * stride] = _mm512_reduce_add_ps(acc[j]) * ks;
+    return;
+  }
+#endif
+  load_row(k, buf, D);
+  for (int64_t j = 0; j < n; ++j) out[j * stride] = dot(qf + j * D, buf, D) * ks;
+}
+
+// acc[j] += w[j * stride] * vs * v for the n rows of acc [n, D].
+template <typename cache_t>
+inline void accumulate_row(float* acc, int64_t n, const cache_t* v, int64_t D, float vs, const float* w,
+                           int64_t stride, float* buf) {
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    for (int64_t c = 0; c < D; c += 16) {
+      const __m512 vc = load16(v + c);
+      for (int64_t j = 0; j < n; ++j) {
+        float* a = acc + j * D + c;
+        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(w[j * stride] * vs), vc, _mm512_loadu_ps(a)));
+      }
+    }
+    return;
+  }
+#endif
+  load_row(v, buf, D);
+  for (int64_t j = 0; j < n; ++j) {
+    const float wj = w[j * stride] * vs;
+    for (int64_t d = 0; d < D; ++d) acc[j * D + d] += wj * buf[d];
+  }
+}
+
+template <typename cache_t, typename act_t>
+void decode_attention_kernel(const act_t* q, int64_t q_stride_s, int64_t q_stride_h, const cache_t* kv,
+                             const float* scale, const int32_t* tables, const int32_t* lens, act_t* out, int64_t S,
+                             int64_t H, int64_t Hkv, int64_t D, int64_t B, int64_t max_blocks, float sm_scale) {
+  const int64_t g = H / Hkv;
+  const int64_t row = 2 * Hkv;  // heads per pool slot
+  // whole sequences per task when there are enough of them to keep every thread busy, else one kv head each
+  const int64_t per_task = S >= at::get_num_threads() ? Hkv : 1;
+  const int64_t tasks_per_seq = Hkv / per_task;
+  at::parallel_for(0, S * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(per_task * g * D), acc(per_task * g * D), buf(D), scores, inv_sum(per_task * g);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / tasks_per_seq, h0 = task % tasks_per_seq * per_task;
+      const int64_t len = lens[s], n = per_task * g;  // n query rows: heads h0*g .. (h0+per_task)*g - 1
+      const int32_t* table = tables + s * max_blocks;
+      for (int64_t j = 0; j < n; ++j) {
+        load_row(q + s * q_stride_s + (h0 * g + j) * q_stride_h, qf.data() + j * D, D);
+        for (int64_t d = 0; d < D; ++d) qf[j * D + d] *= sm_scale;
+      }
+      scores.resize(n * len);  // scores[j * len + t]
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t slot = static_cast<int64_t>(table[t / B]) * B + t % B;
+        for (int64_t h = 0; h < per_task; ++h) {
+          const int64_t head = slot * row + h0 + h;
+          score_row(qf.data() + h * g * D, g, kv + head * D, D, scale ? scale[head] : 1.f,
+                    scores.data() + h * g * len + t, len, buf.data());
+        }
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        float* sc = scores.data() + j * len;
+        const float m = *std::max_element(sc, sc + len);
+        float sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) {
+          sc[t] = std::exp(sc[t] - m);
+          sum += sc[t];
+        }
+        inv_sum[j] = 1.f / sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t slot = static_cast<int64_t>(table[t / B]) * B + t % B;
+        for (int64_t h = 0; h < per_task; ++h) {
+          const int64_t head = slot * row + Hkv + h0 + h;
+          accumulate_row(acc.data() + h * g * D, g, kv + head * D, D, scale ? scale[head] : 1.f,
+                         scores.data() + h * g * len + t, len, buf.data());
+        }
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        act_t* o = out + (s * H + h0 * g + j) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = store<act_t>(acc[j * D + d] * inv_sum[j]);
+      }
+    }
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const c10::optional<at::Tensor>& scale,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, double sm_scale) {
+  TORCH_CHECK(q.device().is_cpu() && q.stride(-1) == 1, "q must be a CPU tensor with contiguous rows");
+  check_cpu_contiguous(kv, "kv");
+  check_cpu_contiguous(block_tables, "block_tables");
+  check_cpu_contiguous(context_lens, "context_lens");
+  TORCH_CHECK(q.dim() == 3 && kv.dim() == 4, "q must be [S, H, D] and kv [num_blocks, B, 2 * Hkv, D]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
+              "block_tables and context_lens must be int32");
+  const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t B = kv.size(1), Hkv = kv.size(2) / 2;
+  TORCH_CHECK(kv.size(3) == D && Hkv > 0 && H % Hkv == 0, "kv heads must divide the query heads");
+  const float* sp = nullptr;
+  if (kv.scalar_type() == at::kChar) {
+    TORCH_CHECK(scale.has_value(), "an int8 pool needs its scales");
+    check_cpu_contiguous(*scale, "scale");
+    TORCH_CHECK(scale->scalar_type() == at::kFloat, "scale must be float32");
+    sp = scale->data_ptr<float>();
+  }
+  auto out = at::empty({S, H, D}, q.options());
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int64_t max_blocks = block_tables.size(1);
+  at::Tensor pool = kv;
+  dispatch_act(q.scalar_type(), "decode_attention", [&](auto act) {
+    using act_t = decltype(act);
+    dispatch_cache(pool, [&](auto* cache) {
+      decode_attention_kernel(q.data_ptr<act_t>(), q.stride(0), q.stride(1), cache, sp, tables, lens,
+                              out.data_ptr<act_t>(), S, H, Hkv, D, B, max_blocks, static_cast<float>(sm_scale));
+    });
+  });
+  return out;
+}
+
+// ---- RoPE on q and k, then the new tokens' K and V into the pool ---------------------------------------------
+//
+// qkv [N, H + 2 * Hkv, D] in place: heads 0..H+Hkv-1 rotated (rotate_half layout) with cos/sin [N, D]. Then
+// rows H..H+2Hkv-1 (K heads, V heads) go to pool slot slot_mapping[n]: quantized per (token, head) to int8 with
+// scale absmax / 127 (round half to even), or cast for bf16/fp32 pools.
+template <typename act_t, typename cache_t>
+void rope_write_kv_kernel(act_t* qkv, const act_t* cos, const act_t* sin, cache_t* pool, float* pool_scale,
+                          const int64_t* slots, int64_t N, int64_t H, int64_t Hkv, int64_t D) {
+  const int64_t heads = H + 2 * Hkv, half = D / 2;
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> c(D), s(D), x(D);
+    for (int64_t n = begin; n < end; ++n) {
+      load_row(cos + n * D, c.data(), D);
+      load_row(sin + n * D, s.data(), D);
+      for (int64_t h = 0; h < H + Hkv; ++h) {
+        act_t* r = qkv + (n * heads + h) * D;
+        load_row(r, x.data(), D);
+        for (int64_t i = 0; i < half; ++i) {
+          r[i] = store<act_t>(x[i] * c[i] - x[i + half] * s[i]);
+          r[i + half] = store<act_t>(x[i + half] * c[i + half] + x[i] * s[i + half]);
+        }
+      }
+      const int64_t slot = slots[n];
+      for (int64_t j = 0; j < 2 * Hkv; ++j) {
+        load_row(qkv + (n * heads + H + j) * D, x.data(), D);
+        cache_t* dst = pool + (slot * 2 * Hkv + j) * D;
+        if constexpr (std::is_same_v<cache_t, int8_t>) {
+          float amax = 0.f;
+          for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+          const float sc = std::max(amax / kInt8Max, kMinScale);
+          for (int64_t d = 0; d < D; ++d)
+            dst[d] = static_cast<int8_t>(std::clamp(std::nearbyint(x[d] / sc), -kInt8Max, kInt8Max));
+          pool_scale[slot * 2 * Hkv + j] = sc;
+        } else {
+          for (int64_t d = 0; d < D; ++d) dst[d] = store<cache_t>(x[d]);
+        }
+      }
+    }
+  });
+}
+
+void rope_write_kv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t n_heads,
+                   at::Tensor& pool, c10::optional<at::Tensor> pool_scale, const at::Tensor& slot_mapping) {
+  check_cpu_contiguous(qkv, "qkv");
+  check_cpu_contiguous(cos, "cos");
+  check_cpu_contiguous(sin, "sin");
+  check_cpu_contiguous(pool, "pool");
+  check_cpu_contiguous(slot_mapping, "slot_mapping");
+  const int64_t N = qkv.size(0), D = qkv.size(2), Hkv = pool.size(2) / 2;
+  TORCH_CHECK(qkv.size(1) == n_heads + 2 * Hkv, "qkv has ", qkv.size(1), " heads, expected n_heads + 2 * Hkv = ",
+              n_heads + 2 * Hkv);
+  TORCH_CHECK(cos.numel() == N * D && sin.numel() == N * D, "cos and sin must hold [N, D]");
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
+              "cos and sin must have qkv's dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == N, "slot_mapping must be int64 [N]");
+  float* sp = nullptr;
+  if (pool.scalar_type() == at::kChar) {
+    TORCH_CHECK(pool_scale.has_value() && pool_scale->scalar_type() == at::kFloat, "an int8 pool needs fp32 scales");
+    check_cpu_contiguous(*pool_scale, "pool_scale");
+    sp = pool_scale->data_ptr<float>();
+  }
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  dispatch_act(qkv.scalar_type(), "rope_write_kv", [&](auto act) {
+    using act_t = decltype(act);
+    dispatch_cache(pool, [&](auto* cache) {
+      rope_write_kv_kernel(qkv.data_ptr<act_t>(), cos.data_ptr<act_t>(), sin.data_ptr<act_t>(), cache, sp, slots, N,
+                           n_heads, Hkv, D);
+    });
+  });
+}
+
+// ---- RMSNorm and SiLU(gate) * up --------------------------------------------------------------------------------
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_cpu_contiguous(x, "x");
+  check_cpu_contiguous(weight, "weight");
+  const int64_t dim = x.size(-1), rows = x.numel() / dim;
+  TORCH_CHECK(weight.numel() == dim && weight.scalar_type() == x.scalar_type(), "weight must be [dim] in x's dtype");
+  auto out = at::empty_like(x);
+  dispatch_act(x.scalar_type(), "rms_norm", [&](auto act) {
+    using scalar_t = decltype(act);
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> r(dim), w(dim);
+      load_row(wp, w.data(), dim);
+      for (int64_t i = begin; i < end; ++i) {
+        load_row(xp + i * dim, r.data(), dim);
+        const float inv = 1.f / std::sqrt(dot(r.data(), r.data(), dim) / dim + static_cast<float>(eps));
+        for (int64_t d = 0; d < dim; ++d) op[i * dim + d] = store<scalar_t>(r[d] * inv * w[d]);
+      }
+    });
+  });
+  return out;
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_cpu_contiguous(gate_up, "gate_up");
+  const int64_t width = gate_up.size(-1), inner = width / 2, rows = gate_up.numel() / width;
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = inner;
+  auto out = at::empty(sizes, gate_up.options());
+  dispatch_act(gate_up.scalar_type(), "silu_mul", [&](auto act) {
+    using scalar_t = decltype(act);
+    const scalar_t* in = gate_up.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+      std::vector<float> a(inner), b(inner);
+      for (int64_t i = begin; i < end; ++i) {
+        load_row(in + i * width, a.data(), inner);
+        load_row(in + i * width + inner, b.data(), inner);
+        for (int64_t d = 0; d < inner; ++d) op[i * inner + d] = store<scalar_t>(a[d] / (1.f + std::exp(-a[d])) * b[d]);
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(cpuserve, m) {
+  m.def("decode_attention(Tensor q, Tensor kv, Tensor? scale, Tensor block_tables, Tensor context_lens, "
+        "float sm_scale) -> Tensor");
+  m.def("rope_write_kv(Tensor(a!) qkv, Tensor cos, Tensor sin, int n_heads, Tensor(b!) pool, Tensor(c!)? pool_scale, "
+        "Tensor slot_mapping) -> ()");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(cpuserve, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("rope_write_kv", &rope_write_kv);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("silu_mul", &silu_mul);
+}

@@ -1,0 +1,177 @@
+// SlimAttention for bf16 prefill (xFasterTransformer): causal attention split along query rows only.
+//
+// A task is one kv head and one block of query rows (with the head's g query heads, M = rows * g rows of A).
+// It computes the block's full score rows against every key it can see with one bf16 x bf16 -> fp32 brgemm
+// per key block, a plain fp32 softmax over each whole row (no online rescaling: the row is complete), and
+// P x V with brgemm accumulating in fp32. K^T and V are packed once per call into the VNNI pairs brgemm reads.
+// Same contract as engine/layers/attention.py's slim_attention.
+//
+// Every brgemm covers whole key blocks (masked keys get P = 0, which adds exact zeros), so a query row's result
+// does not depend on which other rows share its block or where the chunk started: a prompt prefilled in one
+// piece, in chunks, or after a prefix-cache hit gives bit-identical rows.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+#include <torch/library.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kKeyBlock = 512;  // keys per packed block (brgemm's N for Q K^T, its K for P V)
+
+using bf16 = at::BFloat16;
+
+#if defined(__AVX512F__)
+// exp(x) for x <= 0: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6 Taylor (relative error < 2e-7)
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 16 fp32 -> 16 bf16, round to nearest even (values are finite)
+inline __m256i to_bf16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+#endif
+
+// p[0, valid) = bf16(exp(scale * (s - max))), zero on [valid, n); returns 1 / the sum of the fp32 exponentials, by
+// which the row's P V is scaled at the end (one pass over the scores less than normalizing P itself).
+float softmax_row(const float* s, int64_t valid, int64_t n, float scale, bf16* p) {
+  int64_t t = 0;
+  float sum = 0.f;
+#if defined(__AVX512F__)
+  __m512 vmax = _mm512_set1_ps(-INFINITY);
+  for (t = 0; t + 16 <= valid; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + t));
+  float mx = _mm512_reduce_max_ps(vmax);
+  for (; t < valid; ++t) mx = std::max(mx, s[t]);
+  const __m512 vshift = _mm512_set1_ps(-mx * scale), vscale = _mm512_set1_ps(scale);
+  __m512 vsum = _mm512_setzero_ps();
+  for (t = 0; t + 16 <= valid; t += 16) {
+    const __m512 e = exp512(_mm512_fmadd_ps(_mm512_loadu_ps(s + t), vscale, vshift));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), to_bf16(e));
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  sum = _mm512_reduce_add_ps(vsum);
+#else
+  float mx = *std::max_element(s, s + valid);
+  t = 0;
+#endif
+  for (; t < valid; ++t) {
+    const float e = std::exp((s[t] - mx) * scale);
+    p[t] = static_cast<bf16>(e);
+    sum += e;
+  }
+  for (t = valid; t < n; ++t) p[t] = bf16(0.f);
+  return 1.f / sum;
+}
+
+at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t q_start,
+                          double sm_scale, int64_t block_rows) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+                  v.scalar_type() == at::kBFloat16,
+              "slim_attention: q, k and v must be bfloat16 (fp32 runs on the plain-torch path)");
+  TORCH_CHECK(q.dim() == 3 && q.stride(-1) == 1 && q.stride(1) == q.size(2), "q must be [L, H, D] with dense rows");
+  TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes() && k.dim() == 3,
+              "k and v must be contiguous [T, Hkv, D]");
+  TORCH_CHECK(block_rows > 0, "block_rows must be positive, got ", block_rows);
+  const int64_t L = q.size(0), H = q.size(1), D = q.size(2), T = k.size(0), Hkv = k.size(1);
+  TORCH_CHECK(T == q_start + L, "k/v length ", T, " must equal q_start + L = ", q_start + L);
+  TORCH_CHECK(k.size(2) == D && D % 2 == 0 && H % Hkv == 0, "head_dim must match and be even; Hkv must divide H");
+  const int64_t g = H / Hkv, nkb = (T + kKeyBlock - 1) / kKeyBlock, t_pad = nkb * kKeyBlock;
+  const float scale = static_cast<float>(sm_scale);
+  const bf16* kd = k.data_ptr<bf16>();
+  const bf16* vd = v.data_ptr<bf16>();
+
+  // VNNI pairs: kp[h][kb][d/2][t][d%2] = k[t][h][d] (B = K^T), vp[h][kb][t/2][d][t%2] = v[t][h][d] (B = V)
+  auto kp = at::zeros({Hkv, nkb, D / 2, kKeyBlock, 2}, k.options());  // keys past T score 0, then masked
+  auto vp = at::zeros({Hkv, nkb, kKeyBlock / 2, D, 2}, v.options());  // rows past T stay zero
+  bf16* kpd = kp.data_ptr<bf16>();
+  bf16* vpd = vp.data_ptr<bf16>();
+  const int64_t block_elems = kKeyBlock * D;
+  at::parallel_for(0, Hkv * nkb, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / nkb, kb = task % nkb;
+      bf16* kdst = kpd + task * block_elems;
+      bf16* vdst = vpd + task * block_elems;
+      for (int64_t t = kb * kKeyBlock; t < std::min(T, (kb + 1) * kKeyBlock); ++t) {
+        const int64_t tl = t - kb * kKeyBlock;
+        const bf16* kr = kd + (t * Hkv + h) * D;
+        const bf16* vr = vd + (t * Hkv + h) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          kdst[((d / 2) * kKeyBlock + tl) * 2 + d % 2] = kr[d];
+          vdst[((tl / 2) * D + d) * 2 + tl % 2] = vr[d];
+        }
+      }
+    }
+  });
+
+  auto out = at::empty({L, H, D}, q.options());
+  const bf16* qd = q.data_ptr<bf16>();
+  bf16* od = out.data_ptr<bf16>();
+  const int64_t q_row = q.stride(0), num_row_blocks = (L + block_rows - 1) / block_rows;
+  at::parallel_for(0, Hkv * num_row_blocks, 1, [&](int64_t begin, int64_t end) {
+    const int64_t m_max = block_rows * g;
+    std::vector<bf16> a(m_max * D), p(m_max * t_pad);
+    std::vector<float> s(m_max * t_pad), o(m_max * D), inv_sum(m_max);
+    for (int64_t task = begin; task < end; ++task) {
+      // row blocks from the last (longest rows) first, so the two halves of the work balance
+      const int64_t h = task % Hkv, rb = num_row_blocks - 1 - task / Hkv;
+      const int64_t start = rb * block_rows, rows = std::min(block_rows, L - start), m = rows * g;
+      const int64_t end_key = q_start + start + rows;  // keys past the block's last query are never seen
+      for (int64_t r = 0; r < rows; ++r)
+        std::memcpy(a.data() + r * g * D, qd + (start + r) * q_row + h * g * D, g * D * sizeof(bf16));
+      const int64_t blocks = (end_key + kKeyBlock - 1) / kKeyBlock;
+      for (int64_t kb = 0; kb < blocks; ++kb)
+        at::native::cpublas::brgemm(m, kKeyBlock, D, D, kKeyBlock, t_pad, false, a.data(),
+                                    kpd + (h * nkb + kb) * block_elems, s.data() + kb * kKeyBlock, true);
+      for (int64_t i = 0; i < m; ++i) {
+        const int64_t valid = q_start + start + i / g + 1;
+        inv_sum[i] = softmax_row(s.data() + i * t_pad, valid, blocks * kKeyBlock, scale, p.data() + i * t_pad);
+      }
+      for (int64_t kb = 0; kb < blocks; ++kb)
+        at::native::cpublas::brgemm(m, D, kKeyBlock, t_pad, D, D, kb > 0, p.data() + kb * kKeyBlock,
+                                    vpd + (h * nkb + kb) * block_elems, o.data(), true);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < g; ++j) {
+          bf16* dst = od + ((start + r) * H + h * g + j) * D;
+          const float* src = o.data() + (r * g + j) * D;
+          const float inv = inv_sum[r * g + j];
+          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<bf16>(src[d] * inv);
+        }
+    }
+    at::native::cpublas::brgemm_release(true);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(cpuserve, m) {
+  m.def("slim_attention(Tensor q, Tensor k, Tensor v, int q_start, float sm_scale, int block_rows) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(cpuserve, CPU, m) { m.impl("slim_attention", &slim_attention); }

@@ -1,0 +1,97 @@
+"""The fused C++ kernels of engine/csrc (torch.ops.cpuserve.*), compiled on first use for this CPU.
+
+    CPUSERVE_KERNELS=auto    (default) use them when they build, else the plain-torch path with one warning
+    CPUSERVE_KERNELS=native  fail if they do not build
+    CPUSERVE_KERNELS=torch   never use them (the reference path)
+
+The build (-O3 -march=native, about 30 s on 2 cores) is cached under ~/.cache/cpuserve/kernels, keyed by the
+source, torch's version and the CPU's feature flags, so a cache copied to another CPU model is not reused.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).resolve().parent.parent / "csrc" / name for name in ("decode_ops.cpp", "slim_attention.cpp")]
+# -fassociative-math lets GCC vectorize the reductions; with alignment peeling off, their summation order depends
+# only on the length, never on where a buffer happens to sit: results are reproducible across processes and
+# batch layouts (a replica group's ranks must match one rank bit for bit).
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
+          "-fassociative-math", "-fno-signed-zeros", "--param=vect-max-peeling-for-alignment=0"]
+MODES = ("auto", "native", "torch")
+
+
+def mode() -> str:
+    value = os.environ.get("CPUSERVE_KERNELS", "auto")
+    if value not in MODES:
+        raise ValueError(f"CPUSERVE_KERNELS={value!r}: allowed values are {', '.join(MODES)}")
+    return value
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build_name() -> str:
+    h = hashlib.sha256()
+    for src in SOURCES:
+        h.update(src.read_bytes())
+    h.update(" ".join(CFLAGS).encode() + torch.__version__.encode() + _cpu_flags().encode())
+    return f"cpuserve_ops_{h.hexdigest()[:12]}"
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> bool:
+    from torch.utils import cpp_extension
+
+    name = _build_name()
+    build_dir = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cpuserve" / "kernels" / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    if not (build_dir / f"{name}.so").exists():
+        print(f"compiling cpuserve's CPU kernels for this CPU into {build_dir} (first use only, ~40 s)",
+              file=sys.stderr, flush=True)
+    cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
+                       build_directory=str(build_dir), is_python_module=False, verbose=False)
+    return True
+
+
+def available() -> bool:
+    """True when torch.ops.cpuserve.* are loaded and the mode allows them (builds them on first call)."""
+    m = mode()
+    if m == "torch":
+        return False
+    try:
+        return _load()
+    except Exception as e:  # no compiler, no ninja, a read-only cache ...
+        if m == "native":
+            raise RuntimeError(f"CPUSERVE_KERNELS=native but the kernels in {SOURCES[0]} did not build: {e}") from e
+        _warn_once(e)
+        return False
+
+
+@functools.lru_cache(maxsize=1)
+def enabled() -> bool:
+    """available(), decided once per process: what the model's layers consult on every call."""
+    return available()
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_once(error: Exception) -> None:
+    log.warning("fused CPU kernels unavailable (%s); using the plain-torch path, which is slower at small "
+                "batches. Set CPUSERVE_KERNELS=torch to silence this.", error)

@@ -1,0 +1,106 @@
+"""The fused C++ kernels (engine/csrc) against the plain-torch path they replace.
+
+Decode attention is checked against the reference in test_attention.py; here: RoPE + KV write, RMSNorm,
+SiLU * up, and the errors the kernels raise for inputs they cannot take.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cpuserve.engine.layers import native
+from cpuserve.engine.layers.kv_quant import write_kv_fused
+from cpuserve.engine.models.rope import apply_rope
+
+ops = torch.ops.cpuserve
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    # gcc and ninja come with the project's install: a build failure here is a real failure, not a skip
+    assert native.available(), "the fused kernels did not build"
+
+
+def rand(*shape, dtype=torch.float32, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def rope_inputs(dtype, n=7, heads=9, kv_heads=3, head_dim=64, num_blocks=6, block_size=4):
+    qkv = rand(n, heads + 2 * kv_heads, head_dim, dtype=dtype, seed=1) * 3
+    angles = rand(n, head_dim // 2, seed=2) * 5
+    angles = torch.cat([angles, angles], -1)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(3))[:n]
+    return qkv, cos, sin, slots, (num_blocks, block_size, 2 * kv_heads, head_dim)
+
+
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache", [torch.int8, torch.bfloat16, torch.float32])
+def test_rope_write_kv_matches_torch_path(act, cache):
+    qkv, cos, sin, slots, shape = rope_inputs(act)
+    heads = shape[2] // 2 * 3  # 9 query heads over 3 kv heads
+    ref_qkv = qkv.clone()
+    ref_qkv[:, : heads + 3] = apply_rope(ref_qkv[:, : heads + 3], cos[:, None], sin[:, None])
+    pool = torch.zeros(shape, dtype=cache)
+    scale = torch.zeros(shape[:3]) if cache == torch.int8 else None
+    ops.rope_write_kv(qkv, cos, sin, heads, pool, scale, slots)
+
+    # torch rounds each of x*cos, rot*sin and their sum to the activation dtype; the kernel rounds once:
+    # a few bf16 ulps (2^-8 relative each) apart at most
+    rel = 1e-6 if act == torch.float32 else 2e-2
+    assert ((qkv.float() - ref_qkv.float()).abs() <= rel * ref_qkv.float().abs().clamp(min=1)).all()
+    # the pool holds exactly what the torch writer makes of the kernel's rotated K and V rows
+    ref_pool = torch.zeros(shape, dtype=cache)
+    ref_scale = torch.zeros(shape[:3]) if cache == torch.int8 else None
+    write_kv_fused(ref_pool, ref_scale, qkv[:, heads:], slots)
+    assert torch.equal(pool, ref_pool)
+    if cache == torch.int8:
+        assert torch.equal(scale, ref_scale)
+    assert pool.view(-1, *shape[2:])[slots].ne(0).any(-1).all()  # every new token's K and V rows landed
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_rms_norm_matches_torch(dtype, tol):
+    x, w = rand(5, 576, dtype=dtype, seed=4) * 4, rand(576, dtype=dtype, seed=5)
+    want = F.rms_norm(x.float(), (576,), w.float(), 1e-5)
+    got = ops.rms_norm(x, w, 1e-5)
+    assert got.dtype == dtype
+    assert ((got.float() - want).abs() <= tol * want.abs().clamp(min=1)).all()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_silu_mul_matches_torch(dtype, tol):
+    x = rand(3, 2 * 1536, dtype=dtype, seed=6) * 4
+    gate, up = x.float().chunk(2, -1)
+    want = F.silu(gate) * up
+    got = ops.silu_mul(x)
+    assert got.shape == (3, 1536) and got.dtype == dtype
+    assert ((got.float() - want).abs() <= tol * want.abs().clamp(min=1)).all()
+
+
+def test_int8_pool_without_scales_is_refused():
+    qkv, cos, sin, slots, shape = rope_inputs(torch.float32)
+    with pytest.raises(RuntimeError, match="int8 pool needs fp32 scales"):
+        ops.rope_write_kv(qkv, cos, sin, 9, torch.zeros(shape, dtype=torch.int8), None, slots)
+    q = rand(1, 9, 64)
+    tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="int8 pool needs its scales"):
+        ops.decode_attention(q, torch.zeros(shape, dtype=torch.int8), None, tables, lens, 0.125)
+
+
+def test_wrong_dtypes_name_what_is_allowed():
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.rms_norm(torch.ones(2, 8, dtype=torch.float64), torch.ones(8, dtype=torch.float64), 1e-5)
+    with pytest.raises(RuntimeError, match="int32"):
+        ops.decode_attention(rand(1, 9, 64), torch.zeros(2, 4, 6, 64), None, torch.zeros(1, 1, dtype=torch.int64),
+                             torch.ones(1, dtype=torch.int32), 0.125)
+    qkv, cos, sin, slots, shape = rope_inputs(torch.float32)
+    with pytest.raises(RuntimeError, match="expected n_heads"):
+        ops.rope_write_kv(qkv, cos, sin, 8, torch.zeros(shape), None, slots)
+
+
+def test_mode_is_validated(monkeypatch):
+    monkeypatch.setenv("CPUSERVE_KERNELS", "fast")
+    with pytest.raises(ValueError, match="CPUSERVE_KERNELS='fast'.*auto, native, torch"):
+        native.mode()
+    monkeypatch.setenv("CPUSERVE_KERNELS", "torch")
+    assert native.available() is False
