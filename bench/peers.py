@@ -27,7 +27,11 @@ class LlamaCpp:
         self._quiet = L.llama_log_callback(lambda level, text, data: None)  # keep a reference: C holds it
         L.llama_log_set(self._quiet, ctypes.c_void_p())
         L.llama_backend_init()
-        self.model = L.llama_model_load_from_file(path.encode(), L.llama_model_default_params())
+        params = L.llama_model_default_params()
+        # ggml's AMX buffer type (built in when the build machine reports AMX) crashes in its mul_mat on some
+        # VMs that advertise AMX; CPUSERVE_BENCH_LLAMA_EXTRA_BUFTS=1 turns extra buffer types (AMX, repacking) on
+        params.use_extra_bufts = os.environ.get("CPUSERVE_BENCH_LLAMA_EXTRA_BUFTS") == "1"
+        self.model = L.llama_model_load_from_file(path.encode(), params)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path}")
         self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))

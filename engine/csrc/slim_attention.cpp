@@ -89,6 +89,9 @@ float softmax_row(const float* s, int64_t valid, int64_t n, float scale, bf16* p
   return 1.f / sum;
 }
 
+// oneDNN's bf16 brgemm with VNNI-packed B runs on this CPU (engine/layers/native.py asks before using it)
+bool bf16_brgemm_supported() { return at::native::cpublas::could_pack(at::kBFloat16); }
+
 at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t q_start,
                           double sm_scale, int64_t block_rows) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
@@ -172,6 +175,9 @@ at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
 
 TORCH_LIBRARY_FRAGMENT(cpuserve, m) {
   m.def("slim_attention(Tensor q, Tensor k, Tensor v, int q_start, float sm_scale, int block_rows) -> Tensor");
+  m.def("bf16_brgemm_supported() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(cpuserve, CPU, m) { m.impl("slim_attention", &slim_attention); }
+
+TORCH_LIBRARY_IMPL(cpuserve, CompositeExplicitAutograd, m) { m.impl("bf16_brgemm_supported", &bf16_brgemm_supported); }

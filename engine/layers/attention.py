@@ -97,7 +97,7 @@ def slim_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, scale: float,
 def prefill_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, scale: float) -> Tensor:
     """SlimAttention as the engine runs it: the C++ kernel (engine/csrc/slim_attention.cpp: bf16 brgemm for
     Q K^T and P V, fp32 softmax) for bf16 when it is built, else slim_attention below. Same arguments."""
-    if q.dtype == torch.bfloat16 and native.enabled():
+    if q.dtype == torch.bfloat16 and native.brgemm_enabled():
         return torch.ops.cpuserve.slim_attention(q, k.contiguous(), v.contiguous(), q_start, scale,
                                                  NATIVE_SLIM_BLOCK_ROWS)
     return slim_attention(q, k, v, q_start, scale)

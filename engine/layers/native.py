@@ -22,7 +22,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).resolve().parent.parent / "csrc" / name for name in ("decode_ops.cpp", "slim_attention.cpp")]
+SOURCES = [Path(__file__).resolve().parent.parent / "csrc" / name for name in ("decode_ops.cpp", "slim_attention.cpp", "int4_gemm.cpp")]
 # -fassociative-math lets GCC vectorize the reductions; with alignment peeling off, their summation order depends
 # only on the length, never on where a buffer happens to sit: results are reproducible across processes and
 # batch layouts (a replica group's ranks must match one rank bit for bit).
@@ -89,6 +89,34 @@ def available() -> bool:
 def enabled() -> bool:
     """available(), decided once per process: what the model's layers consult on every call."""
     return available()
+
+
+@functools.lru_cache(maxsize=1)
+def brgemm_enabled() -> bool:
+    """The bf16 brgemm kernels (SlimAttention) can run: oneDNN packs bf16 for this CPU."""
+    return enabled() and bool(torch.ops.cpuserve.bf16_brgemm_supported())
+
+
+@functools.lru_cache(maxsize=1)
+def int4_gemm_enabled() -> bool:
+    """The many-row int4 GEMM can run and reproduces torch's int4 kernel exactly on this CPU (checked once)."""
+    if not (enabled() and torch.ops.cpuserve.int4_gemm_supported()):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    for n in (128, 80):  # whole 64-column blocks, and a 16-column tail (the other packing)
+        k, group = 128, 32
+        codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
+        sz = torch.stack([torch.rand(k // group, n, generator=gen) / 8, torch.randn(k // group, n, generator=gen) / 8],
+                         -1).to(torch.bfloat16)
+        x = torch.randn(4, k, generator=gen).to(torch.bfloat16)
+        want = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz).float()
+        got = torch.ops.cpuserve.int4_gemm(x, packed, group, sz).float()
+        if not torch.equal(got, want):  # the same arithmetic as torch's kernel: bit for bit
+            log.warning("int4 GEMM kernel disagrees with torch's int4 packing on this CPU (N=%d, max diff %.3g); "
+                        "using torch's kernel for every batch size", n, (got - want).abs().max())
+            return False
+    return True
 
 
 @functools.lru_cache(maxsize=1)

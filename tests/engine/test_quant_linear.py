@@ -3,7 +3,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cpuserve.engine.layers.quant_linear import QuantLinear
+from cpuserve.engine.layers import native
+from cpuserve.engine.layers.quant_linear import INT4_GEMM_MIN_ROWS, QuantLinear
 
 # The bf16 formats return bf16: one output rounding (2^-9 relative) plus kernel-side bf16 rounding of the
 # dequantized weight in some paths. 1% of the output's max magnitude catches any wrong scale, zero point or
@@ -106,3 +107,28 @@ def test_bad_arguments_raise_value_error_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field) as info:
         QuantLinear.from_float(w, None, **kwargs)
     assert "int4" in str(info.value) or "32" in str(info.value)  # lists the allowed values
+
+
+@pytest.mark.parametrize("n", [960, 80, 48])  # whole 64-column blocks, a 16-column tail, a tail-only weight
+@pytest.mark.parametrize("rows", [INT4_GEMM_MIN_ROWS, 33, 300])
+def test_int4_many_rows_kernel_is_torch_kernel_bit_for_bit(n, rows):
+    assert native.int4_gemm_enabled(), "the int4 GEMM kernel must build and pass its layout check here"
+    w, b = make_weight(n, 576, seed=3)
+    m = QuantLinear.from_float(w, b, "int4", group_size=32)
+    x = torch.randn(rows, 576).to(torch.bfloat16)
+    ours = m(x)  # rows >= INT4_GEMM_MIN_ROWS: the C++ kernel
+    torch_kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(x, m.packed, 32, m.scales_and_zeros) + b.bfloat16()
+    assert rel_err(ours, reference(m, x, b)) < BF16_TOL
+    # torch's arithmetic operation for operation: a row's tokens never depend on which kernel its step took
+    assert torch.equal(ours, torch_kernel)
+
+
+def test_int4_many_rows_kernel_columns_do_not_depend_on_the_shard():
+    """A replica rank holding some output columns must compute them bit for bit as one rank holding all."""
+    w, _ = make_weight(208, 576, seed=4)
+    full = QuantLinear.from_float(w, None, "int4", group_size=32)
+    x = torch.randn(40, 576).to(torch.bfloat16)
+    y = full(x)
+    for lo, hi in ((64, 208), (0, 48), (128, 144)):  # block-aligned, a tail-only shard, a 16-column shard
+        shard = QuantLinear.from_float(w[lo:hi], None, "int4", group_size=32)
+        assert torch.equal(shard(x), y[:, lo:hi]), f"columns {lo}:{hi}"

@@ -1,0 +1,167 @@
+// int4 weight x bf16 activation GEMM for many rows (batched decode, prefill), on torch's own int4 packing.
+//
+// torch's _weight_int4pack_mm_for_cpu dequantizes the weight again for every few rows: its cost grows with M
+// almost linearly (measured here: 29 us for M=1, 310 us for M=32 on a 1536x576 layer), so a 32-sequence
+// decode step spends most of its time there. This kernel dequantizes one block of 64 output columns once per
+// call into an fp32 tile (it stays in L2) and then streams every row through it.
+//
+// The arithmetic is torch's, operation for operation: w = fma(code - 8, scale, zero) in fp32, then per row and
+// column acc = fma(a_k, w_k, acc) for k = 0, 1, ..., K-1, rounded to bf16 once. So every row's result is bit
+// for bit what torch's kernel gives, whatever the number of rows: a request's tokens do not depend on which
+// kernel its step took, on the batch it shared, or on a prefix-cache hit shortening its prefill.
+//
+// torch's CPU packing with AVX-512 (aten/src/ATen/native/cpu/int4mm_kernel.cpp, weight_to_int4pack_kernel):
+// blocks of 64 output rows n; per block and input k, 32 bytes; byte d < 16 holds n = d (low nibble) and n = d + 32
+// (high nibble), byte 16 + d holds n = 16 + d and n = 48 + d. w = (code - 8) * scale + zero, per group of k.
+// A last block of 16, 32 or 48 rows packs pairs of neighbours instead: per k, byte j holds n = 2j (low nibble)
+// and n = 2j + 1 (high). engine/layers/native.py checks both layouts against torch's kernel before using them.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define CPUSERVE_INT4_GEMM 1
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+using bf16 = at::BFloat16;
+constexpr int64_t kBlockN = 64;  // torch's AVX-512 packing block
+constexpr int kRows = 6;         // rows per register block: 6 x 4 accumulators + 4 weight vectors
+
+bool int4_gemm_supported() {
+#if defined(CPUSERVE_INT4_GEMM)
+  return true;
+#else
+  return false;
+#endif
+}
+
+#if defined(CPUSERVE_INT4_GEMM)
+// One block of 64 output columns as fp32 tile[k][64]: w = fma(code - 8, scale, zero), as torch's kernel does.
+void dequantize_block(const uint8_t* packed, const bf16* sz, int64_t n0, int64_t N, int64_t K, int64_t group,
+                      float* tile) {
+  __m512 scale[4], zero[4];
+  for (int64_t k = 0; k < K; ++k) {
+    if (k % group == 0) {
+      const bf16* g = sz + ((k / group) * N + n0) * 2;  // [64][2] (scale, zero) pairs of this group
+      for (int c = 0; c < 4; ++c) {
+        alignas(64) float sv[16], zv[16];
+        for (int j = 0; j < 16; ++j) {
+          sv[j] = static_cast<float>(g[(c * 16 + j) * 2]);
+          zv[j] = static_cast<float>(g[(c * 16 + j) * 2 + 1]);
+        }
+        scale[c] = _mm512_load_ps(sv);
+        zero[c] = _mm512_load_ps(zv);
+      }
+    }
+    const __m128i lo_hi[2] = {_mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + k * 32)),
+                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + k * 32 + 16))};
+    const __m512 eight = _mm512_set1_ps(8.f);
+    for (int half = 0; half < 2; ++half) {  // bytes 0..15: n 0..15 | 32..47; bytes 16..31: n 16..31 | 48..63
+      const __m512i b32 = _mm512_cvtepu8_epi32(lo_hi[half]);
+      const __m512 lo = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b32, _mm512_set1_epi32(0xF))), eight);
+      const __m512 hi = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b32, 4)), eight);
+      _mm512_storeu_ps(tile + k * kBlockN + half * 16, _mm512_fmadd_ps(lo, scale[half], zero[half]));
+      _mm512_storeu_ps(tile + k * kBlockN + 32 + half * 16, _mm512_fmadd_ps(hi, scale[2 + half], zero[2 + half]));
+    }
+  }
+}
+
+// The same tile for a last block of nb < 64 columns (neighbour-pair packing); columns nb..63 are zero.
+void dequantize_tail_block(const uint8_t* packed, const bf16* sz, int64_t n0, int64_t nb, int64_t N, int64_t K,
+                           int64_t group, float* tile) {
+  std::fill(tile, tile + K * kBlockN, 0.f);
+  for (int64_t k = 0; k < K; ++k) {
+    const bf16* g = sz + ((k / group) * N + n0) * 2;
+    for (int64_t n = 0; n < nb; ++n) {
+      const uint8_t byte = packed[k * (nb / 2) + n / 2];
+      const int code = n % 2 ? byte >> 4 : byte & 0x0F;
+      tile[k * kBlockN + n] = std::fma(static_cast<float>(code) - 8.f, static_cast<float>(g[n * 2]),
+                                       static_cast<float>(g[n * 2 + 1]));
+    }
+  }
+}
+
+// rows r0..r0+R-1 of x times the tile: acc = fma(a_k, w_k, acc) over k in order, then bf16.
+template <int R>
+void rows_times_tile(const float* x, int64_t K, const float* tile, bf16* out, int64_t ldo, int64_t cols) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 w0 = _mm512_loadu_ps(tile + k * kBlockN), w1 = _mm512_loadu_ps(tile + k * kBlockN + 16);
+    const __m512 w2 = _mm512_loadu_ps(tile + k * kBlockN + 32), w3 = _mm512_loadu_ps(tile + k * kBlockN + 48);
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(x[r * K + k]);
+      acc[r][0] = _mm512_fmadd_ps(a, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(a, w1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(a, w2, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(a, w3, acc[r][3]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(64) float row[kBlockN];
+    for (int c = 0; c < 4; ++c) _mm512_store_ps(row + c * 16, acc[r][c]);
+    for (int64_t j = 0; j < cols; ++j) out[r * ldo + j] = static_cast<bf16>(row[j]);
+  }
+}
+#endif
+
+at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t group_size,
+                     const at::Tensor& scales_and_zeros) {
+  TORCH_CHECK(int4_gemm_supported(), "int4_gemm needs AVX-512 (it was built without it for this CPU)");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x must be contiguous bf16 [M, K]");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed must be torch's uint8 int4 packing");
+  TORCH_CHECK(scales_and_zeros.scalar_type() == at::kBFloat16 && scales_and_zeros.dim() == 3 &&
+                  scales_and_zeros.is_contiguous(),
+              "scales_and_zeros must be contiguous bf16 [K / group, N, 2]");
+  const int64_t M = x.size(0), K = x.size(1), N = scales_and_zeros.size(1);
+  TORCH_CHECK(N % 16 == 0, "int4_gemm needs N to be a multiple of 16 (torch's packing), got ", N);
+  TORCH_CHECK(K % group_size == 0 && group_size % 2 == 0 && scales_and_zeros.size(0) == K / group_size,
+              "K=", K, " must be whole groups of ", group_size);
+  TORCH_CHECK(packed.numel() == N * K / 2, "packed holds ", packed.numel(), " bytes, expected N * K / 2 = ", N * K / 2);
+  auto out = at::empty({M, N}, x.options());
+#if defined(CPUSERVE_INT4_GEMM)
+  const uint8_t* pd = packed.data_ptr<uint8_t>();
+  const bf16* sz = scales_and_zeros.data_ptr<bf16>();
+  const at::Tensor xf = x.to(at::kFloat);  // bf16 -> fp32 is exact; once per call, not once per column block
+  const float* xd = xf.data_ptr<float>();
+  bf16* od = out.data_ptr<bf16>();
+  at::parallel_for(0, (N + kBlockN - 1) / kBlockN, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> tile(K * kBlockN);
+    for (int64_t nb = begin; nb < end; ++nb) {
+      const int64_t cols = std::min(kBlockN, N - nb * kBlockN);
+      if (cols == kBlockN)
+        dequantize_block(pd + nb * K * kBlockN / 2, sz, nb * kBlockN, N, K, group_size, tile.data());
+      else
+        dequantize_tail_block(pd + nb * K * kBlockN / 2, sz, nb * kBlockN, cols, N, K, group_size, tile.data());
+      int64_t m = 0;
+      for (; m + kRows <= M; m += kRows)
+        rows_times_tile<kRows>(xd + m * K, K, tile.data(), od + m * N + nb * kBlockN, N, cols);
+      for (; m < M; ++m) rows_times_tile<1>(xd + m * K, K, tile.data(), od + m * N + nb * kBlockN, N, cols);
+    }
+  });
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(cpuserve, m) {
+  m.def("int4_gemm(Tensor x, Tensor packed, int group_size, Tensor scales_and_zeros) -> Tensor");
+  m.def("int4_gemm_supported() -> bool");
+}
+
+TORCH_LIBRARY_IMPL(cpuserve, CPU, m) { m.impl("int4_gemm", &int4_gemm); }
+
+TORCH_LIBRARY_IMPL(cpuserve, CompositeExplicitAutograd, m) {
+  m.impl("int4_gemm_supported", &int4_gemm_supported);
+}
