@@ -7,12 +7,14 @@ Three targets, one after another on the same CPUs, same model, same threads, sam
 Every request generates exactly --max-tokens tokens (ignore_eos; llama.cpp gets a large negative EOS bias).
 
     .venv/bin/python bench/serving.py [--streams 1,8,32] [--max-tokens 64] [--threads 2] [--skip llamacpp]
+                                      [--stream-intervals 0,40]   (one serve row per ServeConfig.stream_interval_ms)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import socket
@@ -79,7 +81,7 @@ def bench_engine(levels, max_tokens, threads) -> dict[int, dict]:
         engine.shutdown()
 
 
-def bench_serve(levels, max_tokens, threads) -> dict[int, dict]:
+def bench_serve(levels, max_tokens, threads, stream_interval_ms: float | None = None) -> dict[int, dict]:
     import grpc
 
     from cpuserve.serving.app import start_serving, stop_serving
@@ -87,8 +89,9 @@ def bench_serve(levels, max_tokens, threads) -> dict[int, dict]:
     from cpuserve.v1 import inference_pb2 as pb
     from cpuserve.v1 import inference_pb2_grpc as pbg
 
+    interval = {} if stream_interval_ms is None else {"stream_interval_ms": stream_interval_ms}
     config = ServeConfig(replicas=1, cpus_per_rank=threads, kv_cache_gb=0.5, max_num_seqs=64, grpc_port=free_port(),
-                         http_port=free_port(), metrics_port=free_port())
+                         http_port=free_port(), metrics_port=free_port(), **interval)
     start_serving(config)
     try:
         async def run(n, tokens):
@@ -169,12 +172,18 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--skip", default="", help="comma-separated targets to skip: engine, serve, llamacpp")
+    p.add_argument("--stream-intervals", default="",
+                   help="comma-separated stream_interval_ms values, one serve target each (default: the server's)")
     args = p.parse_args()
     levels = [int(x) for x in args.streams.split(",")]
     targets = {"engine": bench_engine, "serve": bench_serve, "llamacpp": bench_llamacpp}
+    if args.stream_intervals:
+        serve = {f"serve {x}ms": functools.partial(bench_serve, stream_interval_ms=float(x))
+                 for x in args.stream_intervals.split(",")}
+        targets = {"engine": bench_engine, **serve, "llamacpp": bench_llamacpp}
     results = {}
     for name, fn in targets.items():
-        if name not in args.skip.split(","):
+        if name.split()[0] not in args.skip.split(","):
             print(f"running {name} ...", file=sys.stderr, flush=True)
             try:
                 results[name] = fn(levels, args.max_tokens, args.threads)

@@ -45,12 +45,15 @@ class AsyncLLMEngine:
         return cls(LLMEngine(EngineConfig.from_kwargs(model=model, **config)))
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       priority: int = 0, coalesce: bool = False) -> AsyncIterator[StepOutput]:
+                       priority: int = 0, coalesce: bool = False, min_interval: float = 0.0
+                       ) -> AsyncIterator[StepOutput]:
         """Yields one StepOutput per new token; the last has finished=True. Raises ValueError on bad input
         before anything is queued. Leaving the iteration early (cancel, disconnect) aborts the request.
 
         coalesce: when the consumer falls behind the engine, hand over every token waiting for it as one
-        chunk instead of one chunk each (a server streaming over a slow hop sends fewer, larger messages)."""
+        chunk instead of one chunk each (a server streaming over a slow hop sends fewer, larger messages).
+        min_interval: with coalesce, seconds between chunks at least: tokens arriving sooner wait and go out
+        together (the first chunk and the last never wait)."""
         if self.error is not None:
             raise EngineDeadError(f"engine stopped: {self.error!r}")
         if request_id in self._streams:
@@ -61,10 +64,15 @@ class AsyncLLMEngine:
         self._send(("add", request))
         finished = False
         pending = None
+        last_yield = 0.0
         try:
             while not finished:
                 chunk = pending if pending is not None else await chunks.get()
                 pending = None
+                if coalesce and min_interval > 0 and isinstance(chunk, StepOutput) and not chunk.finished:
+                    wait = last_yield + min_interval - time.monotonic()
+                    if wait > 0:  # pace the stream: what arrives meanwhile is merged below
+                        await asyncio.sleep(wait)
                 while coalesce and isinstance(chunk, StepOutput) and not chunk.finished and not chunks.empty():
                     later = chunks.get_nowait()
                     if isinstance(later, BaseException):  # an error is raised on its own, after the tokens
@@ -76,6 +84,7 @@ class AsyncLLMEngine:
                 if isinstance(chunk, BaseException):
                     raise EngineDeadError(f"engine stopped: {chunk!r}") from chunk
                 finished = chunk.finished
+                last_yield = time.monotonic()
                 yield chunk
         finally:
             self._streams.pop(request_id, None)

@@ -63,6 +63,10 @@ class ServeConfig(BaseSettings):
     """Requests allowed to wait beyond the running batches (replicas x max_num_seqs); more get 429."""
     max_request_bytes: int = Field(1 << 20, ge=1024)
     """Largest HTTP body or gRPC prompt accepted."""
+    stream_interval_ms: float = Field(0.0, ge=0, le=1000)
+    """Least time between two messages of one stream: tokens arriving sooner are sent together. Each message
+    costs CPU in three processes (replica, ingress, proxy) that the engine's cores also serve, so with many
+    streams a short interval buys throughput for a little smoothness. The first and last messages never wait."""
 
     # -- endpoints ----------------------------------------------------------------------------------------
     host: str = "127.0.0.1"

@@ -67,9 +67,11 @@ class LLMServer:
             if "max_tokens" not in sampling:  # OpenAI chat's default: fill the rest of the context
                 ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
                 sampling["max_tokens"] = max(1, self.engine.engine.max_model_len - len(ids))
-            # coalesce: tokens that pile up while Ray sends the previous message go out as one message
+            # coalesce: tokens that pile up while Ray sends the previous message (or within the stream interval)
+            # go out as one message
             stream = self.engine.generate(prompt, SamplingParams(**sampling), request_id,
-                                          priority=request.get("priority", 0), coalesce=True)
+                                          priority=request.get("priority", 0), coalesce=True,
+                                          min_interval=self.config.stream_interval_ms / 1000)
             first = await anext(stream)
         except RequestError as e:
             yield {"error": e.to_dict()}
