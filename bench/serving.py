@@ -121,7 +121,8 @@ def bench_llamacpp(levels, max_tokens, threads) -> dict[int, dict]:
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", default_model_path(), "--host", "127.0.0.1",
            "--port", str(port), "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "8192",
            "--interrupt_requests", "False"]  # its default: a new request cuts off the running stream
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}  # llama.cpp with its own OpenMP runtime
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}/v1/completions"
     try:
         wait_http(f"http://127.0.0.1:{port}/v1/models")
@@ -167,6 +168,10 @@ def wait_http(url: str, timeout: float = 120) -> None:
 
 
 def main() -> None:
+    # as `cpuserve serve` runs: Intel's OpenMP preloaded, so the in-process engine steps in its thread at full speed
+    from cpuserve.engine.threads import reexec_with_intel_openmp
+
+    reexec_with_intel_openmp()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--streams", default="1,8,32")
     p.add_argument("--max-tokens", type=int, default=64)

@@ -101,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the console script: steps run off the main thread in serving, see threads.py
+        from cpuserve.engine.threads import reexec_with_intel_openmp
+
+        reexec_with_intel_openmp()
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import sys
+from pathlib import Path
 
 import torch
 
@@ -47,3 +49,52 @@ def release_free_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+# -- OpenMP runtime ------------------------------------------------------------------------------------------
+# torch ships GNU libgomp. Measured here, libgomp pays ~80 us per parallel region started from any thread but the
+# process's first one, and AsyncLLMEngine (hence every serving replica) steps in its own thread: single-stream
+# decode ran at 48 tok/s there against 104 on the main thread. Intel's OpenMP (PyPI `intel-openmp`, an x86
+# dependency) keeps a warm team for every thread: preloaded, both run at ~108. It must be loaded before
+# anything else, hence LD_PRELOAD: `cpuserve` re-executes itself with it, and serving passes it to the Ray
+# workers it starts. CPUSERVE_OPENMP=gnu keeps torch's libgomp.
+
+def intel_openmp_library() -> str | None:
+    """Path of libiomp5.so installed into this environment (by the intel-openmp wheel), or None."""
+    if os.environ.get("CPUSERVE_OPENMP", "intel") == "gnu":
+        return None
+    for prefix in (sys.prefix, sys.base_prefix):
+        path = Path(prefix) / "lib" / "libiomp5.so"
+        if path.is_file():
+            return str(path)
+    return None
+
+
+def openmp_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment variables that make a new process load Intel's OpenMP first (empty if not installed)."""
+    env = os.environ if env is None else env
+    lib = intel_openmp_library()
+    preload = env.get("LD_PRELOAD", "")
+    if lib is None or lib in preload.split(":"):
+        return {}
+    return {"LD_PRELOAD": f"{lib}:{preload}" if preload else lib}
+
+
+def reexec_with_intel_openmp() -> None:
+    """Replace this process by itself with Intel's OpenMP preloaded; returns at once if that is done already,
+    not installed, or turned off. Call first thing in a command-line entry point, before torch is imported."""
+    extra = openmp_env()
+    if not extra or os.environ.get("CPUSERVE_REEXEC") == "1":
+        return
+    env = {**os.environ, **extra, "CPUSERVE_REEXEC": "1"}
+    log.debug("re-executing with %s", extra)
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)  # the command line as typed
+
+
+def openmp_runtime() -> str:
+    """Which OpenMP runtime this process runs its parallel regions on: "intel" or "gnu"."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "unknown"
+    return "intel" if "libiomp5" in maps else "gnu"

@@ -70,6 +70,8 @@ def _container_security() -> dict[str, Any]:
 
 def _env(name: str, spec: LLMServiceSpec) -> list[dict[str, Any]]:
     env = [{"name": "HOME", "value": "/tmp"}, {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"},
+           # engines at Ray's default worker niceness (15) yield their cores to the proxy and ingress
+           {"name": "RAY_worker_niceness", "value": "0"},
            {"name": "CPUSERVE_LLMSERVICE", "value": name},
            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
     if spec.security.ray_auth_token_secret:

@@ -20,6 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cpuserve.engine.distributed.cpus import rank_cpu_sets
 from cpuserve.engine.distributed.group import Placement
+from cpuserve.engine.threads import openmp_env
 
 PLACE_TIMEOUT = 300.0  # seconds to wait for the worker actors to start (a new node may pull the image first)
 
@@ -71,6 +72,8 @@ class RayLauncher:
     def __init__(self, name: str, cpus_per_rank: int, resource: str | None = None):
         self.name = name
         self.options = dict(num_cpus=cpus_per_rank, resources={resource: 1} if resource else {})
+        if openmp_env({}):  # workers step off their main thread too (engine/threads.py)
+            self.options["runtime_env"] = {"env_vars": openmp_env({})}
         self._placed: dict[int, tuple[Any, dict[str, Any]]] = {}
 
     def place(self, world: int) -> Placement:
