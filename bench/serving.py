@@ -112,13 +112,29 @@ def bench_serve(levels, max_tokens, threads, stream_interval_ms: float | None = 
         stop_serving()
 
 
+# `python -m llama_cpp.server` with ggml's extra buffer types off, as bench/peers.py loads llama.cpp: its AMX
+# path crashes on VMs that advertise AMX (CPUSERVE_BENCH_LLAMA_EXTRA_BUFTS=1 keeps them on).
+LLAMA_SERVER = """
+import os, runpy, sys
+import llama_cpp.llama_cpp as C
+default = C.llama_model_default_params
+def params():
+    p = default()
+    p.use_extra_bufts = os.environ.get("CPUSERVE_BENCH_LLAMA_EXTRA_BUFTS") == "1"
+    return p
+C.llama_model_default_params = params
+sys.argv[0] = "llama_cpp.server"
+runpy.run_module("llama_cpp.server", run_name="__main__", alter_sys=True)
+"""
+
+
 def bench_llamacpp(levels, max_tokens, threads) -> dict[int, dict]:
     import httpx
 
     from cpuserve.engine.loader import default_model_path
 
     port = free_port()
-    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", default_model_path(), "--host", "127.0.0.1",
+    cmd = [sys.executable, "-c", LLAMA_SERVER, "--model", default_model_path(), "--host", "127.0.0.1",
            "--port", str(port), "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "8192",
            "--interrupt_requests", "False"]  # its default: a new request cuts off the running stream
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}  # llama.cpp with its own OpenMP runtime
