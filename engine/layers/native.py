@@ -22,7 +22,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).resolve().parent.parent / "csrc" / name for name in ("decode_ops.cpp", "slim_attention.cpp", "int4_gemm.cpp")]
+SOURCES = [Path(__file__).resolve().parent.parent / "csrc" / name for name in ("decode_ops.cpp", "slim_attention.cpp", "int4_gemm.cpp",
+                                                                            "int8_gemm.cpp")]
 # -fassociative-math lets GCC vectorize the reductions; with alignment peeling off, their summation order depends
 # only on the length, never on where a buffer happens to sit: results are reproducible across processes and
 # batch layouts (a replica group's ranks must match one rank bit for bit).
@@ -115,6 +116,22 @@ def int4_gemm_enabled() -> bool:
         if not torch.equal(got, want):  # the same arithmetic as torch's kernel: bit for bit
             log.warning("int4 GEMM kernel disagrees with torch's int4 packing on this CPU (N=%d, max diff %.3g); "
                         "using torch's kernel for every batch size", n, (got - want).abs().max())
+            return False
+    return True
+
+
+@functools.lru_cache(maxsize=1)
+def int8_gemm_enabled() -> bool:
+    """The many-row int8 GEMM can run and reproduces torch's int8 kernel exactly on this CPU (checked once)."""
+    if not (enabled() and torch.ops.cpuserve.int8_gemm_supported()):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randint(-127, 128, (80, 96), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(80, generator=gen) / 64).to(torch.bfloat16)
+    for rows in (5, 40):
+        x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
+        if not torch.equal(torch.ops.cpuserve.int8_gemm(x, w, scales), torch._weight_int8pack_mm(x, w, scales)):
+            log.warning("int8 GEMM kernel disagrees with torch's int8 kernel on this CPU; using torch's kernel")
             return False
     return True
 

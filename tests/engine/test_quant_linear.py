@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from cpuserve.engine.layers import native
-from cpuserve.engine.layers.quant_linear import INT4_GEMM_MIN_ROWS, QuantLinear
+from cpuserve.engine.layers.quant_linear import INT4_GEMM_MIN_ROWS, INT8_GEMM_MIN_ROWS, QuantLinear
 
 # The bf16 formats return bf16: one output rounding (2^-9 relative) plus kernel-side bf16 rounding of the
 # dequantized weight in some paths. 1% of the output's max magnitude catches any wrong scale, zero point or
@@ -132,3 +132,15 @@ def test_int4_many_rows_kernel_columns_do_not_depend_on_the_shard():
     for lo, hi in ((64, 208), (0, 48), (128, 144)):  # block-aligned, a tail-only shard, a 16-column shard
         shard = QuantLinear.from_float(w[lo:hi], None, "int4", group_size=32)
         assert torch.equal(shard(x), y[:, lo:hi]), f"columns {lo}:{hi}"
+
+
+@pytest.mark.parametrize("n", [576, 49152 // 64 + 3])  # whole 16-column tiles, and a tail
+@pytest.mark.parametrize("rows", [INT8_GEMM_MIN_ROWS, 33])
+def test_int8_many_rows_kernel_is_torch_kernel_bit_for_bit(n, rows):
+    assert native.int8_gemm_enabled(), "the int8 GEMM kernel must build and pass its check here"
+    w, b = make_weight(n, 576, seed=5)
+    m = QuantLinear.from_float(w, b, "int8")
+    x = torch.randn(rows, 576).to(torch.bfloat16)
+    ours = m(x)  # rows >= INT8_GEMM_MIN_ROWS: the C++ kernel
+    assert torch.equal(ours, torch._weight_int8pack_mm(x, m.weight_int8, m.scales) + b.bfloat16())
+    assert rel_err(ours, reference(m, x, b)) < BF16_TOL
