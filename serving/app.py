@@ -43,7 +43,8 @@ def build_app(args: dict[str, Any] | ServeConfig):
         group = dict(placement_group_bundles=[bundle] * config.ranks_per_replica,
                      placement_group_strategy=config.placement_strategy)
     # the engine steps off the replica's main thread: give it Intel's OpenMP (engine/threads.py)
-    runtime_env = {"env_vars": openmp_env({})} if openmp_env({}) else {}
+    preload = openmp_env({})
+    runtime_env = {"env_vars": preload} if preload else {}
     server = serve.deployment(LLMServer, name="LLMServer").options(
         num_replicas=config.replicas, **group,
         ray_actor_options={"num_cpus": config.cpus_per_rank, "resources": rank_resources,  # rank 0 (bundle 0)

@@ -72,8 +72,8 @@ class RayLauncher:
     def __init__(self, name: str, cpus_per_rank: int, resource: str | None = None):
         self.name = name
         self.options = dict(num_cpus=cpus_per_rank, resources={resource: 1} if resource else {})
-        if openmp_env({}):  # workers step off their main thread too (engine/threads.py)
-            self.options["runtime_env"] = {"env_vars": openmp_env({})}
+        if preload := openmp_env({}):  # workers step off their main thread too (engine/threads.py)
+            self.options["runtime_env"] = {"env_vars": preload}
         self._placed: dict[int, tuple[Any, dict[str, Any]]] = {}
 
     def place(self, world: int) -> Placement:

@@ -4,7 +4,7 @@
     CPUSERVE_KERNELS=native  fail if they do not build
     CPUSERVE_KERNELS=torch   never use them (the reference path)
 
-The build (-O3 -march=native, about 30 s on 2 cores) is cached under ~/.cache/cpuserve/kernels, keyed by the
+The build (-O3 -march=native, about 40 s on 2 cores) is cached under ~/.cache/cpuserve/kernels, keyed by the
 source, torch's version and the CPU's feature flags, so a cache copied to another CPU model is not reused.
 """
 
@@ -22,8 +22,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).resolve().parent.parent / "csrc" / name for name in ("decode_ops.cpp", "slim_attention.cpp", "int4_gemm.cpp",
-                                                                            "int8_gemm.cpp")]
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+SOURCES = [CSRC / name for name in ("decode_ops.cpp", "slim_attention.cpp", "int4_gemm.cpp", "int8_gemm.cpp")]
 # -fassociative-math lets GCC vectorize the reductions; with alignment peeling off, their summation order depends
 # only on the length, never on where a buffer happens to sit: results are reproducible across processes and
 # batch layouts (a replica group's ranks must match one rank bit for bit).
@@ -81,7 +81,7 @@ def available() -> bool:
         return _load()
     except Exception as e:  # no compiler, no ninja, a read-only cache ...
         if m == "native":
-            raise RuntimeError(f"CPUSERVE_KERNELS=native but the kernels in {SOURCES[0]} did not build: {e}") from e
+            raise RuntimeError(f"CPUSERVE_KERNELS=native but the kernels in {CSRC} did not build: {e}") from e
         _warn_once(e)
         return False
 

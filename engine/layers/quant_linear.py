@@ -1,7 +1,7 @@
 """Weight-only quantized linear layer: int4 (group-wise RTN), int8 (per channel), bf16, fp32.
 
-The fast paths are torch's private CPU kernels, wrapped here and nowhere else (torch is pinned), and for int4
-with many rows our own GEMM over torch's packing (see INT4_GEMM_MIN_ROWS):
+The fast paths are torch's private CPU kernels, wrapped here and nowhere else (torch is pinned), and for many
+rows our own GEMMs over the same weights, bit-identical to them (INT4_GEMM_MIN_ROWS, INT8_GEMM_MIN_ROWS):
 
     int4: aten._weight_int4pack_mm_for_cpu(x_bf16 [M, K], packed, group_size, scales_and_zeros)
           scales_and_zeros: [K // group_size, N, 2] bf16, [..., 0] = scale, [..., 1] = zero

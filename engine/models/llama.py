@@ -35,7 +35,7 @@ class AttentionMetadata:
     num_decode: int  # rows [0, num_decode) are single-token decodes, one per sequence
     decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks] int32
     decode_context_lens: torch.Tensor | None  # [num_decode] int32, including the new token
-    decode_invalid: torch.Tensor | None  # decode_mask(decode_context_lens, B), shared by every layer
+    decode_invalid: torch.Tensor | None  # decode_mask(decode_context_lens, B) for every layer; None: fused kernels
     prefills: list[PrefillChunk]
 
 
