@@ -2,8 +2,10 @@
 //
 // A task is one kv head and one block of query rows (with the head's g query heads, M = rows * g rows of A).
 // It computes the block's full score rows against every key it can see with one bf16 x bf16 -> fp32 brgemm
-// per key block, a plain fp32 softmax over each whole row (no online rescaling: the row is complete), and
-// P x V with brgemm accumulating in fp32. K^T and V are packed once per call into the VNNI pairs brgemm reads.
+// per key block (taking each row's max while the block is still in cache), a plain fp32 softmax over each whole
+// row (no online rescaling: the row is complete), and P x V with brgemm accumulating in fp32. K^T and V are
+// packed once per call into the VNNI pairs brgemm reads. Key blocks of 256 keep one block's scores (96 rows
+// for SmolLM2) in L2 and waste fewer keys past the diagonal than 512 (1.2x faster at 4096 tokens).
 // Same contract as engine/layers/attention.py's slim_attention.
 //
 // Every brgemm covers whole key blocks (masked keys get P = 0, which adds exact zeros), so a query row's result
@@ -20,6 +22,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -27,7 +30,7 @@
 
 namespace {
 
-constexpr int64_t kKeyBlock = 512;  // keys per packed block (brgemm's N for Q K^T, its K for P V)
+constexpr int64_t kKeyBlock = 256;  // keys per packed block (brgemm's N for Q K^T, its K for P V)
 
 using bf16 = at::BFloat16;
 
@@ -51,34 +54,52 @@ inline __m512 exp512(__m512 x) {
 
 // 16 fp32 -> 16 bf16, round to nearest even (values are finite)
 inline __m256i to_bf16(__m512 x) {
+#if defined(__AVX512BF16__)
+  return (__m256i)_mm512_cvtneps_pbh(x);
+#else
   const __m512i bits = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+#endif
 }
 #endif
 
-// p[0, valid) = bf16(exp(scale * (s - max))), zero on [valid, n); returns 1 / the sum of the fp32 exponentials, by
-// which the row's P V is scaled at the end (one pass over the scores less than normalizing P itself).
-float softmax_row(const float* s, int64_t valid, int64_t n, float scale, bf16* p) {
+// max of s[0, n)
+float row_max(const float* s, int64_t n, float mx) {
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  __m512 vmax = _mm512_set1_ps(mx);
+  for (; t + 16 <= n; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + t));
+  mx = _mm512_reduce_max_ps(vmax);
+#endif
+  for (; t < n; ++t) mx = std::max(mx, s[t]);
+  return mx;
+}
+
+// p[0, valid) = bf16(exp(scale * (s - mx))), zero on [valid, n), where mx is the max of s[0, valid); returns
+// 1 / the sum of the fp32 exponentials, by which the row's P V is scaled at the end (one pass over the scores
+// less than normalizing P itself).
+float softmax_row(const float* s, int64_t valid, int64_t n, float mx, float scale, bf16* p) {
   int64_t t = 0;
   float sum = 0.f;
 #if defined(__AVX512F__)
-  __m512 vmax = _mm512_set1_ps(-INFINITY);
-  for (t = 0; t + 16 <= valid; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + t));
-  float mx = _mm512_reduce_max_ps(vmax);
-  for (; t < valid; ++t) mx = std::max(mx, s[t]);
   const __m512 vshift = _mm512_set1_ps(-mx * scale), vscale = _mm512_set1_ps(scale);
-  __m512 vsum = _mm512_setzero_ps();
-  for (t = 0; t + 16 <= valid; t += 16) {
+  __m512 vsum0 = _mm512_setzero_ps(), vsum1 = _mm512_setzero_ps();  // two sums: the adds do not wait on each other
+  for (t = 0; t + 32 <= valid; t += 32) {
+    const __m512 e0 = exp512(_mm512_fmadd_ps(_mm512_loadu_ps(s + t), vscale, vshift));
+    const __m512 e1 = exp512(_mm512_fmadd_ps(_mm512_loadu_ps(s + t + 16), vscale, vshift));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), to_bf16(e0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t + 16), to_bf16(e1));
+    vsum0 = _mm512_add_ps(vsum0, e0);
+    vsum1 = _mm512_add_ps(vsum1, e1);
+  }
+  for (; t + 16 <= valid; t += 16) {
     const __m512 e = exp512(_mm512_fmadd_ps(_mm512_loadu_ps(s + t), vscale, vshift));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), to_bf16(e));
-    vsum = _mm512_add_ps(vsum, e);
+    vsum0 = _mm512_add_ps(vsum0, e);
   }
-  sum = _mm512_reduce_add_ps(vsum);
-#else
-  float mx = *std::max_element(s, s + valid);
-  t = 0;
+  sum = _mm512_reduce_add_ps(_mm512_add_ps(vsum0, vsum1));
 #endif
   for (; t < valid; ++t) {
     const float e = std::exp((s[t] - mx) * scale);
@@ -136,24 +157,33 @@ at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   const bf16* qd = q.data_ptr<bf16>();
   bf16* od = out.data_ptr<bf16>();
   const int64_t q_row = q.stride(0), num_row_blocks = (L + block_rows - 1) / block_rows;
-  at::parallel_for(0, Hkv * num_row_blocks, 1, [&](int64_t begin, int64_t end) {
+  // A row block's work grows with its index, so a static split of the tasks would leave one thread with most of
+  // it. Each thread takes the next task from a shared counter instead, longest row blocks first.
+  const int64_t num_tasks = Hkv * num_row_blocks;
+  std::atomic<int64_t> next_task{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
     const int64_t m_max = block_rows * g;
     std::vector<bf16> a(m_max * D), p(m_max * t_pad);
-    std::vector<float> s(m_max * t_pad), o(m_max * D), inv_sum(m_max);
-    for (int64_t task = begin; task < end; ++task) {
-      // row blocks from the last (longest rows) first, so the two halves of the work balance
+    std::vector<float> s(m_max * t_pad), o(m_max * D), inv_sum(m_max), mx(m_max);
+    for (int64_t task = next_task++; task < num_tasks; task = next_task++) {
       const int64_t h = task % Hkv, rb = num_row_blocks - 1 - task / Hkv;
       const int64_t start = rb * block_rows, rows = std::min(block_rows, L - start), m = rows * g;
       const int64_t end_key = q_start + start + rows;  // keys past the block's last query are never seen
       for (int64_t r = 0; r < rows; ++r)
         std::memcpy(a.data() + r * g * D, qd + (start + r) * q_row + h * g * D, g * D * sizeof(bf16));
       const int64_t blocks = (end_key + kKeyBlock - 1) / kKeyBlock;
-      for (int64_t kb = 0; kb < blocks; ++kb)
+      std::fill(mx.begin(), mx.begin() + m, -INFINITY);
+      for (int64_t kb = 0; kb < blocks; ++kb) {
         at::native::cpublas::brgemm(m, kKeyBlock, D, D, kKeyBlock, t_pad, false, a.data(),
                                     kpd + (h * nkb + kb) * block_elems, s.data() + kb * kKeyBlock, true);
+        for (int64_t i = 0; i < m; ++i) {  // row maxima while the block's scores are still in cache
+          const int64_t valid = std::min(q_start + start + i / g + 1 - kb * kKeyBlock, kKeyBlock);
+          if (valid > 0) mx[i] = row_max(s.data() + i * t_pad + kb * kKeyBlock, valid, mx[i]);
+        }
+      }
       for (int64_t i = 0; i < m; ++i) {
         const int64_t valid = q_start + start + i / g + 1;
-        inv_sum[i] = softmax_row(s.data() + i * t_pad, valid, blocks * kKeyBlock, scale, p.data() + i * t_pad);
+        inv_sum[i] = softmax_row(s.data() + i * t_pad, valid, blocks * kKeyBlock, mx[i], scale, p.data() + i * t_pad);
       }
       for (int64_t kb = 0; kb < blocks; ++kb)
         at::native::cpublas::brgemm(m, D, kKeyBlock, t_pad, D, D, kb > 0, p.data() + kb * kKeyBlock,

@@ -165,7 +165,7 @@ def test_native_slim_rows_do_not_depend_on_chunking():
     ranks and batch-invariance tests compare engines whose prompts were split differently."""
     q, k, v = (rand(700, heads, 64, dtype=torch.bfloat16, seed=s) for s, heads in ((1, 9), (2, 3), (3, 3)))
     whole = native_slim(q, k, v, 0, 0.125, block_rows=32)
-    for start in (100, 517, 699):  # chunks crossing, starting inside, and at the end of a 512-key block
+    for start in (100, 517, 699):  # chunks crossing key blocks (256 keys), starting inside one, and at the end
         part = native_slim(q[start:].contiguous(), k, v, start, 0.125, block_rows=32)
         assert torch.equal(part, whole[start:]), f"chunk from {start}"
     assert torch.equal(native_slim(q, k, v, 0, 0.125, block_rows=16), whole)  # nor on the row block size
