@@ -58,12 +58,13 @@ def bench_prefill(seq_len: int, dtype: torch.dtype, repeats: int, block_rows: in
 
 
 def make_pool(cache_dtype: torch.dtype, batch: int, context: int):
-    """K and V views of one pool [num_blocks, B, 2 Hkv, D] as the engine lays it out; shuffled block tables."""
+    """K and V views of one pool [num_blocks, B, 2 Hkv, D] as the engine lays it out, shuffled block tables, and
+    the pool and its scales themselves (what the fused kernel reads; a view's _base is unset in inference mode)."""
     blocks_per_seq = context // BLOCK_SIZE
     num_blocks = batch * blocks_per_seq + 1
     pool = torch.zeros(num_blocks, BLOCK_SIZE, 2 * KV_HEADS, HEAD_DIM, dtype=cache_dtype)
     k_cache, v_cache = pool[:, :, :KV_HEADS], pool[:, :, KV_HEADS:]
-    scales = (None, None)
+    scales, scale = (None, None), None
     if cache_dtype == torch.int8:
         scale = torch.zeros(pool.shape[:3])
         scales = (scale[..., :KV_HEADS], scale[..., KV_HEADS:])
@@ -71,7 +72,7 @@ def make_pool(cache_dtype: torch.dtype, batch: int, context: int):
     slots = (tables.repeat_interleave(BLOCK_SIZE, 1) * BLOCK_SIZE + torch.arange(context) % BLOCK_SIZE).view(-1)
     kv = torch.randn(batch * context, KV_HEADS, HEAD_DIM)
     write_kv(k_cache, scales[0], v_cache, scales[1], kv, kv, slots)
-    return (k_cache, scales[0], v_cache, scales[1]), tables.to(torch.int32)
+    return (k_cache, scales[0], v_cache, scales[1]), tables.to(torch.int32), (pool, scale)
 
 
 def bench_decode(batch: int, context: int, repeats: int, chunk_tokens: int) -> dict:
@@ -79,7 +80,7 @@ def bench_decode(batch: int, context: int, repeats: int, chunk_tokens: int) -> d
     lens = torch.full((batch,), context, dtype=torch.int32)
     ms = {}
     for dtype in (torch.int8, torch.bfloat16):
-        cache, tables = make_pool(dtype, batch, context)
+        cache, tables, _ = make_pool(dtype, batch, context)
         ms[dtype] = median_ms(lambda: paged_decode_attention(q, *cache, tables, lens, HEAD_DIM ** -0.5,
                                                              chunk_tokens=chunk_tokens), repeats, warmup=3)
     return {"bench": "decode", "case": f"S={batch} ctx={context} chunk={chunk_tokens}",
@@ -90,8 +91,7 @@ def bench_decode(batch: int, context: int, repeats: int, chunk_tokens: int) -> d
 def bench_native_decode(batch: int, context: int, repeats: int) -> dict:
     q = torch.randn(batch, HEADS, HEAD_DIM).to(torch.bfloat16)
     lens = torch.full((batch,), context, dtype=torch.int32)
-    cache, tables = make_pool(torch.int8, batch, context)
-    pool, scale = cache[0]._base, cache[1]._base  # the pool behind the K/V views
+    cache, tables, (pool, scale) = make_pool(torch.int8, batch, context)
     plain = median_ms(lambda: paged_decode_attention(q, *cache, tables, lens, HEAD_DIM ** -0.5), repeats, warmup=3)
     fused = median_ms(lambda: torch.ops.cpuserve.decode_attention(q, pool, scale, tables, lens, HEAD_DIM ** -0.5),
                       repeats, warmup=3)
