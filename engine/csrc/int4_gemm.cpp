@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -115,8 +116,9 @@ void rows_times_tile(const float* x, int64_t K, const float* tile, bf16* out, in
 }
 #endif
 
-at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t group_size,
-                     const at::Tensor& scales_and_zeros) {
+// The inputs' checks; returns {M, N}.
+std::pair<int64_t, int64_t> check_inputs(const at::Tensor& x, const at::Tensor& packed, int64_t group_size,
+                                         const at::Tensor& scales_and_zeros) {
   TORCH_CHECK(int4_gemm_supported(), "int4_gemm needs AVX-512 (it was built without it for this CPU)");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x must be contiguous bf16 [M, K]");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed must be torch's uint8 int4 packing");
@@ -128,7 +130,18 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t grou
   TORCH_CHECK(K % group_size == 0 && group_size % 2 == 0 && scales_and_zeros.size(0) == K / group_size,
               "K=", K, " must be whole groups of ", group_size);
   TORCH_CHECK(packed.numel() == N * K / 2, "packed holds ", packed.numel(), " bytes, expected N * K / 2 = ", N * K / 2);
-  auto out = at::empty({M, N}, x.options());
+  return {M, N};
+}
+
+// out: contiguous bf16 [M, N], written in place (a replica group's shared-memory slot: no copy afterwards).
+at::Tensor& int4_gemm_out(const at::Tensor& x, const at::Tensor& packed, int64_t group_size,
+                          const at::Tensor& scales_and_zeros, at::Tensor& out) {
+  const auto shape = check_inputs(x, packed, group_size, scales_and_zeros);  // {M, N}
+  const int64_t M = shape.first, N = shape.second;
+  const int64_t K = x.size(1);
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.sizes() == at::IntArrayRef({M, N}),
+              "out must be contiguous bf16 [M, N] = [", M, ", ", N, "], got ", out.scalar_type(), " ", out.sizes(),
+              out.is_contiguous() ? "" : " (not contiguous)");
 #if defined(CPUSERVE_INT4_GEMM)
   const uint8_t* pd = packed.data_ptr<uint8_t>();
   const bf16* sz = scales_and_zeros.data_ptr<bf16>();
@@ -153,14 +166,28 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t grou
   return out;
 }
 
+at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t group_size,
+                     const at::Tensor& scales_and_zeros) {
+  const auto shape = check_inputs(x, packed, group_size, scales_and_zeros);  // {M, N}
+  const int64_t M = shape.first, N = shape.second;
+  auto out = at::empty({M, N}, x.options());
+  int4_gemm_out(x, packed, group_size, scales_and_zeros, out);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(cpuserve, m) {
   m.def("int4_gemm(Tensor x, Tensor packed, int group_size, Tensor scales_and_zeros) -> Tensor");
+  m.def("int4_gemm.out(Tensor x, Tensor packed, int group_size, Tensor scales_and_zeros, *, Tensor(a!) out) -> "
+        "Tensor(a!)");
   m.def("int4_gemm_supported() -> bool");
 }
 
-TORCH_LIBRARY_IMPL(cpuserve, CPU, m) { m.impl("int4_gemm", &int4_gemm); }
+TORCH_LIBRARY_IMPL(cpuserve, CPU, m) {
+  m.impl("int4_gemm", &int4_gemm);
+  m.impl("int4_gemm.out", &int4_gemm_out);
+}
 
 TORCH_LIBRARY_IMPL(cpuserve, CompositeExplicitAutograd, m) {
   m.impl("int4_gemm_supported", &int4_gemm_supported);

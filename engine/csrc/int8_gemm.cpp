@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -64,7 +65,8 @@ void rows(const float* x, int64_t K, const float* tile, int64_t cols, bf16* out,
 }
 #endif
 
-at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
+// The inputs' checks; returns {M, N}.
+std::pair<int64_t, int64_t> check_inputs(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
   TORCH_CHECK(int8_gemm_supported(), "int8_gemm needs AVX-512 (it was built without it for this CPU)");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x must be contiguous bf16 [M, K]");
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.is_contiguous(),
@@ -72,7 +74,17 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Te
   TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.numel() == weight.size(0), "scales must be bf16 [N]");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(weight.size(1) == K && K % 16 == 0, "K=", K, " must match the weight and be a multiple of 16");
-  auto out = at::empty({M, N}, x.options());
+  return {M, N};
+}
+
+// out: contiguous bf16 [M, N], written in place (a replica group's shared-memory slot: no copy afterwards).
+at::Tensor& int8_gemm_out(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales, at::Tensor& out) {
+  const auto shape = check_inputs(x, weight, scales);  // {M, N}
+  const int64_t M = shape.first, N = shape.second;
+  const int64_t K = x.size(1);
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.sizes() == at::IntArrayRef({M, N}),
+              "out must be contiguous bf16 [M, N] = [", M, ", ", N, "], got ", out.scalar_type(), " ", out.sizes(),
+              out.is_contiguous() ? "" : " (not contiguous)");
 #if defined(CPUSERVE_INT8_GEMM)
   const at::Tensor xf = x.to(at::kFloat);  // exact, once per call
   const float* xd = xf.data_ptr<float>();
@@ -99,13 +111,25 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Te
   return out;
 }
 
+at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
+  const auto shape = check_inputs(x, weight, scales);  // {M, N}
+  const int64_t M = shape.first, N = shape.second;
+  auto out = at::empty({M, N}, x.options());
+  int8_gemm_out(x, weight, scales, out);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(cpuserve, m) {
   m.def("int8_gemm(Tensor x, Tensor weight, Tensor scales) -> Tensor");
+  m.def("int8_gemm.out(Tensor x, Tensor weight, Tensor scales, *, Tensor(a!) out) -> Tensor(a!)");
   m.def("int8_gemm_supported() -> bool");
 }
 
-TORCH_LIBRARY_IMPL(cpuserve, CPU, m) { m.impl("int8_gemm", &int8_gemm); }
+TORCH_LIBRARY_IMPL(cpuserve, CPU, m) {
+  m.impl("int8_gemm", &int8_gemm);
+  m.impl("int8_gemm.out", &int8_gemm_out);
+}
 
 TORCH_LIBRARY_IMPL(cpuserve, CompositeExplicitAutograd, m) { m.impl("int8_gemm_supported", &int8_gemm_supported); }

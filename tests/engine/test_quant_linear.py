@@ -144,3 +144,36 @@ def test_int8_many_rows_kernel_is_torch_kernel_bit_for_bit(n, rows):
     ours = m(x)  # rows >= INT8_GEMM_MIN_ROWS: the C++ kernel
     assert torch.equal(ours, torch._weight_int8pack_mm(x, m.weight_int8, m.scales) + b.bfloat16())
     assert rel_err(ours, reference(m, x, b)) < BF16_TOL
+
+
+@pytest.mark.parametrize("fmt,fallback", [("int4", False), ("int8", False), ("bf16", False), ("fp32", False),
+                                          ("int4", True)])
+@pytest.mark.parametrize("rows", [1, 8, INT4_GEMM_MIN_ROWS, 33])  # torch's kernels, then ours (int8 from 8 rows)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_out_gives_the_same_bits_in_place(fmt, fallback, rows, with_bias):
+    """out= (a replica group writing into its shared-memory slot) changes where the result goes, not its bits."""
+    assert native.int4_gemm_enabled() and native.int8_gemm_enabled()
+    w, b = make_weight(80, 576, seed=6)  # N=80: a 16-column tail in the int4 and int8 kernels
+    m = QuantLinear.from_float(w, b if with_bias else None, fmt, group_size=32, use_fallback=fallback)
+    x = torch.randn(rows, 576)
+    arena = torch.full((3 + rows * 80,), 7.0, dtype=m.act_dtype)  # out sits at an offset, like a slot
+    out = arena[3:].view(rows, 80)
+    got = m(x, out=out)
+    assert got is out and torch.equal(out, m(x)) and (arena[:3] == 7).all()
+    out3 = arena[3:].view(1, rows, 80)  # a leading batch dimension
+    assert m(x[None], out=out3) is out3 and torch.equal(out3[0], m(x))
+
+
+def test_out_of_the_wrong_shape_raises_naming_the_right_one():
+    m = QuantLinear.from_float(*make_weight(80, 576), "int4")
+    with pytest.raises(ValueError, match=r"shape \(4, 80\), got torch.bfloat16 \(4, 64\)"):
+        m(torch.randn(4, 576), out=torch.empty(4, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="not contiguous"):
+        m(torch.randn(4, 576), out=torch.empty(80, 4, dtype=torch.bfloat16).t())
+    with pytest.raises(RuntimeError, match=r"out must be contiguous bf16 \[M, N\] = \[24, 80\]"):
+        torch.ops.cpuserve.int4_gemm.out(torch.randn(24, 576).bfloat16(), m.packed, 32, m.scales_and_zeros,
+                                         out=torch.empty(24, 64, dtype=torch.bfloat16))
+    m8 = QuantLinear.from_float(*make_weight(80, 576), "int8")
+    with pytest.raises(RuntimeError, match=r"out must be contiguous bf16 \[M, N\] = \[8, 80\]"):
+        torch.ops.cpuserve.int8_gemm.out(torch.randn(8, 576).bfloat16(), m8.weight_int8, m8.scales,
+                                         out=torch.empty(8, 80))
