@@ -11,9 +11,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 #include <algorithm>
 #include <atomic>
@@ -343,7 +341,17 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
       for (int64_t i = begin; i < end; ++i) {
         load_row(in + i * width, a.data(), inner);
         load_row(in + i * width + inner, b.data(), inner);
-        for (int64_t d = 0; d < inner; ++d) op[i * inner + d] = store<scalar_t>(a[d] / (1.f + std::exp(-a[d])) * b[d]);
+        int64_t d = 0;
+#if defined(__AVX512F__)
+        for (; d + 16 <= inner; d += 16) {  // a / (1 + e^-a) * b, 16 lanes at a time
+          const __m512 x = _mm512_loadu_ps(a.data() + d);
+          const __m512 e = cpuserve_simd::exp512(_mm512_sub_ps(_mm512_setzero_ps(), x));
+          const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+          _mm512_storeu_ps(a.data() + d, _mm512_mul_ps(silu, _mm512_loadu_ps(b.data() + d)));
+        }
+#endif
+        for (; d < inner; ++d) a[d] = a[d] / (1.f + std::exp(-a[d])) * b[d];
+        for (d = 0; d < inner; ++d) op[i * inner + d] = store<scalar_t>(a[d]);
       }
     });
   });

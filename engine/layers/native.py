@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = [CSRC / name for name in ("decode_ops.cpp", "slim_attention.cpp", "int4_gemm.cpp", "int8_gemm.cpp")]
+HEADERS = [CSRC / "simd.h"]  # part of the build's cache key too
 # -fassociative-math lets GCC vectorize the reductions; with alignment peeling off, their summation order depends
 # only on the length, never on where a buffer happens to sit: results are reproducible across processes and
 # batch layouts (a replica group's ranks must match one rank bit for bit).
@@ -51,7 +52,7 @@ def _cpu_flags() -> str:
 
 def _build_name() -> str:
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in SOURCES + HEADERS:
         h.update(src.read_bytes())
     h.update(" ".join(CFLAGS).encode() + torch.__version__.encode() + _cpu_flags().encode())
     return f"cpuserve_ops_{h.hexdigest()[:12]}"
