@@ -46,7 +46,8 @@ class Communicator(ABC):
 
     @abstractmethod
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum x over all ranks, in place (every rank gets the same bits); returns x."""
+        """Sum x over all ranks (every rank gets the same bits): in place, returning x, except for a buffer from
+        next_buffer(), whose sum comes back in a new tensor."""
 
     @abstractmethod
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
@@ -68,6 +69,20 @@ class Communicator(ABC):
             stacked = torch.empty((self.world_size, *padded.shape), dtype=x.dtype)
         self.broadcast(stacked)
         return torch.cat([stacked[r, :, :w] for r, w in enumerate(widths)], 1)
+
+    def next_buffer(self, shape: tuple[int, ...], dtype: torch.dtype, widths: list[int] | None = None) -> torch.Tensor:
+        """A contiguous tensor to build the input of this rank's next all_reduce / all_gather_cols in.
+
+        A transport with shared memory hands out a view of this rank's own slot, so that collective need not copy
+        the input (zero-copy); the others, a fresh tensor. Write it, then pass it to the very next collective this
+        rank calls, and drop it afterwards: after that collective the slot belongs to the group again.
+
+        Args:
+            shape: this rank's input; for all_gather_cols [N, widths[rank]].
+            dtype: its dtype.
+            widths: for all_gather_cols, every rank's widths (all ranks must choose zero-copy or not alike).
+        """
+        return torch.empty(shape, dtype=dtype)
 
     @abstractmethod
     def close(self) -> None:

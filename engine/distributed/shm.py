@@ -13,12 +13,18 @@ buffers are enough (the same double-buffer scheme as the shm all-reduce of gloo 
 monotonic counter instead of cycling states). Every rank sums the slots itself, in rank order, so all ranks get
 identical bits without a second barrier. x86 stores are seen in program order (TSO), so the data written before
 the flag is visible once the flag is.
+
+Zero-copy: next_buffer() starts collective s early: it makes the same wait (no peer still reads buffer s % 2)
+and hands out this rank's slot of that buffer as a tensor; the producer (a linear layer's out=) writes its result
+there, and all_reduce / all_gather_cols given that tensor only publish s. The sum then goes to a new tensor,
+since the slot must stay unchanged until every peer has read it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import mmap
 import os
 import re
@@ -49,6 +55,7 @@ class ShmCommunicator(Communicator):
         self._seq = 0
         self._peer_pids: dict[int, int] = {}
         self._views: dict[torch.dtype, list[list[torch.Tensor]]] = {}
+        self._claimed: tuple[int, int, torch.Tensor] | None = None  # (seq, buffer, slot view) from next_buffer
         name = "cpuserve-" + re.sub(r"[^A-Za-z0-9_.-]", "_", f"{os.getuid()}-{group_name}")
         path = os.path.join(shm_dir, name)
         size = _HEADER + 2 * world_size * slot_bytes
@@ -113,6 +120,9 @@ class ShmCommunicator(Communicator):
 
     def _begin(self, timeout: float | None) -> tuple[int, int]:
         """Next collective number and its buffer; first makes sure no peer still reads that buffer."""
+        if self._claimed is not None:
+            raise RuntimeError(f"collective {self._claimed[0]} was started by next_buffer(): the next collective "
+                               f"must be the all_reduce / all_gather_cols of that buffer, not another one")
         self._seq += 1
         seq = self._seq
         if seq > 2:
@@ -124,6 +134,30 @@ class ShmCommunicator(Communicator):
 
     def _slot(self, buffer: int, rank: int, nbytes: int) -> torch.Tensor:
         return self._slots[buffer][rank][:nbytes]  # [nbytes] uint8 view into the segment
+
+    # -- zero-copy ------------------------------------------------------------------------------------
+    def next_buffer(self, shape: tuple[int, ...], dtype: torch.dtype, widths: list[int] | None = None) -> torch.Tensor:
+        numel = math.prod(shape)
+        widest = shape[0] * max(widths) if widths else numel  # so that every rank decides alike
+        if widest * dtype.itemsize > self.slot_bytes:
+            return super().next_buffer(shape, dtype)  # more than one slot: the chunked, copying path
+        start = time.perf_counter()
+        seq, b = self._begin(self.timeout)  # the protocol's wait: no peer reads buffer b any more
+        view = self._typed(dtype)[b][self.rank][:numel].view(shape)
+        self._claimed = (seq, b, view)
+        self.stats.seconds += time.perf_counter() - start
+        return view
+
+    def _take(self, x: torch.Tensor) -> tuple[int, int] | None:
+        """(seq, buffer) when x is the slot next_buffer() handed out, already holding this rank's part; else None."""
+        if self._claimed is None:
+            return None
+        seq, b, view = self._claimed
+        self._claimed = None
+        if x.data_ptr() != view.data_ptr() or x.shape != view.shape or x.dtype != view.dtype:
+            raise RuntimeError(f"collective {seq} was started by next_buffer({tuple(view.shape)}, {view.dtype}) but "
+                               f"got another tensor {tuple(x.shape)} {x.dtype}: pass it that buffer")
+        return seq, b
 
     # -- collectives ----------------------------------------------------------------------------------
     def _chunks(self, x: torch.Tensor):
@@ -141,6 +175,11 @@ class ShmCommunicator(Communicator):
 
     @timed
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        claimed = self._take(x)
+        if claimed is not None:  # zero-copy: x is our slot; it must not change until every peer has read it
+            out = torch.empty_like(x)
+            self._reduce(*claimed, out.view(-1))
+            return out
         assert x.is_contiguous()
         flat = x.view(-1)  # flat: [numel]
         step = self.slot_bytes // x.element_size()
@@ -149,11 +188,15 @@ class ShmCommunicator(Communicator):
         return x
 
     def _all_reduce_part(self, part: torch.Tensor) -> None:
-        n = part.numel()
         seq, b = self._begin(self.timeout)
-        slots = self._typed(part.dtype)[b]
         # plain memmove into our slot: the cheapest copy Python can issue (a torch copy_ costs ~3 us here)
-        ctypes.memmove(slots[self.rank].data_ptr(), part.data_ptr(), n * part.element_size())
+        ctypes.memmove(self._slots[b][self.rank].data_ptr(), part.data_ptr(), part.numel() * part.element_size())
+        self._reduce(seq, b, part)
+
+    def _reduce(self, seq: int, b: int, part: torch.Tensor) -> None:
+        """Publish our slot of buffer b (holding our part), then sum every rank's slot in rank order into part."""
+        n = part.numel()
+        slots = self._typed(part.dtype)[b]
         self._post(seq)
         self._wait(range(self.world_size), seq, self.timeout)
         if self.world_size == 2:  # one rounding either way, so half types can add directly
@@ -172,12 +215,16 @@ class ShmCommunicator(Communicator):
     def all_gather_cols(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor:
         """One barrier: every rank writes its columns to its slot, then concatenates all slots."""
         n = x.shape[0]
-        if n * max(widths) * x.element_size() > self.slot_bytes:
+        claimed = self._take(x)
+        if claimed is not None:  # zero-copy: x is already our slot (next_buffer checked the widest rank fits)
+            seq, b = claimed
+        elif n * max(widths) * x.element_size() > self.slot_bytes:
             return super().all_gather_cols(x, widths)  # too big for one slot: the chunked generic path
-        x = x.contiguous()
-        seq, b = self._begin(self.timeout)
+        else:
+            x = x.contiguous()
+            seq, b = self._begin(self.timeout)
+            ctypes.memmove(self._slots[b][self.rank].data_ptr(), x.data_ptr(), x.numel() * x.element_size())
         slots = self._typed(x.dtype)[b]
-        ctypes.memmove(slots[self.rank].data_ptr(), x.data_ptr(), x.numel() * x.element_size())
         self._post(seq)
         self._wait(range(self.world_size), seq, self.timeout)
         return torch.cat([slots[r][: n * w].view(n, w) for r, w in enumerate(widths)], 1)  # [N, sum(widths)]
@@ -229,7 +276,7 @@ class ShmCommunicator(Communicator):
             self.timeout = saved
 
     def close(self) -> None:
-        self._ctrl = self._data = self._slots = None
+        self._ctrl = self._data = self._slots = self._claimed = None
         self._views.clear()  # drop the exported views first: mmap refuses to close under them
         try:
             self._mm.close()
