@@ -12,6 +12,10 @@ bit-identical to one rank: o_proj and down are column-parallel too (rank r compu
 features over the full input), their inputs and outputs are all-gathered (4 all-gathers per layer; each output
 element is the same kernel over the same K as on one rank). The weights are split k ways in both modes.
 
+Zero-copy: the producers of collective inputs this module owns (o_proj / down, the embedding lookup) write straight
+into this rank's shared-memory slot (Communicator.next_buffer); the inputs of the exact mode's input gathers come
+from attention and the MLP activation, outside this module, and are still copied in by the communicator.
+
 Heads are split by KV head so each rank's attention (and KV pool) is self-contained: rank r holds KV heads
 [r*Hkv//k, (r+1)*Hkv//k) and the query heads that share them. When k does not divide Hkv (SmolLM2 has 3 KV heads)
 the split is uneven (2 + 1 heads for k=2): still exact, the larger shard just sets the pace of attention.
@@ -23,7 +27,6 @@ import dataclasses
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cpuserve.engine.distributed.communicator import Communicator
@@ -119,7 +122,8 @@ class RowParallel(nn.Module):
         self.linear, self.comm = linear, comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_reduce(self.linear(x).contiguous())
+        out = self.comm.next_buffer((*x.shape[:-1], self.linear.out_features), self.linear.act_dtype)
+        return self.comm.all_reduce(self.linear(x, out=out))
 
 
 class GatherLinear(nn.Module):
@@ -131,7 +135,9 @@ class GatherLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.comm.all_gather_cols(x, self.in_widths)  # [N, sum(in_widths)]: the full input
-        return self.comm.all_gather_cols(self.linear(x), self.out_widths)  # [N, dim]
+        widths = self.out_widths
+        out = self.comm.next_buffer((x.shape[0], widths[self.comm.rank]), self.linear.act_dtype, widths)
+        return self.comm.all_gather_cols(self.linear(x, out=out), widths)  # [N, dim]
 
 
 class ShardedLlamaModel(LlamaModel):
@@ -157,7 +163,8 @@ class ShardedLlamaModel(LlamaModel):
         lo, hi = self.plan.vocab
         local = token_ids - lo
         outside = (local < 0) | (local >= hi - lo)
-        x = F.embedding(local.masked_fill(outside, 0), self.embed_tokens)  # x: [N, dim]
+        x = self.comm.next_buffer((token_ids.shape[0], self.embed_tokens.shape[1]), self.embed_tokens.dtype)
+        torch.index_select(self.embed_tokens, 0, local.masked_fill(outside, 0), out=x)  # x: [N, dim], an embedding
         x = self.comm.all_reduce(x.masked_fill_(outside[:, None], 0))  # exactly one rank holds each id: exact
         for layer in self.layers:
             x = layer(x, meta)
