@@ -55,7 +55,8 @@ class ShmCommunicator(Communicator):
         self._seq = 0
         self._peer_pids: dict[int, int] = {}
         self._views: dict[torch.dtype, list[list[torch.Tensor]]] = {}
-        self._claimed: tuple[int, int, torch.Tensor] | None = None  # (seq, buffer, slot view) from next_buffer
+        self._shapes: dict[tuple, list[torch.Tensor]] = {}
+        self._claimed: tuple[int, int, list[torch.Tensor]] | None = None  # next_buffer's (seq, buffer, _shaped())
         name = "cpuserve-" + re.sub(r"[^A-Za-z0-9_.-]", "_", f"{os.getuid()}-{group_name}")
         path = os.path.join(shm_dir, name)
         size = _HEADER + 2 * world_size * slot_bytes
@@ -143,21 +144,34 @@ class ShmCommunicator(Communicator):
             return super().next_buffer(shape, dtype)  # more than one slot: the chunked, copying path
         start = time.perf_counter()
         seq, b = self._begin(self.timeout)  # the protocol's wait: no peer reads buffer b any more
-        view = self._typed(dtype)[b][self.rank][:numel].view(shape)
-        self._claimed = (seq, b, view)
+        parts = self._shaped(b, dtype, tuple(shape))
+        self._claimed = (seq, b, parts)
         self.stats.seconds += time.perf_counter() - start
-        return view
+        return parts[self.rank]
 
-    def _take(self, x: torch.Tensor) -> tuple[int, int] | None:
-        """(seq, buffer) when x is the slot next_buffer() handed out, already holding this rank's part; else None."""
+    def _shaped(self, b: int, dtype: torch.dtype, shape: tuple[int, ...]) -> list[torch.Tensor]:
+        """[rank] -> the start of each rank's slot of buffer b as a dtype tensor of this shape (cached: making the
+        views costs more than the copy they save; a decode step repeats the same few shapes)."""
+        key = (b, dtype, shape)
+        parts = self._shapes.get(key)
+        if parts is None:
+            if len(self._shapes) >= 256:  # prefill chunks of every length: keep the cache small
+                self._shapes.clear()
+            numel = math.prod(shape)
+            parts = self._shapes[key] = [slot[:numel].view(shape) for slot in self._typed(dtype)[b]]
+        return parts
+
+    def _take(self, x: torch.Tensor) -> tuple[int, int, list[torch.Tensor]] | None:
+        """(seq, buffer, every rank's part) when x is the slot next_buffer() handed out, holding this rank's part;
+        None when no collective was started by next_buffer()."""
         if self._claimed is None:
             return None
-        seq, b, view = self._claimed
-        self._claimed = None
-        if x.data_ptr() != view.data_ptr() or x.shape != view.shape or x.dtype != view.dtype:
-            raise RuntimeError(f"collective {seq} was started by next_buffer({tuple(view.shape)}, {view.dtype}) but "
-                               f"got another tensor {tuple(x.shape)} {x.dtype}: pass it that buffer")
-        return seq, b
+        claimed, self._claimed = self._claimed, None
+        view = claimed[2][self.rank]
+        if x is not view:
+            raise RuntimeError(f"collective {claimed[0]} was started by next_buffer({tuple(view.shape)}, {view.dtype}) "
+                               f"but got another tensor {tuple(x.shape)} {x.dtype}: pass it that same tensor")
+        return claimed
 
     # -- collectives ----------------------------------------------------------------------------------
     def _chunks(self, x: torch.Tensor):
@@ -178,7 +192,7 @@ class ShmCommunicator(Communicator):
         claimed = self._take(x)
         if claimed is not None:  # zero-copy: x is our slot; it must not change until every peer has read it
             out = torch.empty_like(x)
-            self._reduce(*claimed, out.view(-1))
+            self._reduce(claimed[0], claimed[2], out)
             return out
         assert x.is_contiguous()
         flat = x.view(-1)  # flat: [numel]
@@ -189,27 +203,26 @@ class ShmCommunicator(Communicator):
 
     def _all_reduce_part(self, part: torch.Tensor) -> None:
         seq, b = self._begin(self.timeout)
-        # plain memmove into our slot: the cheapest copy Python can issue (a torch copy_ costs ~3 us here)
-        ctypes.memmove(self._slots[b][self.rank].data_ptr(), part.data_ptr(), part.numel() * part.element_size())
-        self._reduce(seq, b, part)
-
-    def _reduce(self, seq: int, b: int, part: torch.Tensor) -> None:
-        """Publish our slot of buffer b (holding our part), then sum every rank's slot in rank order into part."""
         n = part.numel()
-        slots = self._typed(part.dtype)[b]
+        # plain memmove into our slot: the cheapest copy Python can issue (a torch copy_ costs ~3 us here)
+        ctypes.memmove(self._slots[b][self.rank].data_ptr(), part.data_ptr(), n * part.element_size())
+        self._reduce(seq, [slot[:n] for slot in self._typed(part.dtype)[b]], part)
+
+    def _reduce(self, seq: int, parts: list[torch.Tensor], out: torch.Tensor) -> None:
+        """Publish collective seq (our part is in our slot), then sum every rank's part in rank order into out."""
         self._post(seq)
         self._wait(range(self.world_size), seq, self.timeout)
         if self.world_size == 2:  # one rounding either way, so half types can add directly
-            torch.add(slots[0][:n], slots[1][:n], out=part)
-        elif part.dtype in _HALF:  # accumulate half types in fp32, round once
-            acc = slots[0][:n].float()
-            for s in slots[1:]:
-                acc += s[:n]
-            part.copy_(acc)
+            torch.add(parts[0], parts[1], out=out)
+        elif out.dtype in _HALF:  # accumulate half types in fp32, round once
+            acc = parts[0].float()
+            for p in parts[1:]:
+                acc += p
+            out.copy_(acc)
         else:
-            part.copy_(slots[0][:n])
-            for s in slots[1:]:
-                part += s[:n]
+            out.copy_(parts[0])
+            for p in parts[1:]:
+                out += p
 
     @timed
     def all_gather_cols(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor:
@@ -217,7 +230,7 @@ class ShmCommunicator(Communicator):
         n = x.shape[0]
         claimed = self._take(x)
         if claimed is not None:  # zero-copy: x is already our slot (next_buffer checked the widest rank fits)
-            seq, b = claimed
+            seq, b, _ = claimed
         elif n * max(widths) * x.element_size() > self.slot_bytes:
             return super().all_gather_cols(x, widths)  # too big for one slot: the chunked generic path
         else:
@@ -277,7 +290,8 @@ class ShmCommunicator(Communicator):
 
     def close(self) -> None:
         self._ctrl = self._data = self._slots = self._claimed = None
-        self._views.clear()  # drop the exported views first: mmap refuses to close under them
+        self._views.clear()
+        self._shapes.clear()  # drop the exported views first: mmap refuses to close under them
         try:
             self._mm.close()
         except BufferError:  # a caller still holds a view; the mapping goes when the process does
