@@ -4,6 +4,7 @@
     python bench/tp.py decode         # decode tok/s, compute/communication split, bytes per token
     python bench/tp.py topk           # reduced top-k sampling vs all-gathering the full logits (step time)
     python bench/tp.py all [--quick] [--skip-1b]
+    python bench/tp.py decode --layouts exact,reduce   # only these rows (1x2 = the 1-rank baseline)
 
 Decode rows: batch 1 and 8, greedy, 32 generated tokens after a 32-token prompt, median of 3 runs; 2-rank rows in
 both layouts ("exact": bit-identical to 1 rank, 4 all-gathers per layer; "reduce": 2 all-reduces per layer).
@@ -22,23 +23,30 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def decode_table(models: dict[str, str | None], batches, gen_tokens: int, reps: int) -> list[str]:
+LAYOUTS = ("1x2", "exact", "reduce")
+
+
+def decode_table(models: dict[str, str | None], batches, gen_tokens: int, reps: int,
+                 layouts=LAYOUTS) -> list[str]:
     from tp_decode import measure
 
     rows = ["| model | batch | layout | tok/s | vs 1x2 | step ms | compute | comm | bytes/token | collectives/step |",
             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, path in models.items():
         for batch in batches:
-            base = measure(path, 1, threads=2, batch=batch, gen_tokens=gen_tokens, reps=reps)
-            rows.append(f"| {name} | {batch} | 1 rank x 2 threads | {base['tok_s']:.1f} | 1.00x | "
-                        f"{base['step_ms']:.1f} | | | | |")
-            for mode in ("exact", "reduce"):
+            base = None
+            if "1x2" in layouts:
+                base = measure(path, 1, threads=2, batch=batch, gen_tokens=gen_tokens, reps=reps)
+                rows.append(f"| {name} | {batch} | 1 rank x 2 threads | {base['tok_s']:.1f} | 1.00x | "
+                            f"{base['step_ms']:.1f} | | | | |")
+                print(rows[-1], flush=True)
+            for mode in [m for m in ("exact", "reduce") if m in layouts]:
                 r = measure(path, 2, tp_mode=mode, batch=batch, gen_tokens=gen_tokens, reps=reps)
-                rows.append(f"| {name} | {batch} | 2 ranks x 1 thread, {mode} | {r['tok_s']:.1f} | "
-                            f"{r['tok_s'] / base['tok_s']:.2f}x | {r['step_ms']:.1f} | {r['compute_frac']:.0%} | "
-                            f"{r['comm_frac']:.0%} | {r['bytes_per_token'] / 1024:.0f} KiB | "
-                            f"{r['ops_per_step']:.0f} |")
-            print("\n".join(rows[-3:]), flush=True)
+                ratio = f"{r['tok_s'] / base['tok_s']:.2f}x" if base else ""
+                rows.append(f"| {name} | {batch} | 2 ranks x 1 thread, {mode} | {r['tok_s']:.1f} | {ratio} | "
+                            f"{r['step_ms']:.1f} | {r['compute_frac']:.0%} | {r['comm_frac']:.0%} | "
+                            f"{r['bytes_per_token'] / 1024:.0f} KiB | {r['ops_per_step']:.0f} |")
+                print(rows[-1], flush=True)
     return rows
 
 
@@ -66,7 +74,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iters", type=int, default=200, help="all-reduces per timed batch")
     parser.add_argument("--quick", action="store_true", help="smoke run: few tokens, one repetition")
     parser.add_argument("--skip-1b", action="store_true")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"decode rows, comma-separated from {LAYOUTS}")
     args = parser.parse_args(argv)
+    layouts = args.layouts.split(",")
+    if not set(layouts) <= set(LAYOUTS):
+        parser.error(f"--layouts {args.layouts!r}: choose from {','.join(LAYOUTS)}")
     gen_tokens, reps = (8, 1) if args.quick else (32, 3)
     models: dict[str, str | None] = {"SmolLM2-135M": None}
     if not args.skip_1b and args.part in ("decode", "all"):
@@ -80,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         out += table(args.iters) + [""]
         print("\n".join(out), flush=True)
     if args.part in ("decode", "all"):
-        out += decode_table(models, (1, 8), gen_tokens, reps) + [""]
+        out += decode_table(models, (1, 8), gen_tokens, reps, layouts) + [""]
     if args.part in ("topk", "all"):
         out += topk_table({"SmolLM2-135M": None}, gen_tokens, reps)
     print("\n" + "\n".join(out))
