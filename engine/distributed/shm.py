@@ -150,15 +150,22 @@ class ShmCommunicator(Communicator):
         return parts[self.rank]
 
     def _shaped(self, b: int, dtype: torch.dtype, shape: tuple[int, ...]) -> list[torch.Tensor]:
-        """[rank] -> the start of each rank's slot of buffer b as a dtype tensor of this shape (cached: making the
-        views costs more than the copy they save; a decode step repeats the same few shapes)."""
-        key = (b, dtype, shape)
+        """[rank] -> the start of each rank's slot of buffer b as a dtype tensor of this shape."""
+        return self._cached((b, dtype, shape), lambda: [slot[:math.prod(shape)].view(shape)
+                                                        for slot in self._typed(dtype)[b]])
+
+    def _columns(self, b: int, dtype: torch.dtype, n: int, widths: list[int]) -> list[torch.Tensor]:
+        """[rank] -> rank r's slot of buffer b as [n, widths[r]] (all_gather_cols' parts)."""
+        return self._cached((b, dtype, n, *widths), lambda: [slot[: n * w].view(n, w)
+                                                             for slot, w in zip(self._typed(dtype)[b], widths)])
+
+    def _cached(self, key: tuple, make) -> list[torch.Tensor]:
+        """Slot views, cached: making them costs more than the copy they save; a decode step repeats its shapes."""
         parts = self._shapes.get(key)
         if parts is None:
             if len(self._shapes) >= 256:  # prefill chunks of every length: keep the cache small
                 self._shapes.clear()
-            numel = math.prod(shape)
-            parts = self._shapes[key] = [slot[:numel].view(shape) for slot in self._typed(dtype)[b]]
+            parts = self._shapes[key] = make()
         return parts
 
     def _take(self, x: torch.Tensor) -> tuple[int, int, list[torch.Tensor]] | None:
@@ -237,10 +244,9 @@ class ShmCommunicator(Communicator):
             x = x.contiguous()
             seq, b = self._begin(self.timeout)
             ctypes.memmove(self._slots[b][self.rank].data_ptr(), x.data_ptr(), x.numel() * x.element_size())
-        slots = self._typed(x.dtype)[b]
         self._post(seq)
         self._wait(range(self.world_size), seq, self.timeout)
-        return torch.cat([slots[r][: n * w].view(n, w) for r, w in enumerate(widths)], 1)  # [N, sum(widths)]
+        return torch.cat(self._columns(b, x.dtype, n, widths), 1)  # [N, sum(widths)]
 
     @timed
     def broadcast(self, x: torch.Tensor, src: int = 0, timeout: float | None = -1.0) -> torch.Tensor:
