@@ -156,15 +156,28 @@ class GGUFWeights:
         for t in self.tensors:
             # numpy shape is GGUF's ne reversed: [out_features, in_features], as torch.nn.Linear stores it
             shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-            array = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
-            # F32 dequantizes to a read-only view of the mapped file: copy so the tensor owns writable memory
-            weight = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
+            weight = _dequantize_rows(t.data, t.tensor_type, shape)
             name = hf_name(t.name)
             if self.permuted_qk and ".q_proj." in name:
                 weight = unpermute_qk(weight, self.args.n_heads)
             elif self.permuted_qk and ".k_proj." in name:
                 weight = unpermute_qk(weight, self.args.n_kv_heads)
             yield name, weight
+
+
+DEQUANTIZE_ROWS = 2048  # rows per dequantization call: its numpy temporaries stay a few MB for any tensor size
+
+
+def _dequantize_rows(data: np.ndarray, qtype: QT, shape: tuple[int, ...]) -> torch.Tensor:
+    """The tensor as an fp32 torch tensor that owns its memory, dequantized a slice of rows at a time (a block never
+    spans two rows), so loading a 49152-row embedding needs its output plus a few MB rather than several copies."""
+    out = torch.empty(shape, dtype=torch.float32)
+    rows = out.numpy().reshape(-1, shape[-1])  # a view of out: [prod(shape[:-1]), shape[-1]]
+    packed = data.reshape(rows.shape[0], -1)  # one row of quantized blocks (or of F32/F16 values) per output row
+    for start in range(0, rows.shape[0], DEQUANTIZE_ROWS):
+        # F32 dequantizes to a read-only view of the mapped file: copying it into `out` gives writable memory
+        rows[start:start + DEQUANTIZE_ROWS] = gguf.quants.dequantize(packed[start:start + DEQUANTIZE_ROWS], qtype)
+    return out
 
 
 def load_gguf(path: str) -> tuple[ModelArgs, Tokenizer, GGUFWeights]:
