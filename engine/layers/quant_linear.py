@@ -73,11 +73,18 @@ def dequantize_int4(codes: Tensor, scale: Tensor, zero: Tensor, group_size: int)
     return ((cg - 8) * scale.float()[..., None] + zero.float()[..., None]).reshape(n, k)
 
 
-def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
-    """Symmetric per-output-channel absmax/127. Returns (int8 [N, K], scales [N] bf16)."""
-    w = weight.float()
-    scale = (w.abs().amax(-1) / 127).clamp(min=1e-10).to(torch.bfloat16)
-    q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+def quantize_int8(weight: Tensor, rows_per_pass: int = 4096) -> tuple[Tensor, Tensor]:
+    """Symmetric per-output-channel absmax/127. Returns (int8 [N, K], scales [N] bf16).
+
+    Rows are independent, so they are quantized `rows_per_pass` at a time: the fp32 temporaries of a 49152-row
+    lm_head would otherwise be the peak of the whole model load (several hundred MB)."""
+    q = torch.empty(weight.shape, dtype=torch.int8)
+    scale = torch.empty(weight.shape[0], dtype=torch.bfloat16)
+    for start in range(0, weight.shape[0], rows_per_pass):
+        w = weight[start:start + rows_per_pass].float()
+        s = (w.abs().amax(-1) / 127).clamp(min=1e-10).to(torch.bfloat16)
+        q[start:start + rows_per_pass] = torch.round(w / s.float()[:, None]).clamp_(-127, 127)
+        scale[start:start + rows_per_pass] = s
     return q, scale
 
 
