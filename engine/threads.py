@@ -43,6 +43,19 @@ def tune_allocator() -> bool:
     return bool(ok and libc.mallopt(m_top_pad, 64 << 20))
 
 
+def allocator_for_loading() -> bool:
+    """Give the model load's large temporaries (fp32 weights, quantization passes) their own mmap'd pages, which go
+    back to the OS when freed. glibc's default threshold rises after each such free, after which they pile up in
+    the heap: SmolLM2's peak RSS while loading varied from 0.9 to 1.4 GB between runs, 0.76 GB with this.
+    tune_allocator replaces the setting once loading is done."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_mmap_threshold = -3
+    return bool(libc.mallopt(m_mmap_threshold, 1 << 20))
+
+
 def release_free_memory() -> None:
     """Hand the heap's free pages back to the OS (after loading: the fp32 copies of the weights are gone)."""
     try:
