@@ -13,8 +13,9 @@ features over the full input), their inputs and outputs are all-gathered (4 all-
 element is the same kernel over the same K as on one rank). The weights are split k ways in both modes.
 
 Zero-copy: the producers of collective inputs this module owns (o_proj / down, the embedding lookup) write straight
-into this rank's shared-memory slot (Communicator.next_buffer); the inputs of the exact mode's input gathers come
-from attention and the MLP activation, outside this module, and are still copied in by the communicator.
+into this rank's shared-memory slot (Communicator.next_buffer), except o_proj / down at the few rows where torch's
+int4 / int8 kernels (no out=) run: there the communicator's own copy is the cheaper one. The inputs of the exact
+mode's input gathers come from attention and the MLP activation, outside this module, and are still copied in.
 
 Heads are split by KV head so each rank's attention (and KV pool) is self-contained: rank r holds KV heads
 [r*Hkv//k, (r+1)*Hkv//k) and the query heads that share them. When k does not divide Hkv (SmolLM2 has 3 KV heads)
@@ -122,6 +123,8 @@ class RowParallel(nn.Module):
         self.linear, self.comm = linear, comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.linear.can_write_into(x.numel() // x.shape[-1]):  # it would copy: the all-reduce's is cheaper
+            return self.comm.all_reduce(self.linear(x).contiguous())
         out = self.comm.next_buffer((*x.shape[:-1], self.linear.out_features), self.linear.act_dtype)
         return self.comm.all_reduce(self.linear(x, out=out))
 
@@ -136,8 +139,10 @@ class GatherLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.comm.all_gather_cols(x, self.in_widths)  # [N, sum(in_widths)]: the full input
         widths = self.out_widths
+        if not self.linear.can_write_into(x.shape[0]):  # it would copy: the all-gather's memmove is cheaper
+            return self.comm.all_gather_cols(self.linear(x), widths)  # [N, dim]
         out = self.comm.next_buffer((x.shape[0], widths[self.comm.rank]), self.linear.act_dtype, widths)
-        return self.comm.all_gather_cols(self.linear(x, out=out), widths)  # [N, dim]
+        return self.comm.all_gather_cols(self.linear(x, out=out), widths)
 
 
 class ShardedLlamaModel(LlamaModel):

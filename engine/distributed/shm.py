@@ -196,7 +196,7 @@ class ShmCommunicator(Communicator):
 
     @timed
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        claimed = self._take(x)
+        claimed = self._take(x) if self._claimed is not None else None
         if claimed is not None:  # zero-copy: x is our slot; it must not change until every peer has read it
             out = torch.empty_like(x)
             self._reduce(claimed[0], claimed[2], out)
@@ -211,9 +211,10 @@ class ShmCommunicator(Communicator):
     def _all_reduce_part(self, part: torch.Tensor) -> None:
         seq, b = self._begin(self.timeout)
         n = part.numel()
+        parts = self._shaped(b, part.dtype, (n,))
         # plain memmove into our slot: the cheapest copy Python can issue (a torch copy_ costs ~3 us here)
-        ctypes.memmove(self._slots[b][self.rank].data_ptr(), part.data_ptr(), n * part.element_size())
-        self._reduce(seq, [slot[:n] for slot in self._typed(part.dtype)[b]], part)
+        ctypes.memmove(parts[self.rank].data_ptr(), part.data_ptr(), n * part.element_size())
+        self._reduce(seq, parts, part)
 
     def _reduce(self, seq: int, parts: list[torch.Tensor], out: torch.Tensor) -> None:
         """Publish collective seq (our part is in our slot), then sum every rank's part in rank order into out."""

@@ -185,40 +185,60 @@ class QuantLinear(torch.nn.Module):
         """
         if x.dtype != self.act_dtype:
             x = x.to(self.act_dtype)
-        if out is None and (self.fmt in ("fp32", "bf16") or self.is_fallback):
+        if out is not None:
+            return self._forward_into(x, out)
+        if self.fmt in ("fp32", "bf16") or self.is_fallback:
             return F.linear(x, self.weight, self.bias)
         lead = x.shape[:-1]
-        if out is not None and (out.shape != (*lead, self.out_features) or out.dtype != self.act_dtype
-                                or not out.is_contiguous()):
+        x2 = x.reshape(-1, self.in_features)  # x2: [M, K]
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        if self.fmt == "int4" and x2.shape[0] >= INT4_GEMM_MIN_ROWS and native.int4_gemm_enabled():
+            y = torch.ops.cpuserve.int4_gemm(x2, self.packed, self.group_size, self.scales_and_zeros)
+        elif self.fmt == "int4":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size,
+                                                           self.scales_and_zeros)
+        elif x2.shape[0] >= INT8_GEMM_MIN_ROWS and native.int8_gemm_enabled():
+            y = torch.ops.cpuserve.int8_gemm(x2, self.weight_int8, self.scales)
+        else:
+            y = torch._weight_int8pack_mm(x2, self.weight_int8, self.scales)
+        if self.bias is not None:
+            y += self.bias
+        return y.view(*lead, self.out_features)  # y: [..., N]
+
+    def can_write_into(self, rows: int) -> bool:
+        """forward(x, out=) of this many rows computes straight into out; else (torch's few-row int4 / int8
+        kernels, which have no out=) into a new tensor that is then copied."""
+        if self.fmt in ("fp32", "bf16") or self.is_fallback:
+            return True
+        if self.fmt == "int4":
+            return rows >= INT4_GEMM_MIN_ROWS and native.int4_gemm_enabled()
+        return rows >= INT8_GEMM_MIN_ROWS and native.int8_gemm_enabled()
+
+    def _forward_into(self, x: Tensor, out: Tensor) -> Tensor:
+        lead = x.shape[:-1]
+        if out.shape != (*lead, self.out_features) or out.dtype != self.act_dtype or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous {self.act_dtype} tensor of shape {(*lead, self.out_features)}, "
                              f"got {out.dtype} {tuple(out.shape)}{'' if out.is_contiguous() else ' (not contiguous)'}")
         x2 = x.reshape(-1, self.in_features)  # x2: [M, K]
         if not x2.is_contiguous():
             x2 = x2.contiguous()
-        y = self._matmul(x2, None if out is None else out.view(-1, self.out_features))  # y: [M, N]
-        if self.bias is not None and not (self.fmt in ("fp32", "bf16") or self.is_fallback):
-            y += self.bias
-        return y.view(*lead, self.out_features) if out is None else out  # [..., N]
-
-    def _matmul(self, x2: Tensor, out: Tensor | None) -> Tensor:
-        """x2 [M, K] @ W.T -> [M, N], into out when given (bias included only for bf16 / fp32 / fallback)."""
-        if self.fmt in ("fp32", "bf16") or self.is_fallback:  # what F.linear runs on 2-D input, with out=
+        y = out.view(-1, self.out_features)  # y: [M, N], out's memory
+        if not self.can_write_into(x2.shape[0]):
+            # at these few rows our kernels are up to 3x slower than torch's (1 row of 1024x2816: int4 290 vs 990 us,
+            # int8 300 vs 710 us): one copy
+            y.copy_(self.forward(x2))
+        elif self.fmt in ("fp32", "bf16") or self.is_fallback:  # what F.linear runs on 2-D input, with out=
             w = self.weight.t()
-            return torch.mm(x2, w, out=out) if self.bias is None else torch.addmm(self.bias, x2, w, out=out)
-        rows = x2.shape[0]
-        if self.fmt == "int4" and rows >= INT4_GEMM_MIN_ROWS and native.int4_gemm_enabled():
-            op, args = torch.ops.cpuserve.int4_gemm, (x2, self.packed, self.group_size, self.scales_and_zeros)
-            return op(*args) if out is None else op.out(*args, out=out)
-        if self.fmt == "int8" and rows >= INT8_GEMM_MIN_ROWS and native.int8_gemm_enabled():
-            op, args = torch.ops.cpuserve.int8_gemm, (x2, self.weight_int8, self.scales)
-            return op(*args) if out is None else op.out(*args, out=out)
-        if self.fmt == "int4":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
+            torch.mm(x2, w, out=y) if self.bias is None else torch.addmm(self.bias, x2, w, out=y)
         else:
-            y = torch._weight_int8pack_mm(x2, self.weight_int8, self.scales)
-        # torch's kernels have no out=, and at these few rows ours are up to 3x slower (1 row of 1024x2816: int4
-        # 290 vs 990 us, int8 300 vs 710 us): one copy (~0.6 us for a decode row), as the communicator made before
-        return y if out is None else out.copy_(y)
+            if self.fmt == "int4":
+                torch.ops.cpuserve.int4_gemm.out(x2, self.packed, self.group_size, self.scales_and_zeros, out=y)
+            else:
+                torch.ops.cpuserve.int8_gemm.out(x2, self.weight_int8, self.scales, out=y)
+            if self.bias is not None:
+                y += self.bias
+        return out
 
     def dequantize(self) -> Tensor:
         """The fp32 [N, K] weight this module effectively multiplies by (tests and reference only)."""

@@ -160,6 +160,8 @@ def test_out_gives_the_same_bits_in_place(fmt, fallback, rows, with_bias):
     out = arena[3:].view(rows, 80)
     got = m(x, out=out)
     assert got is out and torch.equal(out, m(x)) and (arena[:3] == 7).all()
+    in_place = {"int4": rows >= INT4_GEMM_MIN_ROWS, "int8": rows >= INT8_GEMM_MIN_ROWS}.get(fmt, True)
+    assert m.can_write_into(rows) == (in_place or fallback)  # else torch's few-row kernel and one copy
     out3 = arena[3:].view(1, rows, 80)  # a leading batch dimension
     assert m(x[None], out=out3) is out3 and torch.equal(out3[0], m(x))
 
