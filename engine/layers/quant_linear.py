@@ -45,7 +45,7 @@ def _log_fallback_once(reason: str) -> None:
         logger.info("QuantLinear fallback (dequantized bf16 weight + F.linear): %s", reason)
 
 
-def quantize_int4(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
+def quantize_int4(weight: Tensor, group_size: int, rows_per_pass: int = 2048) -> tuple[Tensor, Tensor, Tensor]:
     """Asymmetric round-to-nearest along K, one (scale, zero) per group of `group_size` inputs.
 
     Scale and zero are rounded to bf16 first (the kernel reads bf16) and the codes are computed against the
@@ -57,12 +57,18 @@ def quantize_int4(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tens
         codes [N, K] int32 in [0, 15]; scale, zero [N, K // group_size] bf16; w ~= (codes - 8) * scale + zero.
     """
     n, k = weight.shape
-    wg = weight.float().reshape(n, k // group_size, group_size)  # wg: [N, G, group]
-    lo, hi = wg.amin(-1), wg.amax(-1)
-    scale = ((hi - lo) / 15).clamp(min=1e-10).to(torch.bfloat16)
-    zero = (lo + 8 * scale.float()).to(torch.bfloat16)  # code 0 maps to lo
-    codes = torch.round((wg - zero.float()[..., None]) / scale.float()[..., None]) + 8
-    codes = codes.clamp_(0, 15).to(torch.int32).reshape(n, k)
+    codes = torch.empty(n, k, dtype=torch.int32)
+    scale = torch.empty(n, k // group_size, dtype=torch.bfloat16)
+    zero = torch.empty_like(scale)
+    for start in range(0, n, rows_per_pass):  # rows are independent: bounded fp32 temporaries for any layer size
+        end = min(n, start + rows_per_pass)
+        wg = weight[start:end].float().reshape(end - start, k // group_size, group_size)  # wg: [rows, G, group]
+        lo, hi = wg.amin(-1), wg.amax(-1)
+        s = ((hi - lo) / 15).clamp(min=1e-10).to(torch.bfloat16)
+        z = (lo + 8 * s.float()).to(torch.bfloat16)  # code 0 maps to lo
+        c = torch.round((wg - z.float()[..., None]) / s.float()[..., None]) + 8
+        codes[start:end] = c.clamp_(0, 15).reshape(end - start, k)
+        scale[start:end], zero[start:end] = s, z
     return codes, scale, zero
 
 

@@ -35,10 +35,19 @@ def build_model(checkpoint, weights: str, group_size: int, show_progress: bool =
     pending: dict[int, dict[str, torch.Tensor]] = defaultdict(dict)
     layers: dict[int, TransformerBlock] = {}
     top: dict[str, torch.Tensor] = {}
+    lm_head = None
     stream = tqdm(checkpoint.iter_weights(), total=checkpoint.num_tensors, desc=f"loading and converting to {weights}",
                   unit="tensor", disable=not show_progress, leave=False)
     for name, tensor in stream:
         match = _LAYER.fullmatch(name)
+        # the vocabulary-sized tensors are converted as they arrive, so their fp32 copies are never held together
+        # with the layers' (a 1B model's embedding and lm_head are 262 MB each in fp32)
+        if name == "lm_head.weight" or (name == "model.embed_tokens.weight" and args.tie_embeddings):
+            lm_head = QuantLinear.from_float(tensor, None, lm_head_format(weights), group_size)
+        if name == "model.embed_tokens.weight":
+            tensor = tensor.to(dtype)
+        elif name == "lm_head.weight":
+            tensor = None  # kept only as lm_head: the name marks it as present
         if match is None:
             top[name] = tensor
             continue
@@ -49,10 +58,12 @@ def build_model(checkpoint, weights: str, group_size: int, show_progress: bool =
     missing = [i for i in range(args.n_layers) if i not in layers]
     if missing:
         raise ValueError(f"checkpoint is missing tensors of layer(s) {missing[:5]}: expected {list(_LAYER_PARTS)}")
-    embedding = top.pop("model.embed_tokens.weight")
-    head = embedding if args.tie_embeddings else top.pop("lm_head.weight")
-    lm_head = QuantLinear.from_float(head, None, lm_head_format(weights), group_size)
-    model = LlamaModel(args, embedding.to(dtype), [layers[i] for i in range(args.n_layers)], lm_head, dtype)
+    required = ("model.embed_tokens.weight", "model.norm.weight") + (() if args.tie_embeddings else ("lm_head.weight",))
+    for name in required:
+        if name not in top:
+            raise ValueError(f"checkpoint is missing tensor {name!r}")
+    model = LlamaModel(args, top.pop("model.embed_tokens.weight"), [layers[i] for i in range(args.n_layers)], lm_head,
+                       dtype)
     model.norm.weight.data = top.pop("model.norm.weight").to(dtype)
     return model.eval()
 
