@@ -7,6 +7,7 @@ The one layout quirk: llama.cpp's converter permutes the rows of Q and K in ever
 
 from __future__ import annotations
 
+import mmap
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -152,11 +153,21 @@ class GGUFWeights:
     def __len__(self) -> int:
         return len(self.tensors)
 
+    def _drop_pages(self, offset: int, size: int) -> None:
+        """Take a dequantized tensor's pages of the mapped file out of this process's memory (they are clean: the
+        kernel reads them again if ever touched), so a load's RSS never holds the whole file on top of the model."""
+        mapped = getattr(self.reader.data, "_mmap", None)  # np.memmap's mmap.mmap
+        if mapped is None or not hasattr(mapped, "madvise"):
+            return
+        start = offset - offset % mmap.PAGESIZE
+        mapped.madvise(mmap.MADV_DONTNEED, start, offset + size - start)
+
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for t in self.tensors:
             # numpy shape is GGUF's ne reversed: [out_features, in_features], as torch.nn.Linear stores it
             shape = tuple(int(n) for n in reversed(t.shape.tolist()))
             weight = _dequantize_rows(t.data, t.tensor_type, shape)
+            self._drop_pages(t.data_offset, t.n_bytes)
             name = hf_name(t.name)
             if self.permuted_qk and ".q_proj." in name:
                 weight = unpermute_qk(weight, self.args.n_heads)
