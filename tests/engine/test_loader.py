@@ -297,3 +297,15 @@ def test_llama3_rope_scaling_from_rope_freqs(tmp_path, factor):
     gf.write_llama_gguf(bad, {}, shape, theta=500000.0, raw_tensors={"rope_freqs.weight": (freqs[::-1].copy(), QT.F32)})
     with pytest.raises(ValueError, match="rope_freqs.weight does not match Llama 3 rope scaling"):
         load_checkpoint(str(bad), show_progress=False)
+
+
+def test_missing_final_norm_is_named(tmp_path):
+    from cpuserve.engine.models.builder import build_model
+
+    path = tmp_path / "no-norm.gguf"
+    tokens, _, _ = gf.tiny_vocab()
+    weights = gf.make_llama_weights(gf.TINY, len(tokens))
+    del weights["model.norm.weight"]
+    gf.write_llama_gguf(path, weights, gf.TINY)
+    with pytest.raises(ValueError, match=r"checkpoint is missing tensor 'model.norm.weight'"):
+        build_model(load_checkpoint(str(path), show_progress=False), "fp32", 32, show_progress=False)
