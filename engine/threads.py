@@ -28,19 +28,26 @@ def configure_threads(num_threads: int | None = None) -> int:
     return n
 
 
+# glibc's mallopt parameters
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
+
+
+def _mallopt(*settings: tuple[int, int]) -> bool:
+    """Apply glibc mallopt (param, value) settings in order; False if one fails or this is not glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (musl, macOS): nothing to tune
+        return False
+    return all(libc.mallopt(param, value) for param, value in settings)
+
+
 def tune_allocator() -> bool:
     """Keep freed multi-MB activations in the heap instead of returning them to the OS on every call.
 
     glibc's default mmap threshold makes each large temporary fresh zeroed pages; measured here a batch-8 decode
     attention went from 6.0 ms to 0.8 ms with these settings. Process-wide, so set once at engine start.
     """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc (musl, macOS): nothing to tune
-        return False
-    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
-    ok = libc.mallopt(m_mmap_threshold, 32 << 20) and libc.mallopt(m_trim_threshold, 1 << 30)
-    return bool(ok and libc.mallopt(m_top_pad, 64 << 20))
+    return _mallopt((M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 1 << 30), (M_TOP_PAD, 64 << 20))
 
 
 def allocator_for_loading() -> bool:
@@ -48,12 +55,7 @@ def allocator_for_loading() -> bool:
     back to the OS when freed. glibc's default threshold rises after each such free, after which they pile up in
     the heap: SmolLM2's peak RSS while loading varied from 0.9 to 1.4 GB between runs, 0.76 GB with this.
     tune_allocator replaces the setting once loading is done."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    m_mmap_threshold = -3
-    return bool(libc.mallopt(m_mmap_threshold, 1 << 20))
+    return _mallopt((M_MMAP_THRESHOLD, 1 << 20))
 
 
 def release_free_memory() -> None:

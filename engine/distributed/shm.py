@@ -196,7 +196,7 @@ class ShmCommunicator(Communicator):
 
     @timed
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        claimed = self._take(x) if self._claimed is not None else None
+        claimed = self._take(x)
         if claimed is not None:  # zero-copy: x is our slot; it must not change until every peer has read it
             out = torch.empty_like(x)
             self._reduce(claimed[0], claimed[2], out)

@@ -199,15 +199,13 @@ class QuantLinear(torch.nn.Module):
         x2 = x.reshape(-1, self.in_features)  # x2: [M, K]
         if not x2.is_contiguous():
             x2 = x2.contiguous()
-        if self.fmt == "int4" and x2.shape[0] >= INT4_GEMM_MIN_ROWS and native.int4_gemm_enabled():
-            y = torch.ops.cpuserve.int4_gemm(x2, self.packed, self.group_size, self.scales_and_zeros)
-        elif self.fmt == "int4":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size,
-                                                           self.scales_and_zeros)
-        elif x2.shape[0] >= INT8_GEMM_MIN_ROWS and native.int8_gemm_enabled():
-            y = torch.ops.cpuserve.int8_gemm(x2, self.weight_int8, self.scales)
+        own = self._own_kernel(x2.shape[0])
+        if self.fmt == "int4":
+            args = (x2, self.packed, self.group_size, self.scales_and_zeros)
+            y = torch.ops.cpuserve.int4_gemm(*args) if own else torch.ops.aten._weight_int4pack_mm_for_cpu(*args)
         else:
-            y = torch._weight_int8pack_mm(x2, self.weight_int8, self.scales)
+            args = (x2, self.weight_int8, self.scales)
+            y = torch.ops.cpuserve.int8_gemm(*args) if own else torch._weight_int8pack_mm(*args)
         if self.bias is not None:
             y += self.bias
         return y.view(*lead, self.out_features)  # y: [..., N]
@@ -215,8 +213,10 @@ class QuantLinear(torch.nn.Module):
     def can_write_into(self, rows: int) -> bool:
         """forward(x, out=) of this many rows computes straight into out; else (torch's few-row int4 / int8
         kernels, which have no out=) into a new tensor that is then copied."""
-        if self.fmt in ("fp32", "bf16") or self.is_fallback:
-            return True
+        return self.fmt in ("fp32", "bf16") or self.is_fallback or self._own_kernel(rows)
+
+    def _own_kernel(self, rows: int) -> bool:
+        """An int4 / int8 matmul of this many rows runs our C++ GEMM (which has out=), else torch's kernel."""
         if self.fmt == "int4":
             return rows >= INT4_GEMM_MIN_ROWS and native.int4_gemm_enabled()
         return rows >= INT8_GEMM_MIN_ROWS and native.int8_gemm_enabled()
