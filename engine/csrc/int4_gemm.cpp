@@ -22,6 +22,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "tasks.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define CPUSERVE_INT4_GEMM 1
@@ -151,45 +153,49 @@ at::Tensor& int4_gemm_out(const at::Tensor& x, const at::Tensor& packed, int64_t
   const at::Tensor xf = x.to(at::kFloat);  // bf16 -> fp32 is exact; once per call, not once per column block
   const float* xd = xf.data_ptr<float>();
   bf16* od = out.data_ptr<bf16>();
-  // Column blocks are shared out whole; those left over when they do not divide evenly among the threads (9
-  // blocks of a 576-wide layer on 2 threads) are split by rows, each part dequantizing the block itself.
+  // Tasks: whole column blocks first, then the blocks left over when they do not divide evenly among the threads
+  // (9 blocks of a 576-wide layer on 2 threads), each split into one row part per thread; a part dequantizes its
+  // block itself. Threads take tasks from a shared counter (tasks.h).
   const int64_t blocks = (N + kBlockN - 1) / kBlockN, threads = at::get_num_threads();
   const int64_t whole = M >= 2 * kRows * threads ? blocks / threads * threads : blocks;
   const int64_t part_rows = (M + threads - 1) / threads;
-  at::parallel_for(0, threads, 1, [&](int64_t t_begin, int64_t t_end) {
-    std::vector<float> tile(kChunkK * kBlockN), acc(M * kBlockN);
-    // out[m_begin..m_end, block nb] = x rows times the block, the k loop in chunks of kChunkK
-    auto run = [&](int64_t nb, int64_t m_begin, int64_t m_end) {
-      const int64_t cols = std::min(kBlockN, N - nb * kBlockN);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t k0 = 0; k0 < K; k0 += kChunkK) {  // a chunk of the tile stays in L1 while every row uses it
-        const int64_t kc = std::min(kChunkK, K - k0);
-        if (cols == kBlockN)
-          dequantize_block(pd + nb * K * kBlockN / 2, sz, nb * kBlockN, N, k0, k0 + kc, group_size, tile.data());
-        else
-          dequantize_tail_block(pd + nb * K * kBlockN / 2, sz, nb * kBlockN, cols, N, k0, k0 + kc, group_size,
-                                tile.data());
-        int64_t m = m_begin;
-        for (; m + kRows <= m_end; m += kRows)
-          rows_times_tile<kRows>(xd + m * K, K, k0, kc, tile.data(), acc.data() + (m - m_begin) * kBlockN);
-        const float* xr = xd + m * K;
-        float* ar = acc.data() + (m - m_begin) * kBlockN;
-        switch (m_end - m) {  // the last rows in one register block too (a row's arithmetic is the same in any)
-          case 5: rows_times_tile<5>(xr, K, k0, kc, tile.data(), ar); break;
-          case 4: rows_times_tile<4>(xr, K, k0, kc, tile.data(), ar); break;
-          case 3: rows_times_tile<3>(xr, K, k0, kc, tile.data(), ar); break;
-          case 2: rows_times_tile<2>(xr, K, k0, kc, tile.data(), ar); break;
-          case 1: rows_times_tile<1>(xr, K, k0, kc, tile.data(), ar); break;
-        }
+  struct Scratch {
+    std::vector<float> tile, acc;
+  };
+  auto make_scratch = [&] { return Scratch{std::vector<float>(kChunkK * kBlockN), std::vector<float>(M * kBlockN)}; };
+  // out[m_begin..m_end, block nb] = x rows times the block, the k loop in chunks of kChunkK
+  auto run = [&](Scratch& s, int64_t nb, int64_t m_begin, int64_t m_end) {
+    float* tile = s.tile.data();
+    const int64_t cols = std::min(kBlockN, N - nb * kBlockN);
+    std::fill(s.acc.begin(), s.acc.end(), 0.f);
+    for (int64_t k0 = 0; k0 < K; k0 += kChunkK) {  // a chunk of the tile stays in L1 while every row uses it
+      const int64_t kc = std::min(kChunkK, K - k0);
+      if (cols == kBlockN)
+        dequantize_block(pd + nb * K * kBlockN / 2, sz, nb * kBlockN, N, k0, k0 + kc, group_size, tile);
+      else
+        dequantize_tail_block(pd + nb * K * kBlockN / 2, sz, nb * kBlockN, cols, N, k0, k0 + kc, group_size, tile);
+      int64_t m = m_begin;
+      for (; m + kRows <= m_end; m += kRows)
+        rows_times_tile<kRows>(xd + m * K, K, k0, kc, tile, s.acc.data() + (m - m_begin) * kBlockN);
+      const float* xr = xd + m * K;
+      float* ar = s.acc.data() + (m - m_begin) * kBlockN;
+      switch (m_end - m) {  // the last rows in one register block too (a row's arithmetic is the same in any)
+        case 5: rows_times_tile<5>(xr, K, k0, kc, tile, ar); break;
+        case 4: rows_times_tile<4>(xr, K, k0, kc, tile, ar); break;
+        case 3: rows_times_tile<3>(xr, K, k0, kc, tile, ar); break;
+        case 2: rows_times_tile<2>(xr, K, k0, kc, tile, ar); break;
+        case 1: rows_times_tile<1>(xr, K, k0, kc, tile, ar); break;
       }
-      for (int64_t m = m_begin; m < m_end; ++m)
-        for (int64_t j = 0; j < cols; ++j)
-          od[m * N + nb * kBlockN + j] = static_cast<bf16>(acc[(m - m_begin) * kBlockN + j]);
-    };
-    for (int64_t t = t_begin; t < t_end; ++t) {
-      for (int64_t nb = t * whole / threads; nb < (t + 1) * whole / threads; ++nb) run(nb, 0, M);
-      for (int64_t nb = whole; nb < blocks; ++nb) run(nb, std::min(M, t * part_rows), std::min(M, (t + 1) * part_rows));
     }
+    for (int64_t m = m_begin; m < m_end; ++m)
+      for (int64_t j = 0; j < cols; ++j)
+        od[m * N + nb * kBlockN + j] = static_cast<bf16>(s.acc[(m - m_begin) * kBlockN + j]);
+  };
+  cpuserve_tasks::for_each_task(whole + (blocks - whole) * threads, make_scratch, [&](Scratch& s, int64_t task) {
+    if (task < whole) return run(s, task, 0, M);
+    const int64_t nb = whole + (task - whole) / threads, part = (task - whole) % threads;
+    const int64_t m_begin = std::min(M, part * part_rows), m_end = std::min(M, (part + 1) * part_rows);
+    if (m_begin < m_end) run(s, nb, m_begin, m_end);
   });
 #endif
   return out;

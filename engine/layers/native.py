@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = [CSRC / name for name in ("decode_ops.cpp", "slim_attention.cpp", "int4_gemm.cpp", "int8_gemm.cpp")]
-HEADERS = [CSRC / "simd.h"]  # part of the build's cache key too
+HEADERS = [CSRC / "simd.h", CSRC / "tasks.h"]  # part of the build's cache key too
 # -fassociative-math lets GCC vectorize the reductions; with alignment peeling off, their summation order depends
 # only on the length, never on where a buffer happens to sit: results are reproducible across processes and
 # batch layouts (a replica group's ranks must match one rank bit for bit).
