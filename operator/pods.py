@@ -17,6 +17,7 @@ from cpuserve.operator import naming
 from cpuserve.operator.memory import GIB, MIB, MemoryPlan, download_size_limit
 from cpuserve.operator.settings import OperatorSettings
 from cpuserve.operator.spec import LLMServiceSpec
+from cpuserve.serving.ray_env import RAY_ENV
 
 UID = 10001
 MODEL_DIR = "/models"
@@ -69,9 +70,7 @@ def _container_security() -> dict[str, Any]:
 
 
 def _env(name: str, spec: LLMServiceSpec) -> list[dict[str, Any]]:
-    env = [{"name": "HOME", "value": "/tmp"}, {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"},
-           # engines at Ray's default worker niceness (15) yield their cores to the proxy and ingress
-           {"name": "RAY_worker_niceness", "value": "0"},
+    env = [{"name": "HOME", "value": "/tmp"}, *({"name": k, "value": v} for k, v in RAY_ENV.items()),
            {"name": "CPUSERVE_LLMSERVICE", "value": name},
            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
     if spec.security.ray_auth_token_secret:

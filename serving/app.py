@@ -18,6 +18,7 @@ from typing import Any
 
 from cpuserve.engine.threads import openmp_env
 from cpuserve.serving.config import ServeConfig
+from cpuserve.serving.ray_env import RAY_ENV
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +66,8 @@ def start_serving(config: ServeConfig, blocking_timeout_s: float = 600) -> None:
     from ray.serve.config import HTTPOptions, gRPCOptions
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # Ray 2.60's token auth; a local cluster needs none
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    # Ray runs its workers at nice 15 by default: the replicas' engines would then yield their cores to every
-    # other process of the node (the proxy, the ingress, a load generator). Measured: 14 ms steps instead of
-    # 16 ms under one gRPC stream. A started cluster (Kubernetes) takes this from the pod's environment.
-    os.environ.setdefault("RAY_worker_niceness", "0")
+    for name, value in RAY_ENV.items():  # a started cluster (Kubernetes) takes these from the pod's environment
+        os.environ.setdefault(name, value)
     if not config.access_log:
         os.environ.setdefault("RAY_SERVE_ENABLE_ACCESS_LOG", "0")
     # Ray's gRPC proxy accepts 2 GiB messages by default: bound memory per request. A started cluster (Kubernetes)
