@@ -7,7 +7,8 @@ Three targets, one after another on the same CPUs, same model, same threads, sam
 Every request generates exactly --max-tokens tokens (ignore_eos; llama.cpp gets a large negative EOS bias).
 
     .venv/bin/python bench/serving.py [--streams 1,8,32] [--max-tokens 64] [--threads 2] [--skip llamacpp]
-                                      [--stream-intervals 0,40]   (one serve row per ServeConfig.stream_interval_ms)
+                                      [--serve-options "stream_messages_per_s=0;stream_interval_ms=200"]
+(--serve-options: one serve target per `;`-separated set of ServeConfig fields, `,` between fields)
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def bench_engine(levels, max_tokens, threads) -> dict[int, dict]:
         engine.shutdown()
 
 
-def bench_serve(levels, max_tokens, threads, stream_interval_ms: float | None = None) -> dict[int, dict]:
+def bench_serve(levels, max_tokens, threads, options: dict | None = None) -> dict[int, dict]:
     import grpc
 
     from cpuserve.serving.app import start_serving, stop_serving
@@ -89,9 +90,8 @@ def bench_serve(levels, max_tokens, threads, stream_interval_ms: float | None = 
     from cpuserve.v1 import inference_pb2 as pb
     from cpuserve.v1 import inference_pb2_grpc as pbg
 
-    interval = {} if stream_interval_ms is None else {"stream_interval_ms": stream_interval_ms}
     config = ServeConfig(replicas=1, cpus_per_rank=threads, kv_cache_gb=0.5, max_num_seqs=64, grpc_port=free_port(),
-                         http_port=free_port(), metrics_port=free_port(), **interval)
+                         http_port=free_port(), metrics_port=free_port(), **(options or {}))
     start_serving(config)
     try:
         async def run(n, tokens):
@@ -193,14 +193,15 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--skip", default="", help="comma-separated targets to skip: engine, serve, llamacpp")
-    p.add_argument("--stream-intervals", default="",
-                   help="comma-separated stream_interval_ms values, one serve target each (default: the server's)")
+    p.add_argument("--serve-options", default="",
+                   help="serve targets with other ServeConfig values: `;` between targets, `,` between key=value "
+                        "fields (default: one target with the server's defaults)")
     args = p.parse_args()
     levels = [int(x) for x in args.streams.split(",")]
     targets = {"engine": bench_engine, "serve": bench_serve, "llamacpp": bench_llamacpp}
-    if args.stream_intervals:
-        serve = {f"serve {x}ms": functools.partial(bench_serve, stream_interval_ms=float(x))
-                 for x in args.stream_intervals.split(",")}
+    if args.serve_options:
+        serve = {f"serve {o}": functools.partial(bench_serve, options=dict(kv.split("=") for kv in o.split(",")))
+                 for o in args.serve_options.split(";")}
         targets = {"engine": bench_engine, **serve, "llamacpp": bench_llamacpp}
     results = {}
     for name, fn in targets.items():

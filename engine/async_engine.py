@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from cpuserve.engine.config import EngineConfig
 from cpuserve.engine.llm_engine import EngineStats, LLMEngine
@@ -45,15 +45,16 @@ class AsyncLLMEngine:
         return cls(LLMEngine(EngineConfig.from_kwargs(model=model, **config)))
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       priority: int = 0, coalesce: bool = False, min_interval: float = 0.0
-                       ) -> AsyncIterator[StepOutput]:
+                       priority: int = 0, coalesce: bool = False,
+                       min_interval: float | Callable[[], float] = 0.0) -> AsyncIterator[StepOutput]:
         """Yields one StepOutput per new token; the last has finished=True. Raises ValueError on bad input
         before anything is queued. Leaving the iteration early (cancel, disconnect) aborts the request.
 
         coalesce: when the consumer falls behind the engine, hand over every token waiting for it as one
         chunk instead of one chunk each (a server streaming over a slow hop sends fewer, larger messages).
         min_interval: with coalesce, seconds between chunks at least: tokens arriving sooner wait and go out
-        together (the first chunk and the last never wait)."""
+        together (the first chunk and the last never wait). A function is asked again before each chunk (a
+        server spacing messages by how many streams are open)."""
         if self.error is not None:
             raise EngineDeadError(f"engine stopped: {self.error!r}")
         if request_id in self._streams:
@@ -69,8 +70,9 @@ class AsyncLLMEngine:
             while not finished:
                 chunk = pending if pending is not None else await chunks.get()
                 pending = None
-                if coalesce and min_interval > 0 and isinstance(chunk, StepOutput) and not chunk.finished:
-                    wait = last_yield + min_interval - time.monotonic()
+                interval = min_interval() if callable(min_interval) else min_interval
+                if coalesce and interval > 0 and isinstance(chunk, StepOutput) and not chunk.finished:
+                    wait = last_yield + interval - time.monotonic()
                     if wait > 0:  # pace the stream: what arrives meanwhile is merged below
                         await asyncio.sleep(wait)
                 while coalesce and isinstance(chunk, StepOutput) and not chunk.finished and not chunks.empty():
@@ -93,6 +95,11 @@ class AsyncLLMEngine:
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
+
+    @property
+    def num_streams(self) -> int:
+        """Requests being streamed to a consumer right now."""
+        return len(self._streams)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -127,8 +134,7 @@ class AsyncLLMEngine:
                 start = time.perf_counter()
                 chunks = self.engine.step()
                 self._step_times.append(time.perf_counter() - start)
-                for chunk in chunks:
-                    self._deliver(chunk)
+                self._deliver_step(chunks)
         except BaseException as e:  # the engine is broken: fail every waiting request rather than hang it
             log.exception("engine thread died")
             self.error = e
@@ -157,8 +163,23 @@ class AsyncLLMEngine:
             loop, chunks = target
             loop.call_soon_threadsafe(chunks.put_nowait, chunk)
 
+    def _deliver_step(self, chunks: list[StepOutput]) -> None:
+        """A step's chunks, one wake-up per event loop (each call_soon_threadsafe writes the loop's self-pipe)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for chunk in chunks:
+            target = self._streams.get(chunk.request_id)
+            if target is not None:
+                by_loop.setdefault(target[0], []).append((target[1], chunk))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
     def _deliver_error(self, request_id: str, error: BaseException) -> None:
         target = self._streams.get(request_id)
         if target is not None:
             loop, chunks = target
             loop.call_soon_threadsafe(chunks.put_nowait, error)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for chunks, chunk in items:
+        chunks.put_nowait(chunk)

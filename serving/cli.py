@@ -10,7 +10,8 @@ import threading
 # flag -> ServeConfig field, for the flags this module adds (the engine's come from add_engine_args)
 _SERVE_FLAGS = ("replicas", "ranks_per_replica", "cpus_per_rank", "max_queued_requests", "host", "grpc_port",
                 "http_port", "metrics_port", "ray_address", "api_key_file", "tls_cert_file", "tls_key_file",
-                "socket_resource", "placement_strategy", "transport", "served_model_name", "stream_interval_ms")
+                "socket_resource", "placement_strategy", "transport", "served_model_name", "stream_interval_ms",
+                "stream_messages_per_s")
 _ENGINE_FLAGS = ("model", "weights", "group_size", "kv_cache", "kv_cache_gb", "block_size", "max_num_seqs",
                  "max_num_batched_tokens", "max_model_len")
 
@@ -35,6 +36,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="waiting requests allowed beyond the running batches; more get 429 (default 64)")
     p.add_argument("--stream-interval-ms", type=float,
                    help="least time between two messages of one stream; sooner tokens go out together (default 0)")
+    p.add_argument("--stream-messages-per-s", type=float,
+                   help="messages per second a replica sends over all its streams at most: n open streams send "
+                        "one every n / this seconds, sooner tokens going out together; 0 = no bound (default 128)")
     p.add_argument("--host", help="address of the HTTP and metrics endpoints (default 127.0.0.1)")
     p.add_argument("--grpc-port", type=int, help="default 9000")
     p.add_argument("--http-port", type=int, help="default 8000")

@@ -64,9 +64,14 @@ class ServeConfig(BaseSettings):
     max_request_bytes: int = Field(1 << 20, ge=1024)
     """Largest HTTP body or gRPC prompt accepted."""
     stream_interval_ms: float = Field(0.0, ge=0, le=1000)
-    """Least time between two messages of one stream: tokens arriving sooner are sent together. Each message
-    costs CPU in three processes (replica, ingress, proxy) that the engine's cores also serve, so with many
-    streams a short interval buys throughput for a little smoothness. The first and last messages never wait."""
+    """Least time between two messages of one stream: tokens arriving sooner are sent together. The first and
+    last messages never wait."""
+    stream_messages_per_s: float = Field(128.0, ge=0)
+    """Messages per second one replica sends over all its streams, at most: with n streams open, each stream's
+    messages are n / this seconds apart (when that is longer than stream_interval_ms), and tokens arriving
+    sooner go out together. Each message costs CPU in three processes (replica, ingress, proxy) that the
+    engine's cores also serve, about 1 ms in all: this bounds that to a few percent of a core however many
+    streams there are, while a few streams still get every token as its own message. 0: no bound."""
 
     # -- endpoints ----------------------------------------------------------------------------------------
     host: str = "127.0.0.1"

@@ -71,7 +71,7 @@ class LLMServer:
             # go out as one message
             stream = self.engine.generate(prompt, SamplingParams(**sampling), request_id,
                                           priority=request.get("priority", 0), coalesce=True,
-                                          min_interval=self.config.stream_interval_ms / 1000)
+                                          min_interval=self._stream_interval)
             first = await anext(stream)
         except RequestError as e:
             yield {"error": e.to_dict()}
@@ -92,6 +92,12 @@ class LLMServer:
                 yield chunk_from_step(step, self._token_text)
         except EngineDeadError as e:  # mid-stream (a rank died): end this stream with the error, not an exception
             yield _unavailable(e)
+
+    def _stream_interval(self) -> float:
+        """Seconds between two messages of a stream now: the config's floor, or the message budget shared out."""
+        c = self.config
+        shared = self.engine.num_streams / c.stream_messages_per_s if c.stream_messages_per_s else 0.0
+        return max(c.stream_interval_ms / 1000, shared)
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
