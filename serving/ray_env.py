@@ -17,4 +17,8 @@ RAY_ENV = {
     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+    # Serve's controller reconciles every 0.1 s by default, each time asking the GCS for every node's resources:
+    # 3% of a core for the controller and 1.8% for the GCS on an idle 2-core node, taken from the engines. Every
+    # 0.5 s halves both; deployments and recoveries react up to 0.4 s later.
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
 }
