@@ -164,3 +164,15 @@ def test_builders_do_not_mutate_the_body():
     before = copy.deepcopy(body)
     children(body)
     assert body == before
+
+
+def test_every_pod_starts_ray_with_the_settings_cpuserve_serve_uses():
+    # Ray reads these when its processes start, so a started cluster must carry what `cpuserve serve` sets for a
+    # local one: worker niceness 0, Serve's gRPC data plane, the slower control loop
+    from cpuserve.serving.ray_env import RAY_ENV
+
+    pods = by_kind(children(make_body(ranksPerReplica=2)), "Pod")
+    assert len(pods) >= 2  # the head and the rank pods
+    for pod in pods:
+        env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+        assert {k: env.get(k) for k in RAY_ENV} == RAY_ENV, pod["metadata"]["name"]
