@@ -30,22 +30,24 @@ def decode_table(models: dict[str, str | None], batches, gen_tokens: int, reps: 
                  layouts=LAYOUTS) -> list[str]:
     from tp_decode import measure
 
-    rows = ["| model | batch | layout | tok/s | vs 1x2 | step ms | compute | comm | bytes/token | collectives/step |",
-            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| model | batch | layout | tok/s | vs 1x2 | step ms | compute | comm | bytes/token | of which copied in | "
+            "collectives/step |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, path in models.items():
         for batch in batches:
             base = None
             if "1x2" in layouts:
                 base = measure(path, 1, threads=2, batch=batch, gen_tokens=gen_tokens, reps=reps)
                 rows.append(f"| {name} | {batch} | 1 rank x 2 threads | {base['tok_s']:.1f} | 1.00x | "
-                            f"{base['step_ms']:.1f} | | | | |")
+                            f"{base['step_ms']:.1f} | | | | | |")
                 print(rows[-1], flush=True)
             for mode in [m for m in ("exact", "reduce") if m in layouts]:
                 r = measure(path, 2, tp_mode=mode, batch=batch, gen_tokens=gen_tokens, reps=reps)
                 ratio = f"{r['tok_s'] / base['tok_s']:.2f}x" if base else ""
                 rows.append(f"| {name} | {batch} | 2 ranks x 1 thread, {mode} | {r['tok_s']:.1f} | {ratio} | "
                             f"{r['step_ms']:.1f} | {r['compute_frac']:.0%} | {r['comm_frac']:.0%} | "
-                            f"{r['bytes_per_token'] / 1024:.0f} KiB | {r['ops_per_step']:.0f} |")
+                            f"{r['bytes_per_token'] / 1024:.0f} KiB | {r['copied_per_token'] / 1024:.1f} KiB | "
+                            f"{r['ops_per_step']:.0f} |")
                 print(rows[-1], flush=True)
     return rows
 

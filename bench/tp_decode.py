@@ -34,7 +34,8 @@ def _decode(engine, batch: int, prompt_len: int, gen_tokens: int, params_kw: dic
     out = dict(tok_s=tokens / wall, step_ms=statistics.median(step_times) * 1e3)
     if comm is not None:
         out.update(comm_frac=comm.stats.seconds / wall, compute_frac=runner.compute_seconds / wall,
-                   bytes_per_token=comm.stats.num_bytes / tokens, ops_per_step=comm.stats.num_ops / steps)
+                   bytes_per_token=comm.stats.num_bytes / tokens, copied_per_token=comm.stats.copied_bytes / tokens,
+                   ops_per_step=comm.stats.num_ops / steps)
     return out
 
 

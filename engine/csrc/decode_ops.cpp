@@ -196,8 +196,17 @@ void decode_attention_kernel(const act_t* q, int64_t q_stride_s, int64_t q_strid
   });
 }
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const c10::optional<at::Tensor>& scale,
-                            const at::Tensor& block_tables, const at::Tensor& context_lens, double sm_scale) {
+// out: contiguous, q's dtype, the given sizes (a replica group's shared-memory slot, written in place)
+void check_out(const at::Tensor& out, const at::Tensor& like, at::IntArrayRef sizes) {
+  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.scalar_type() == like.scalar_type() &&
+                  out.sizes() == sizes,
+              "out must be a contiguous CPU ", like.scalar_type(), " tensor of sizes ", sizes, ", got ",
+              out.scalar_type(), " ", out.sizes(), out.is_contiguous() ? "" : " (not contiguous)");
+}
+
+at::Tensor& decode_attention_out(const at::Tensor& q, const at::Tensor& kv, const c10::optional<at::Tensor>& scale,
+                                 const at::Tensor& block_tables, const at::Tensor& context_lens, double sm_scale,
+                                 at::Tensor& out) {
   TORCH_CHECK(q.device().is_cpu() && q.stride(-1) == 1, "q must be a CPU tensor with contiguous rows");
   check_cpu_contiguous(kv, "kv");
   check_cpu_contiguous(block_tables, "block_tables");
@@ -215,7 +224,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const c10
     TORCH_CHECK(scale->scalar_type() == at::kFloat, "scale must be float32");
     sp = scale->data_ptr<float>();
   }
-  auto out = at::empty({S, H, D}, q.options());
+  check_out(out, q, {S, H, D});
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   const int64_t max_blocks = block_tables.size(1);
@@ -228,6 +237,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const c10
     });
   });
   return out;
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const c10::optional<at::Tensor>& scale,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, double sm_scale) {
+  TORCH_CHECK(q.dim() == 3, "q must be [S, H, D]");
+  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  return decode_attention_out(q, kv, scale, block_tables, context_lens, sm_scale, out);
 }
 
 // ---- RoPE on q and k, then the new tokens' K and V into the pool ---------------------------------------------
@@ -326,12 +342,17 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
-at::Tensor silu_mul(const at::Tensor& gate_up) {
+// [.., 2 * inner] -> [.., inner]
+std::vector<int64_t> silu_mul_sizes(const at::Tensor& gate_up) {
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() /= 2;
+  return sizes;
+}
+
+at::Tensor& silu_mul_out(const at::Tensor& gate_up, at::Tensor& out) {
   check_cpu_contiguous(gate_up, "gate_up");
   const int64_t width = gate_up.size(-1), inner = width / 2, rows = gate_up.numel() / width;
-  auto sizes = gate_up.sizes().vec();
-  sizes.back() = inner;
-  auto out = at::empty(sizes, gate_up.options());
+  check_out(out, gate_up, silu_mul_sizes(gate_up));
   dispatch_act(gate_up.scalar_type(), "silu_mul", [&](auto act) {
     using scalar_t = decltype(act);
     const scalar_t* in = gate_up.data_ptr<scalar_t>();
@@ -358,20 +379,30 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  auto out = at::empty(silu_mul_sizes(gate_up), gate_up.options());
+  return silu_mul_out(gate_up, out);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(cpuserve, m) {
   m.def("decode_attention(Tensor q, Tensor kv, Tensor? scale, Tensor block_tables, Tensor context_lens, "
         "float sm_scale) -> Tensor");
+  m.def("decode_attention.out(Tensor q, Tensor kv, Tensor? scale, Tensor block_tables, Tensor context_lens, "
+        "float sm_scale, *, Tensor(a!) out) -> Tensor(a!)");
   m.def("rope_write_kv(Tensor(a!) qkv, Tensor cos, Tensor sin, int n_heads, Tensor(b!) pool, Tensor(c!)? pool_scale, "
         "Tensor slot_mapping) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("silu_mul.out(Tensor gate_up, *, Tensor(a!) out) -> Tensor(a!)");
 }
 
 TORCH_LIBRARY_IMPL(cpuserve, CPU, m) {
   m.impl("decode_attention", &decode_attention);
+  m.impl("decode_attention.out", &decode_attention_out);
   m.impl("rope_write_kv", &rope_write_kv);
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_mul", &silu_mul);
+  m.impl("silu_mul.out", &silu_mul_out);
 }

@@ -29,9 +29,10 @@ class CommStats:
     num_ops: int = 0
     num_bytes: int = 0  # bytes of the tensors this rank passed to collectives
     seconds: float = 0.0  # wall time inside collectives, waiting for slower peers included
+    copied_bytes: int = 0  # all-reduce / all-gather inputs copied into shared memory (not built there: next_buffer)
 
     def reset(self) -> None:
-        self.num_ops, self.num_bytes, self.seconds = 0, 0, 0.0
+        self.num_ops, self.num_bytes, self.seconds, self.copied_bytes = 0, 0, 0.0, 0
 
 
 class Communicator(ABC):

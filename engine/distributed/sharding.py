@@ -12,10 +12,10 @@ bit-identical to one rank: o_proj and down are column-parallel too (rank r compu
 features over the full input), their inputs and outputs are all-gathered (4 all-gathers per layer; each output
 element is the same kernel over the same K as on one rank). The weights are split k ways in both modes.
 
-Zero-copy: the producers of collective inputs this module owns (o_proj / down, the embedding lookup) write straight
-into this rank's shared-memory slot (Communicator.next_buffer), except o_proj / down at the few rows where torch's
-int4 / int8 kernels (no out=) run: there the communicator's own copy is the cheaper one. The inputs of the exact
-mode's input gathers come from attention and the MLP activation, outside this module, and are still copied in.
+Zero-copy: the producers of collective inputs write straight into this rank's shared-memory slot
+(Communicator.next_buffer): o_proj / down, the embedding lookup, and for the exact mode's input gathers attention
+and the MLP activation (the model asks o_proj / down for `input_buffer`). The exception is o_proj / down at the few
+rows where torch's int4 / int8 kernels (no out=) run: there the communicator's own copy is the cheaper one.
 
 Heads are split by KV head so each rank's attention (and KV pool) is self-contained: rank r holds KV heads
 [r*Hkv//k, (r+1)*Hkv//k) and the query heads that share them. When k does not divide Hkv (SmolLM2 has 3 KV heads)
@@ -122,6 +122,9 @@ class RowParallel(nn.Module):
         super().__init__()
         self.linear, self.comm = linear, comm
 
+    def input_buffer(self, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.linear.input_buffer(rows, dtype)  # this rank's input columns, used as they are
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.linear.can_write_into(x.numel() // x.shape[-1]):  # it would copy: the all-reduce's is cheaper
             return self.comm.all_reduce(self.linear(x).contiguous())
@@ -135,6 +138,10 @@ class GatherLinear(nn.Module):
     def __init__(self, linear: nn.Module, comm: Communicator, in_widths: list[int], out_widths: list[int]):
         super().__init__()
         self.linear, self.comm, self.in_widths, self.out_widths = linear, comm, in_widths, out_widths
+
+    def input_buffer(self, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's input columns, built straight in the input gather's shared-memory slot (zero-copy)."""
+        return self.comm.next_buffer((rows, self.in_widths[self.comm.rank]), dtype, self.in_widths)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.comm.all_gather_cols(x, self.in_widths)  # [N, sum(in_widths)]: the full input

@@ -214,6 +214,7 @@ class ShmCommunicator(Communicator):
         parts = self._shaped(b, part.dtype, (n,))
         # plain memmove into our slot: the cheapest copy Python can issue (a torch copy_ costs ~3 us here)
         ctypes.memmove(parts[self.rank].data_ptr(), part.data_ptr(), n * part.element_size())
+        self.stats.copied_bytes += n * part.element_size()
         self._reduce(seq, parts, part)
 
     def _reduce(self, seq: int, parts: list[torch.Tensor], out: torch.Tensor) -> None:
@@ -245,6 +246,7 @@ class ShmCommunicator(Communicator):
             x = x.contiguous()
             seq, b = self._begin(self.timeout)
             ctypes.memmove(self._slots[b][self.rank].data_ptr(), x.data_ptr(), x.numel() * x.element_size())
+            self.stats.copied_bytes += x.numel() * x.element_size()
         self._post(seq)
         self._wait(range(self.world_size), seq, self.timeout)
         return torch.cat(self._columns(b, x.dtype, n, widths), 1)  # [N, sum(widths)]

@@ -210,6 +210,11 @@ class QuantLinear(torch.nn.Module):
             y += self.bias
         return y.view(*lead, self.out_features)  # y: [..., N]
 
+    def input_buffer(self, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        """A tensor [rows, in_features] to build this layer's next input in (a replica group's sharded layers
+        hand out their collective's shared-memory slot instead)."""
+        return torch.empty((rows, self.in_features), dtype=dtype)
+
     def can_write_into(self, rows: int) -> bool:
         """forward(x, out=) of this many rows computes straight into out; else (torch's few-row int4 / int8
         kernels, which have no out=) into a new tensor that is then copied."""

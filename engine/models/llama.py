@@ -105,23 +105,25 @@ class Attention(nn.Module):
             qkv[:, : h + hkv] = apply_rope(qkv[:, : h + hkv], meta.cos, meta.sin)
             write_kv_fused(kv.kv, kv.scale, qkv[:, h:], meta.slot_mapping)
         q = qkv[:, :h]  # q: [N, H, D]
-        parts = []
+        # o_proj's input [N, H * D], written in place: in a replica group, its gather's shared-memory slot
+        # (zero-copy; the collective wants that very tensor back)
+        buf = self.o_proj.input_buffer(n, q.dtype)
+        out = buf.view(n, h, d)
         if meta.num_decode and fused:
-            parts.append(torch.ops.cpuserve.decode_attention(
+            torch.ops.cpuserve.decode_attention.out(
                 q[: meta.num_decode], kv.kv, kv.scale, meta.decode_block_tables, meta.decode_context_lens,
-                self.scale))
+                self.scale, out=out[: meta.num_decode])
         elif meta.num_decode:
-            parts.append(paged_decode_attention(
+            out[: meta.num_decode] = paged_decode_attention(
                 q[: meta.num_decode], kv.k, kv.k_scale, kv.v, kv.v_scale,
-                meta.decode_block_tables, meta.decode_context_lens, self.scale, invalid=meta.decode_invalid))
+                meta.decode_block_tables, meta.decode_context_lens, self.scale, invalid=meta.decode_invalid)
         for p in meta.prefills:  # prefill: read the context back from the pool, as a later chunk would
             length = p.q_start + p.num_tokens
             k_ctx = gather_kv(kv.k, kv.k_scale, p.block_table, length, q.dtype)  # [T, Hkv, D]
             v_ctx = gather_kv(kv.v, kv.v_scale, p.block_table, length, q.dtype)
-            q_rows = q[p.token_start: p.token_start + p.num_tokens]
-            parts.append(prefill_attention(q_rows, k_ctx, v_ctx, p.q_start, self.scale))
-        out = parts[0] if len(parts) == 1 else torch.cat(parts)  # out: [N, H, D]
-        return self.o_proj(out.reshape(n, h * d))
+            rows = slice(p.token_start, p.token_start + p.num_tokens)
+            out[rows] = prefill_attention(q[rows], k_ctx, v_ctx, p.q_start, self.scale)
+        return self.o_proj(buf)
 
 
 class MLP(nn.Module):
@@ -132,8 +134,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)
-        if native.enabled():
-            return self.down(torch.ops.cpuserve.silu_mul(gate_up.contiguous()))
+        if native.enabled():  # in a replica group, straight into the down gather's shared-memory slot (zero-copy)
+            act = self.down.input_buffer(gate_up.shape[0], gate_up.dtype)
+            return self.down(torch.ops.cpuserve.silu_mul.out(gate_up.contiguous(), out=act))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
 

@@ -1,7 +1,7 @@
 """The fused C++ kernels (engine/csrc) against the plain-torch path they replace.
 
 Decode attention is checked against the reference in test_attention.py; here: RoPE + KV write, RMSNorm,
-SiLU * up, and the errors the kernels raise for inputs they cannot take.
+SiLU * up, the out= variants, and the errors the kernels raise for inputs they cannot take.
 """
 import pytest
 import torch
@@ -75,6 +75,36 @@ def test_silu_mul_matches_torch(dtype, tol):
     got = ops.silu_mul(x)
     assert got.shape == (3, 1536) and got.dtype == dtype
     assert ((got.float() - want).abs() <= tol * want.abs().clamp(min=1)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_out_variants_write_the_same_bits_in_place(dtype):
+    # a replica group passes its shared-memory slot as out: same bits as the allocating op, nothing else written
+    x = rand(3, 2 * 1536, dtype=dtype, seed=6) * 4
+    out = torch.full((3, 1536), 7.0, dtype=dtype)
+    assert ops.silu_mul.out(x, out=out).data_ptr() == out.data_ptr()
+    assert torch.equal(out, ops.silu_mul(x))
+
+    qkv, cos, sin, slots, shape = rope_inputs(dtype)
+    pool, scale = torch.zeros(shape, dtype=torch.int8), torch.zeros(shape[:3])
+    ops.rope_write_kv(qkv, cos, sin, 9, pool, scale, slots)
+    q = qkv[:, :9]  # rows with a stride, as in the model
+    tables = torch.arange(6, dtype=torch.int32).view(1, 6).repeat(7, 1)
+    lens = torch.tensor([1, 3, 5, 8, 13, 20, 24], dtype=torch.int32)
+    want = ops.decode_attention(q, pool, scale, tables, lens, 0.125)
+    big = torch.full((9, 9, 64), 7.0, dtype=dtype)  # out = the first 7 rows of a larger buffer
+    ops.decode_attention.out(q, pool, scale, tables, lens, 0.125, out=big[:7])
+    assert torch.equal(big[:7], want) and (big[7:] == 7).all()
+
+
+def test_wrong_out_is_refused_naming_the_sizes():
+    x = rand(3, 2 * 64)
+    with pytest.raises(RuntimeError, match=r"out must be a contiguous CPU Float tensor of sizes \[3, 64\]"):
+        ops.silu_mul.out(x, out=torch.empty(3, 65))
+    with pytest.raises(RuntimeError, match="out must be a contiguous"):
+        ops.silu_mul.out(x, out=torch.empty(64, 3).t())
+    with pytest.raises(RuntimeError, match="out must be a contiguous"):
+        ops.silu_mul.out(x, out=torch.empty(3, 64, dtype=torch.bfloat16))
 
 
 def test_int8_pool_without_scales_is_refused():

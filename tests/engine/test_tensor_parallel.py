@@ -75,6 +75,23 @@ def test_greedy_tokens_identical_to_one_rank(llm_tp, llm_int4):
 
 
 @pytest.mark.slow
+def test_exact_mode_builds_every_collective_input_in_shared_memory(llm_tp, llm_int4):
+    # a prefill of >= 24 rows: attention and the MLP activation write the o_proj / down input gathers' slots, our
+    # GEMMs the output gathers', the embedding lookup its all-reduce's. Nothing is copied in. (At decode's few
+    # rows torch's int4 kernel, which has no out=, makes o_proj / down outputs the one copied input.)
+    comm = llm_tp.engine.runner.comm
+    ids = _ids(llm_int4, "Write a long and detailed story about a lighthouse keeper who finds a map in a bottle, "
+                         "then sails north to the islands the map shows.")
+    assert len(ids) >= 24
+    comm.stats.reset()
+    out = llm_tp.generate([ids], SamplingParams(max_tokens=1, temperature=0))[0]
+    assert out.token_ids == llm_int4.generate([ids], SamplingParams(max_tokens=1, temperature=0))[0].token_ids
+    layers = llm_int4.engine.args.n_layers
+    assert comm.stats.num_ops >= 4 * layers  # the step ran its 4 all-gathers per layer on this transport
+    assert comm.stats.copied_bytes == 0
+
+
+@pytest.mark.slow
 def test_seeded_sampling_identical_to_one_rank(llm_tp, llm_int4):
     ids = [_ids(llm_int4, p) for p in PROMPTS[:4]]
     for params in (SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=11),  # full shards
