@@ -155,16 +155,10 @@ class AsyncLLMEngine:
             else:
                 chunk = self.engine.abort_request(arg)
                 if chunk is not None:
-                    self._deliver(chunk)
-
-    def _deliver(self, chunk: StepOutput) -> None:
-        target = self._streams.get(chunk.request_id)
-        if target is not None:
-            loop, chunks = target
-            loop.call_soon_threadsafe(chunks.put_nowait, chunk)
+                    self._deliver_step([chunk])
 
     def _deliver_step(self, chunks: list[StepOutput]) -> None:
-        """A step's chunks, one wake-up per event loop (each call_soon_threadsafe writes the loop's self-pipe)."""
+        """Chunks to their streams, one wake-up per event loop (each call_soon_threadsafe writes its self-pipe)."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for chunk in chunks:
             target = self._streams.get(chunk.request_id)

@@ -12,9 +12,9 @@
 #include <torch/library.h>
 
 #include "simd.h"
+#include "tasks.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -149,10 +149,9 @@ void decode_attention_kernel(const act_t* q, int64_t q_stride_s, int64_t q_strid
   const int64_t per_task = S >= at::get_num_threads() ? Hkv : 1;
   const int64_t tasks_per_seq = Hkv / per_task, num_tasks = S * tasks_per_seq;
   // sequences differ in length, so threads take the next task from a shared counter rather than a fixed share
-  std::atomic<int64_t> next_task{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
+  cpuserve_tasks::share_tasks(num_tasks, [&](const auto& next) {
     std::vector<float> qf(per_task * g * D), acc(per_task * g * D), buf(D), scores, inv_sum(per_task * g);
-    for (int64_t task = next_task++; task < num_tasks; task = next_task++) {
+    for (int64_t task; (task = next()) >= 0;) {
       const int64_t s = task / tasks_per_seq, h0 = task % tasks_per_seq * per_task;
       const int64_t len = lens[s], n = per_task * g;  // n query rows: heads h0*g .. (h0+per_task)*g - 1
       const int32_t* table = tables + s * max_blocks;

@@ -162,7 +162,6 @@ at::Tensor& int4_gemm_out(const at::Tensor& x, const at::Tensor& packed, int64_t
   struct Scratch {
     std::vector<float> tile, acc;
   };
-  auto make_scratch = [&] { return Scratch{std::vector<float>(kChunkK * kBlockN), std::vector<float>(M * kBlockN)}; };
   // out[m_begin..m_end, block nb] = x rows times the block, the k loop in chunks of kChunkK
   auto run = [&](Scratch& s, int64_t nb, int64_t m_begin, int64_t m_end) {
     float* tile = s.tile.data();
@@ -191,11 +190,17 @@ at::Tensor& int4_gemm_out(const at::Tensor& x, const at::Tensor& packed, int64_t
       for (int64_t j = 0; j < cols; ++j)
         od[m * N + nb * kBlockN + j] = static_cast<bf16>(s.acc[(m - m_begin) * kBlockN + j]);
   };
-  cpuserve_tasks::for_each_task(whole + (blocks - whole) * threads, make_scratch, [&](Scratch& s, int64_t task) {
-    if (task < whole) return run(s, task, 0, M);
-    const int64_t nb = whole + (task - whole) / threads, part = (task - whole) % threads;
-    const int64_t m_begin = std::min(M, part * part_rows), m_end = std::min(M, (part + 1) * part_rows);
-    if (m_begin < m_end) run(s, nb, m_begin, m_end);
+  cpuserve_tasks::share_tasks(whole + (blocks - whole) * threads, [&](const auto& next) {
+    Scratch s{std::vector<float>(kChunkK * kBlockN), std::vector<float>(M * kBlockN)};
+    for (int64_t task; (task = next()) >= 0;) {
+      if (task < whole) {
+        run(s, task, 0, M);
+        continue;
+      }
+      const int64_t nb = whole + (task - whole) / threads, part = (task - whole) % threads;
+      const int64_t m_begin = std::min(M, part * part_rows), m_end = std::min(M, (part + 1) * part_rows);
+      if (m_begin < m_end) run(s, nb, m_begin, m_end);
+    }
   });
 #endif
   return out;

@@ -94,19 +94,21 @@ at::Tensor& int8_gemm_out(const at::Tensor& x, const at::Tensor& weight, const a
   const bf16* sd = scales.data_ptr<bf16>();
   bf16* od = out.data_ptr<bf16>();
   // one task per tile of kCols output columns, taken from a shared counter (tasks.h)
-  auto make_tile = [&] { return std::vector<float>(kCols * K); };
-  cpuserve_tasks::for_each_task((N + kCols - 1) / kCols, make_tile, [&](std::vector<float>& tile, int64_t nb) {
-    const int64_t n0 = nb * kCols, cols = std::min(kCols, N - n0);
-    for (int64_t c = 0; c < cols; ++c) {
-      const __m512 s = _mm512_set1_ps(static_cast<float>(sd[n0 + c]));
-      for (int64_t k = 0; k < K; k += 16) {
-        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + (n0 + c) * K + k));
-        _mm512_storeu_ps(tile.data() + c * K + k, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), s));
+  cpuserve_tasks::share_tasks((N + kCols - 1) / kCols, [&](const auto& next) {
+    std::vector<float> tile(kCols * K);
+    for (int64_t nb; (nb = next()) >= 0;) {
+      const int64_t n0 = nb * kCols, cols = std::min(kCols, N - n0);
+      for (int64_t c = 0; c < cols; ++c) {
+        const __m512 s = _mm512_set1_ps(static_cast<float>(sd[n0 + c]));
+        for (int64_t k = 0; k < K; k += 16) {
+          const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + (n0 + c) * K + k));
+          _mm512_storeu_ps(tile.data() + c * K + k, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), s));
+        }
       }
+      int64_t m = 0;
+      for (; m + kRowBlock <= M; m += kRowBlock) rows<kRowBlock>(xd + m * K, K, tile.data(), cols, od + m * N + n0, N);
+      for (; m < M; ++m) rows<1>(xd + m * K, K, tile.data(), cols, od + m * N + n0, N);
     }
-    int64_t m = 0;
-    for (; m + kRowBlock <= M; m += kRowBlock) rows<kRowBlock>(xd + m * K, K, tile.data(), cols, od + m * N + n0, N);
-    for (; m < M; ++m) rows<1>(xd + m * K, K, tile.data(), cols, od + m * N + n0, N);
   });
 #endif
   return out;

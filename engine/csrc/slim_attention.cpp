@@ -18,9 +18,9 @@
 #include <torch/library.h>
 
 #include "simd.h"
+#include "tasks.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -136,12 +136,11 @@ at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   // A row block's work grows with its index, so a static split of the tasks would leave one thread with most of
   // it. Each thread takes the next task from a shared counter instead, longest row blocks first.
   const int64_t num_tasks = Hkv * num_row_blocks;
-  std::atomic<int64_t> next_task{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
+  cpuserve_tasks::share_tasks(num_tasks, [&](const auto& next) {
     const int64_t m_max = block_rows * g;
     std::vector<bf16> a(m_max * D), p(m_max * ld);
     std::vector<float> s(m_max * ld), o(m_max * D), inv_sum(m_max), mx(m_max);
-    for (int64_t task = next_task++; task < num_tasks; task = next_task++) {
+    for (int64_t task; (task = next()) >= 0;) {
       const int64_t h = task % Hkv, rb = num_row_blocks - 1 - task / Hkv;
       const int64_t start = rb * block_rows, rows = std::min(block_rows, L - start), m = rows * g;
       const int64_t end_key = q_start + start + rows;  // keys past the block's last query are never seen

@@ -15,16 +15,20 @@
 
 namespace cpuserve_tasks {
 
-// Runs run(state, task) for every task in [0, num_tasks), in parallel; state = make_state() once per thread
-// (scratch buffers). Tasks are handed out in increasing order.
-template <typename MakeState, typename Run>
-void for_each_task(int64_t num_tasks, const MakeState& make_state, const Run& run) {
+// Runs worker(next) once on each of up to at::get_num_threads() threads, in parallel. next() hands out the tasks
+// [0, num_tasks) in increasing order, each once over all threads, then -1. A worker sets up its scratch, loops
+//     for (int64_t task; (task = next()) >= 0;) ...
+// and tears down whatever is per thread afterwards.
+template <typename Worker>
+void share_tasks(int64_t num_tasks, const Worker& worker) {
   if (num_tasks <= 0) return;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
-    auto state = make_state();
-    for (int64_t task = next++; task < num_tasks; task = next++) run(state, task);
-  });
+  std::atomic<int64_t> counter{0};
+  const auto next = [&]() -> int64_t {
+    const int64_t task = counter++;
+    return task < num_tasks ? task : -1;
+  };
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1,
+                   [&](int64_t, int64_t) { worker(next); });
 }
 
 }  // namespace cpuserve_tasks
