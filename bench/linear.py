@@ -1,12 +1,17 @@
-"""Micro-benchmark of QuantLinear formats against an fp32 F.linear.
+"""Micro-benchmarks of QuantLinear: formats against an fp32 F.linear, and our int4 / int8 GEMMs against torch's.
 
     python bench/linear.py [--n 5632 --k 2048 --rows 1 32 --repeats 30]
+    python bench/linear.py --kernels [--rows 1 2 4 8 16 24 32]   # SmolLM2's and a 1B's layer shapes
 
-Prints median milliseconds per call and the speed-up over fp32 F.linear (higher is faster).
+Prints median milliseconds per call and the speed-up over fp32 F.linear (higher is faster). --kernels times our
+kernel (engine/csrc, with out=) and torch's (_weight_int4pack_mm_for_cpu / _weight_int8pack_mm) call for call,
+interleaved, so drift on a shared machine hits both alike; the ratio is torch's median / ours (> 1: ours faster).
 """
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +41,46 @@ def run(n: int = 5632, k: int = 2048, rows: tuple[int, ...] = (1, 32), repeats: 
     return results
 
 
+# (N, K) per layer: SmolLM2-135M (qkv, o, gate+up, down), a TinyLlama-shaped 1B (o, gate+up, down), int8 lm_head
+KERNEL_SHAPES = {"int4": [(960, 576), (576, 576), (3072, 576), (576, 1536), (2048, 2048), (11264, 2048), (2048, 5632)],
+                 "int8": [(960, 576), (576, 1536), (2048, 2048), (49152, 576)]}
+
+
+@torch.inference_mode()
+def run_kernels(rows: tuple[int, ...], fmts=("int4", "int8"), budget_s: float = 0.4) -> list[dict]:
+    """Our GEMM against torch's kernel on the same weights, interleaved call for call; checks equal bits too."""
+    results = []
+    for fmt in fmts:
+        for n, k in KERNEL_SHAPES[fmt]:
+            mod = QuantLinear.from_float(torch.randn(n, k) * 0.02, None, fmt, 32)
+            for m in rows:
+                x = torch.randn(m, k).to(torch.bfloat16)
+                out = torch.empty(m, n, dtype=torch.bfloat16)
+                if fmt == "int4":
+                    args = (x, mod.packed, 32, mod.scales_and_zeros)
+                    theirs = lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(*args)  # noqa: E731
+                    ours = lambda: torch.ops.cpuserve.int4_gemm.out(*args, out=out)  # noqa: E731
+                else:
+                    args = (x, mod.weight_int8, mod.scales)
+                    theirs = lambda: torch._weight_int8pack_mm(*args)  # noqa: E731
+                    ours = lambda: torch.ops.cpuserve.int8_gemm.out(*args, out=out)  # noqa: E731
+                assert torch.equal(ours(), theirs()), f"{fmt} {n}x{k}, {m} rows: not torch's bits"
+                t_theirs, t_ours = [], []
+                deadline = time.perf_counter() + budget_s
+                while time.perf_counter() < deadline or len(t_ours) < 10:
+                    t0 = time.perf_counter()
+                    theirs()
+                    t1 = time.perf_counter()
+                    ours()
+                    t_ours.append(time.perf_counter() - t1)
+                    t_theirs.append(t1 - t0)
+                a, b = statistics.median(t_theirs) * 1e3, statistics.median(t_ours) * 1e3
+                results.append({"bench": "kernels", "format": fmt, "shape": f"{n}x{k}", "M": m, "torch_ms": round(a, 4),
+                                "ours_ms": round(b, 4), "ours_vs_torch": round(a / b, 2)})
+                print(" | ".join(f"{v!s:>12}" for v in results[-1].values()), flush=True)
+    return results
+
+
 def mod_bytes(mod: QuantLinear) -> int:
     return sum(b.numel() * b.element_size() for b in mod.buffers())
 
@@ -55,8 +100,13 @@ if __name__ == "__main__":
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--group-size", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    ap.add_argument("--kernels", action="store_true", help="our int4 / int8 GEMMs against torch's kernels")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print_table(run(a.n, a.k, tuple(a.rows), a.repeats, a.group_size))
+    if a.kernels:
+        print("      format |        shape |            M |     torch_ms |      ours_ms | ours_vs_torch")
+        run_kernels(tuple(a.rows) if a.rows != [1, 32] else (1, 2, 4, 8, 16, 24, 32))
+    else:
+        print_table(run(a.n, a.k, tuple(a.rows), a.repeats, a.group_size))

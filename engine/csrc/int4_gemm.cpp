@@ -22,6 +22,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "int4_few_rows.h"
 #include "tasks.h"
 
 #if defined(__AVX512F__)
@@ -150,6 +151,10 @@ at::Tensor& int4_gemm_out(const at::Tensor& x, const at::Tensor& packed, int64_t
 #if defined(CPUSERVE_INT4_GEMM)
   const uint8_t* pd = packed.data_ptr<uint8_t>();
   const bf16* sz = scales_and_zeros.data_ptr<bf16>();
+  if (M <= cpuserve_int4::kInt4FewRowsMax) {  // decode: weights dequantized in registers (int4_few_rows.cpp)
+    cpuserve_int4::few_rows_gemm(x.data_ptr<bf16>(), M, K, pd, group_size, sz, N, out.data_ptr<bf16>());
+    return out;
+  }
   const at::Tensor xf = x.to(at::kFloat);  // bf16 -> fp32 is exact; once per call, not once per column block
   const float* xd = xf.data_ptr<float>();
   bf16* od = out.data_ptr<bf16>();

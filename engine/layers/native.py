@@ -23,8 +23,9 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = [CSRC / name for name in ("decode_ops.cpp", "slim_attention.cpp", "int4_gemm.cpp", "int8_gemm.cpp")]
-HEADERS = [CSRC / "simd.h", CSRC / "tasks.h"]  # part of the build's cache key too
+SOURCES = [CSRC / name for name in ("decode_ops.cpp", "slim_attention.cpp", "int4_gemm.cpp", "int4_few_rows.cpp",
+                                     "int8_gemm.cpp")]
+HEADERS = [CSRC / "simd.h", CSRC / "tasks.h", CSRC / "int4_few_rows.h"]  # part of the build's cache key too
 # -fassociative-math lets GCC vectorize the reductions; with alignment peeling off, their summation order depends
 # only on the length, never on where a buffer happens to sit: results are reproducible across processes and
 # batch layouts (a replica group's ranks must match one rank bit for bit).
@@ -101,23 +102,25 @@ def brgemm_enabled() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def int4_gemm_enabled() -> bool:
-    """The many-row int4 GEMM can run and reproduces torch's int4 kernel exactly on this CPU (checked once)."""
+    """Our int4 GEMM can run and reproduces torch's int4 kernel exactly on this CPU (checked once, both the
+    few-row and the tiled path)."""
     if not (enabled() and torch.ops.cpuserve.int4_gemm_supported()):
         return False
     gen = torch.Generator().manual_seed(0)
-    for n in (128, 80):  # whole 64-column blocks, and a 16-column tail (the other packing)
+    for n in (576, 80):  # whole 64-column blocks, halves and a 16-column tail (the other packing)
         k, group = 128, 32
         codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
         sz = torch.stack([torch.rand(k // group, n, generator=gen) / 8, torch.randn(k // group, n, generator=gen) / 8],
                          -1).to(torch.bfloat16)
-        x = torch.randn(4, k, generator=gen).to(torch.bfloat16)
-        want = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz).float()
-        got = torch.ops.cpuserve.int4_gemm(x, packed, group, sz).float()
-        if not torch.equal(got, want):  # the same arithmetic as torch's kernel: bit for bit
-            log.warning("int4 GEMM kernel disagrees with torch's int4 packing on this CPU (N=%d, max diff %.3g); "
-                        "using torch's kernel for every batch size", n, (got - want).abs().max())
-            return False
+        for rows in (3, 40):  # registers (int4_few_rows.cpp), then the tile
+            x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+            want = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz).float()
+            got = torch.ops.cpuserve.int4_gemm(x, packed, group, sz).float()
+            if not torch.equal(got, want):  # the same arithmetic as torch's kernel: bit for bit
+                log.warning("int4 GEMM kernel disagrees with torch's int4 packing on this CPU (N=%d, %d rows, max "
+                            "diff %.3g); using torch's kernel for every batch size", n, rows, (got - want).abs().max())
+                return False
     return True
 
 

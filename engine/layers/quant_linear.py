@@ -1,7 +1,8 @@
 """Weight-only quantized linear layer: int4 (group-wise RTN), int8 (per channel), bf16, fp32.
 
-The fast paths are torch's private CPU kernels, wrapped here and nowhere else (torch is pinned), and for many
-rows our own GEMMs over the same weights, bit-identical to them (INT4_GEMM_MIN_ROWS, INT8_GEMM_MIN_ROWS):
+The fast paths are our own C++ GEMMs (engine/csrc/int4_gemm.cpp, int8_gemm.cpp), which have an out= (a replica
+group's shared-memory slot), and torch's private CPU kernels, wrapped here and nowhere else (torch is pinned).
+Ours read torch's weight layouts and are bit-identical to torch's kernels, which run where ours are not built:
 
     int4: aten._weight_int4pack_mm_for_cpu(x_bf16 [M, K], packed, group_size, scales_and_zeros)
           scales_and_zeros: [K // group_size, N, 2] bf16, [..., 0] = scale, [..., 1] = zero
@@ -29,13 +30,12 @@ GROUP_SIZES = (32, 64, 128, 256)  # the group sizes the int4 CPU kernel accepts
 INT4_N_ALIGN = 16  # _convert_weight_to_int4pack_for_cpu: "expect N to be dividable by 16"
 INT8_K_ALIGN = 16  # measured: other K crash (K=33, 34, 36) or return garbage (K=8, 40) in torch 2.13
 INNER_K_TILES = 2  # the CPU packing ignores the tiling beyond a divisibility check; 2 is the loosest
-# From this many rows on, int4 runs engine/csrc/int4_gemm.cpp: torch's arithmetic bit for bit, with the weight
-# dequantized once per call instead of once per few rows (torch's kernel costs ~linear in rows)
-# (measured on 1536x576: 0.6x at 8 rows, 0.8x at 16, 1.2x at 32, 1.7x at 128, 1.8x at 512)
-INT4_GEMM_MIN_ROWS = 24
-# The same for int8 (the lm_head with int4 weights), engine/csrc/int8_gemm.cpp: torch's arithmetic bit for bit;
-# measured on 49152x576: 1.06x at 8 rows, 1.22x at 16, 1.38x at 32
-INT8_GEMM_MIN_ROWS = 8
+# Our kernels against torch's, medians on AMD EPYC Zen 4, 2 threads (bench/linear.py):
+#   int4: up to 16 rows the weights are dequantized in registers (int4_few_rows.cpp): 0.97-1.0x at 1-4 rows;
+#         from 17 rows once per call into an L1 tile instead of once per 4 rows: 1.03-1.09x at 24 rows here,
+#         1.5x at 32 rows on Intel Xeon (Sapphire Rapids)
+#   int8: 16 columns per task, every row through them while they stay in L1: 0.92-1.0x at 1-4 rows, on the
+#         49152x576 lm_head 1.3x at 8 rows and 1.7x at 32
 _logged_fallbacks: set[str] = set()
 
 
@@ -199,7 +199,7 @@ class QuantLinear(torch.nn.Module):
         x2 = x.reshape(-1, self.in_features)  # x2: [M, K]
         if not x2.is_contiguous():
             x2 = x2.contiguous()
-        own = self._own_kernel(x2.shape[0])
+        own = self._own_kernel()
         if self.fmt == "int4":
             args = (x2, self.packed, self.group_size, self.scales_and_zeros)
             y = torch.ops.cpuserve.int4_gemm(*args) if own else torch.ops.aten._weight_int4pack_mm_for_cpu(*args)
@@ -216,15 +216,15 @@ class QuantLinear(torch.nn.Module):
         return torch.empty((rows, self.in_features), dtype=dtype)
 
     def can_write_into(self, rows: int) -> bool:
-        """forward(x, out=) of this many rows computes straight into out; else (torch's few-row int4 / int8
-        kernels, which have no out=) into a new tensor that is then copied."""
-        return self.fmt in ("fp32", "bf16") or self.is_fallback or self._own_kernel(rows)
+        """forward(x, out=) of this many rows computes straight into out; else (torch's int4 / int8 kernels, which
+        have no out=, where ours are not built) into a new tensor that is then copied. The same at any number of
+        rows today; callers ask per size so that a kernel without out= at some sizes could come back."""
+        return self.fmt in ("fp32", "bf16") or self.is_fallback or self._own_kernel()
 
-    def _own_kernel(self, rows: int) -> bool:
-        """An int4 / int8 matmul of this many rows runs our C++ GEMM (which has out=), else torch's kernel."""
-        if self.fmt == "int4":
-            return rows >= INT4_GEMM_MIN_ROWS and native.int4_gemm_enabled()
-        return rows >= INT8_GEMM_MIN_ROWS and native.int8_gemm_enabled()
+    def _own_kernel(self) -> bool:
+        """An int4 / int8 matmul runs our C++ GEMM (which has out=) when it is built and checked, else torch's
+        kernel: the same bits."""
+        return native.int4_gemm_enabled() if self.fmt == "int4" else native.int8_gemm_enabled()
 
     def _forward_into(self, x: Tensor, out: Tensor) -> Tensor:
         lead = x.shape[:-1]
@@ -236,8 +236,7 @@ class QuantLinear(torch.nn.Module):
             x2 = x2.contiguous()
         y = out.view(-1, self.out_features)  # y: [M, N], out's memory
         if not self.can_write_into(x2.shape[0]):
-            # at these few rows our kernels are up to 3x slower than torch's (1 row of 1024x2816: int4 290 vs 990 us,
-            # int8 300 vs 710 us): one copy
+            # torch's kernel (ours are not built here): one copy
             y.copy_(self.forward(x2))
         elif self.fmt in ("fp32", "bf16") or self.is_fallback:  # what F.linear runs on 2-D input, with out=
             w = self.weight.t()

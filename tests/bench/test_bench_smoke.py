@@ -90,3 +90,16 @@ def test_a_failing_peer_is_reported_not_hidden(bench):
     rows = bench.build_rows({"sizes": SIZES, "cpuserve": {"decode": {}}, "attention": {}, "kv_bytes": {},
                              "llama_cpp": answer, "hf": {"error": "skipped"}})
     assert "could not load" in rows[0]["peer"] and rows[0]["ratio"] is None
+
+
+def test_linear_kernels_table_compares_ours_with_torchs_on_equal_bits():
+    spec = importlib.util.spec_from_file_location("cpuserve_bench_linear", os.path.join(BENCH, "linear.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, BENCH)  # linear.py imports attention.py beside it
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(BENCH)
+    rows = module.run_kernels((1, 24), budget_s=0.001)  # run_kernels asserts torch's bits for each row first
+    assert len(rows) == 2 * sum(len(shapes) for shapes in module.KERNEL_SHAPES.values())
+    assert all(r["torch_ms"] > 0 and r["ours_ms"] > 0 and r["ours_vs_torch"] > 0 for r in rows)

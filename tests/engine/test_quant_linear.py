@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from cpuserve.engine.layers import native
-from cpuserve.engine.layers.quant_linear import INT4_GEMM_MIN_ROWS, INT8_GEMM_MIN_ROWS, QuantLinear
+from cpuserve.engine.layers.quant_linear import QuantLinear
 
 # The bf16 formats return bf16: one output rounding (2^-9 relative) plus kernel-side bf16 rounding of the
 # dequantized weight in some paths. 1% of the output's max magnitude catches any wrong scale, zero point or
@@ -109,25 +109,42 @@ def test_bad_arguments_raise_value_error_naming_the_field(kwargs, field):
     assert "int4" in str(info.value) or "32" in str(info.value)  # lists the allowed values
 
 
-@pytest.mark.parametrize("n", [960, 80, 48])  # whole 64-column blocks, a 16-column tail, a tail-only weight
-@pytest.mark.parametrize("rows", [INT4_GEMM_MIN_ROWS, 33, 300])
-def test_int4_many_rows_kernel_is_torch_kernel_bit_for_bit(n, rows):
+@pytest.mark.parametrize("n", [960, 80, 48, 176])  # whole 64-column blocks, a 16-column tail, tail only, 2 + 48
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16, 17, 33, 300])  # register passes of 4 / 8 rows; the tile from 17
+@pytest.mark.parametrize("threads", [1, 2])  # 2: fewer than 4 blocks per thread make half-block tasks
+def test_int4_kernel_is_torch_kernel_bit_for_bit(n, rows, threads):
     assert native.int4_gemm_enabled(), "the int4 GEMM kernel must build and pass its layout check here"
     w, b = make_weight(n, 576, seed=3)
     m = QuantLinear.from_float(w, b, "int4", group_size=32)
     x = torch.randn(rows, 576).to(torch.bfloat16)
-    ours = m(x)  # rows >= INT4_GEMM_MIN_ROWS: the C++ kernel
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ours = m(x)  # the C++ kernel at every row count
+    finally:
+        torch.set_num_threads(before)
     torch_kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(x, m.packed, 32, m.scales_and_zeros) + b.bfloat16()
     assert rel_err(ours, reference(m, x, b)) < BF16_TOL
     # torch's arithmetic operation for operation: a row's tokens never depend on which kernel its step took
     assert torch.equal(ours, torch_kernel)
 
 
-def test_int4_many_rows_kernel_columns_do_not_depend_on_the_shard():
+@pytest.mark.parametrize("group_size", [64, 128, 256])
+@pytest.mark.parametrize("rows", [1, 6, 40])
+def test_int4_kernel_is_torch_kernel_for_every_group_size(group_size, rows):
+    w, _ = make_weight(208, 1024, seed=7)
+    m = QuantLinear.from_float(w, None, "int4", group_size=group_size)
+    x = torch.randn(rows, 1024).to(torch.bfloat16)
+    want = torch.ops.aten._weight_int4pack_mm_for_cpu(x, m.packed, group_size, m.scales_and_zeros)
+    assert torch.equal(m(x), want)
+
+
+@pytest.mark.parametrize("rows", [1, 40])  # registers, tile
+def test_int4_kernel_columns_do_not_depend_on_the_shard(rows):
     """A replica rank holding some output columns must compute them bit for bit as one rank holding all."""
     w, _ = make_weight(208, 576, seed=4)
     full = QuantLinear.from_float(w, None, "int4", group_size=32)
-    x = torch.randn(40, 576).to(torch.bfloat16)
+    x = torch.randn(rows, 576).to(torch.bfloat16)
     y = full(x)
     for lo, hi in ((64, 208), (0, 48), (128, 144)):  # block-aligned, a tail-only shard, a 16-column shard
         shard = QuantLinear.from_float(w[lo:hi], None, "int4", group_size=32)
@@ -135,20 +152,20 @@ def test_int4_many_rows_kernel_columns_do_not_depend_on_the_shard():
 
 
 @pytest.mark.parametrize("n", [576, 49152 // 64 + 3])  # whole 16-column tiles, and a tail
-@pytest.mark.parametrize("rows", [INT8_GEMM_MIN_ROWS, 33])
-def test_int8_many_rows_kernel_is_torch_kernel_bit_for_bit(n, rows):
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 33])  # passes of 4 rows, and the last 1-3
+def test_int8_kernel_is_torch_kernel_bit_for_bit(n, rows):
     assert native.int8_gemm_enabled(), "the int8 GEMM kernel must build and pass its check here"
     w, b = make_weight(n, 576, seed=5)
     m = QuantLinear.from_float(w, b, "int8")
     x = torch.randn(rows, 576).to(torch.bfloat16)
-    ours = m(x)  # rows >= INT8_GEMM_MIN_ROWS: the C++ kernel
+    ours = m(x)  # the C++ kernel at every row count
     assert torch.equal(ours, torch._weight_int8pack_mm(x, m.weight_int8, m.scales) + b.bfloat16())
     assert rel_err(ours, reference(m, x, b)) < BF16_TOL
 
 
 @pytest.mark.parametrize("fmt,fallback", [("int4", False), ("int8", False), ("bf16", False), ("fp32", False),
                                           ("int4", True)])
-@pytest.mark.parametrize("rows", [1, 8, INT4_GEMM_MIN_ROWS, 33])  # torch's kernels, then ours (int8 from 8 rows)
+@pytest.mark.parametrize("rows", [1, 8, 24, 33])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_out_gives_the_same_bits_in_place(fmt, fallback, rows, with_bias):
     """out= (a replica group writing into its shared-memory slot) changes where the result goes, not its bits."""
@@ -160,8 +177,7 @@ def test_out_gives_the_same_bits_in_place(fmt, fallback, rows, with_bias):
     out = arena[3:].view(rows, 80)
     got = m(x, out=out)
     assert got is out and torch.equal(out, m(x)) and (arena[:3] == 7).all()
-    in_place = {"int4": rows >= INT4_GEMM_MIN_ROWS, "int8": rows >= INT8_GEMM_MIN_ROWS}.get(fmt, True)
-    assert m.can_write_into(rows) == (in_place or fallback)  # else torch's few-row kernel and one copy
+    assert m.can_write_into(rows)  # every format writes in place at every row count (our kernels have out=)
     out3 = arena[3:].view(1, rows, 80)  # a leading batch dimension
     assert m(x[None], out=out3) is out3 and torch.equal(out3[0], m(x))
 
@@ -179,3 +195,16 @@ def test_out_of_the_wrong_shape_raises_naming_the_right_one():
     with pytest.raises(RuntimeError, match=r"out must be contiguous bf16 \[M, N\] = \[8, 80\]"):
         torch.ops.cpuserve.int8_gemm.out(torch.randn(8, 576).bfloat16(), m8.weight_int8, m8.scales,
                                          out=torch.empty(8, 80))
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_out_without_our_kernels_copies_torchs_result(fmt, monkeypatch):
+    """Where our GEMMs are not built, torch's kernels (no out=) run and out= gets their result by one copy."""
+    w, b = make_weight(80, 576, seed=8)
+    m = QuantLinear.from_float(w, b, fmt, group_size=32)
+    x = torch.randn(3, 576)
+    ours = m(x)
+    monkeypatch.setattr(native, f"{fmt}_gemm_enabled", lambda: False)
+    assert not m.can_write_into(3)
+    out = torch.empty(3, 80, dtype=torch.bfloat16)
+    assert m(x, out=out) is out and torch.equal(out, ours)

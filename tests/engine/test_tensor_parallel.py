@@ -75,19 +75,23 @@ def test_greedy_tokens_identical_to_one_rank(llm_tp, llm_int4):
 
 
 @pytest.mark.slow
-def test_exact_mode_builds_every_collective_input_in_shared_memory(llm_tp, llm_int4):
-    # a prefill of >= 24 rows: attention and the MLP activation write the o_proj / down input gathers' slots, our
-    # GEMMs the output gathers', the embedding lookup its all-reduce's. Nothing is copied in. (At decode's few
-    # rows torch's int4 kernel, which has no out=, makes o_proj / down outputs the one copied input.)
+@pytest.mark.parametrize("prompt", [
+    "Write a long and detailed story about a lighthouse keeper who finds a map in a bottle, then sails north to "
+    "the islands the map shows.",  # a prefill of >= 24 rows: the tiled int4 GEMM
+    "Hello there",  # a few rows: the register int4 kernel, as every decode step
+])
+def test_exact_mode_builds_every_collective_input_in_shared_memory(llm_tp, llm_int4, prompt):
+    # Attention and the MLP activation write the o_proj / down input gathers' slots, our int4 GEMMs (at every row
+    # count) the output gathers', the embedding lookup its all-reduce's: nothing is copied in, in the prefill and
+    # in each decode step.
     comm = llm_tp.engine.runner.comm
-    ids = _ids(llm_int4, "Write a long and detailed story about a lighthouse keeper who finds a map in a bottle, "
-                         "then sails north to the islands the map shows.")
-    assert len(ids) >= 24
+    ids = _ids(llm_int4, prompt)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)  # 6 steps: a prefill, 5 decodes
     comm.stats.reset()
-    out = llm_tp.generate([ids], SamplingParams(max_tokens=1, temperature=0))[0]
-    assert out.token_ids == llm_int4.generate([ids], SamplingParams(max_tokens=1, temperature=0))[0].token_ids
+    out = llm_tp.generate([ids], params)[0]
+    assert len(out.token_ids) == 6 and out.token_ids == llm_int4.generate([ids], params)[0].token_ids
     layers = llm_int4.engine.args.n_layers
-    assert comm.stats.num_ops >= 4 * layers  # the step ran its 4 all-gathers per layer on this transport
+    assert comm.stats.num_ops >= 6 * 4 * layers  # 6 steps ran their 4 all-gathers per layer on this transport
     assert comm.stats.copied_bytes == 0
 
 
@@ -137,8 +141,13 @@ def test_reduce_mode_logits_close_to_one_rank(llm_int4):
     llm = LLM(weights="int4", kv_cache="int8", kv_cache_gb=0.25, show_progress=False, ranks=2, tp_mode="reduce")
     try:
         two = llm.engine.score(ids)
+        comm = llm.engine.runner.comm
+        comm.stats.reset()
+        llm.generate([ids[:5]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        copied, ops = comm.stats.copied_bytes, comm.stats.num_ops
     finally:
         llm.engine.close()
+    assert ops > 0 and copied == 0  # o_proj / down partial sums written in their all-reduce's slot, at decode too
     one = llm_int4.engine.score(ids)
     assert (two.argmax(-1) == one.argmax(-1)).float().mean() >= 0.9
     # worst single logit over every position and the whole vocab: 0.6 to 1.1 measured (bf16 steps are 1/16 at

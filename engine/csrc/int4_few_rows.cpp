@@ -1,0 +1,172 @@
+// int4 weight x bf16 activation product for few rows (decode steps), on torch's own int4 packing.
+//
+// Why a kernel of our own at few rows: torch's _weight_int4pack_mm_for_cpu has no out=, so a replica group's
+// o_proj / down outputs were computed into a temporary and copied into their shared-memory slot; and the tiled
+// kernel of int4_gemm.cpp, which writes every weight once into an fp32 tile and reads it back per row, is
+// slower than the product itself at a few rows. Here each k's weights are dequantized in registers and used at
+// once by every row of the pass.
+//
+// The arithmetic is torch's, operation for operation: w = fma(code - 8, scale, zero) in fp32 (code - 8 looked up
+// in a 16-entry table by the code), acc = fma(a_k, w_k, acc) for k = 0, 1, ..., K-1, rounded to bf16 once. So
+// each row's result is bit for bit torch's kernel and the tiled kernel's, whatever the number of rows.
+//
+// Tasks, taken by the threads from a shared counter (tasks.h):
+//   - a block of 64 columns (torch's packing: per k 32 bytes; byte d < 16 holds columns d and 32 + d in its low
+//     and high nibbles, byte 16 + d columns 16 + d and 48 + d), R <= 4 rows per pass;
+//   - half a block, when there are fewer than 4 blocks per thread: the 16 bytes per k of columns h*16.. and
+//     32 + h*16.. (the 9 blocks of a 576-wide layer split 9/9 between 2 threads instead of 5/4), R <= 8;
+//   - 16 columns of a last block of 16, 32 or 48 (neighbour pairs: byte j holds columns 2j and 2j + 1), R <= 8.
+// Rows beyond a pass's R are another pass over the same weights.
+
+#include "int4_few_rows.h"
+
+#include <ATen/Parallel.h>
+
+#include "tasks.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <vector>
+
+namespace cpuserve_int4 {
+
+namespace {
+
+using bf16 = at::BFloat16;
+
+#if defined(__AVX512F__)
+// fp32 -> bf16, round to nearest even as at::BFloat16 rounds (finite values; unlike vcvtneps2bf16 it keeps
+// denormals, so every bit matches torch's kernel)
+inline __m256i to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16));
+}
+
+// 16 columns' (scale, zero) bf16 pairs -> scale[16], zero[16] in fp32 (exact)
+inline void load_scale_zero(const bf16* pairs, __m512& scale, __m512& zero) {
+  const __m512i raw = _mm512_loadu_si512(pairs);
+  const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
+  const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  scale = _mm512_permutex2var_ps(lo, even, hi);
+  zero = _mm512_permutex2var_ps(lo, _mm512_add_epi32(even, _mm512_set1_epi32(1)), hi);
+}
+
+// Where a task's codes are: C vectors of 16 columns; codes(k, q) gives each vector's 16 codes of input k in the
+// low 4 bits of 32-bit lanes (vpermps reads only those bits, so the rest need no masking).
+struct WholeBlock {
+  static constexpr int C = 4, kMaxRows = 4;
+  const uint8_t* bytes;  // the block's K x 32 bytes
+  int64_t n0;
+  int64_t col(int c) const { return n0 + 16 * c; }  // q[0], q[1] low nibbles of bytes 0-15 / 16-31; q[2], q[3] high
+  void codes(int64_t k, __m512i* q) const {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + k * 32));
+    q[0] = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(b));
+    q[1] = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(b, 1));
+    q[2] = _mm512_srli_epi32(q[0], 4);
+    q[3] = _mm512_srli_epi32(q[1], 4);
+  }
+};
+
+struct HalfBlock {
+  static constexpr int C = 2, kMaxRows = 8;
+  const uint8_t* bytes;  // the block's bytes + 16 * h
+  int64_t n0;            // the block's first column + 16 * h
+  int64_t col(int c) const { return n0 + 32 * c; }
+  void codes(int64_t k, __m512i* q) const {
+    q[0] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + k * 32)));
+    q[1] = _mm512_srli_epi32(q[0], 4);
+  }
+};
+
+struct TailColumns {
+  static constexpr int C = 1, kMaxRows = 8;
+  const uint8_t* bytes;  // the last block's bytes + 8 * i
+  int64_t stride;        // bytes per k: the last block's width / 2
+  int64_t n0;
+  int64_t col(int) const { return n0; }
+  void codes(int64_t k, __m512i* q) const {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + k * stride));
+    q[0] = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, _mm_srli_epi16(b, 4)));  // columns 2j, 2j + 1 <- byte j
+  }
+};
+
+// out rows 0..R-1 of the task's columns = x rows 0..R-1 times the task's weights
+template <int R, typename Codes>
+void pass(const float* x, int64_t K, const Codes& src, const bf16* sz, int64_t N, int64_t group, bf16* out) {
+  constexpr int C = Codes::C;
+  const __m512 minus_eight = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+  __m512 acc[R][C], scale[C], zero[C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < K; k0 += group) {
+    for (int c = 0; c < C; ++c) load_scale_zero(sz + ((k0 / group) * N + src.col(c)) * 2, scale[c], zero[c]);
+    for (int64_t k = k0; k < k0 + group; ++k) {
+      __m512i q[C];
+      src.codes(k, q);
+      __m512 w[C];
+      for (int c = 0; c < C; ++c) w[c] = _mm512_fmadd_ps(_mm512_permutexvar_ps(q[c], minus_eight), scale[c], zero[c]);
+      for (int r = 0; r < R; ++r) {
+        const __m512 a = _mm512_set1_ps(x[r * K + k]);
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(a, w[c], acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * N + src.col(c)), to_bf16(acc[r][c]));
+}
+
+// Every row, Codes::kMaxRows per pass
+template <typename Codes>
+void all_rows(const float* x, int64_t M, int64_t K, const Codes& src, const bf16* sz, int64_t N, int64_t group,
+              bf16* out) {
+  constexpr int R = Codes::kMaxRows;
+  int64_t m = 0;
+  for (; m + R <= M; m += R) pass<R>(x + m * K, K, src, sz, N, group, out + m * N);
+  const float* xr = x + m * K;
+  bf16* o = out + m * N;
+  switch (M - m) {
+    case 7: if constexpr (R > 7) pass<7>(xr, K, src, sz, N, group, o); break;
+    case 6: if constexpr (R > 6) pass<6>(xr, K, src, sz, N, group, o); break;
+    case 5: if constexpr (R > 5) pass<5>(xr, K, src, sz, N, group, o); break;
+    case 4: if constexpr (R > 4) pass<4>(xr, K, src, sz, N, group, o); break;
+    case 3: pass<3>(xr, K, src, sz, N, group, o); break;
+    case 2: pass<2>(xr, K, src, sz, N, group, o); break;
+    case 1: pass<1>(xr, K, src, sz, N, group, o); break;
+  }
+}
+#endif
+
+}  // namespace
+
+void few_rows_gemm(const bf16* x, int64_t M, int64_t K, const uint8_t* packed, int64_t group, const bf16* sz,
+                   int64_t N, bf16* out) {
+#if defined(__AVX512F__)
+  thread_local std::vector<float> xf;  // x in fp32 (exact), converted once for every task
+  xf.resize(M * K);
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(x[i]);
+  const float* xd = xf.data();
+  const int64_t blocks = N / 64, tail = N % 64, threads = at::get_num_threads();
+  const int64_t per_block = blocks < 4 * threads ? 2 : 1;  // halves: the blocks alone would balance badly
+  const uint8_t* tail_bytes = packed + blocks * K * 32;
+  cpuserve_tasks::share_tasks(blocks * per_block + tail / 16, [&](const auto& next) {
+    for (int64_t task; (task = next()) >= 0;) {
+      if (task >= blocks * per_block) {
+        const int64_t i = task - blocks * per_block;
+        all_rows(xd, M, K, TailColumns{tail_bytes + 8 * i, tail / 2, blocks * 64 + 16 * i}, sz, N, group, out);
+      } else if (per_block == 2) {
+        const int64_t nb = task / 2, h = task % 2;
+        all_rows(xd, M, K, HalfBlock{packed + nb * K * 32 + 16 * h, nb * 64 + 16 * h}, sz, N, group, out);
+      } else {
+        all_rows(xd, M, K, WholeBlock{packed + task * K * 32, task * 64}, sz, N, group, out);
+      }
+    }
+  });
+#endif
+}
+
+}  // namespace cpuserve_int4
