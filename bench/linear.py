@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from attention import median_ms  # bench/ is on sys.path when a bench script runs
+from cpuserve.engine.layers import native
 from cpuserve.engine.layers.quant_linear import QuantLinear
 
 FORMATS = ("int4", "int8", "bf16", "fp32")
@@ -49,6 +50,8 @@ KERNEL_SHAPES = {"int4": [(960, 576), (576, 576), (3072, 576), (576, 1536), (204
 @torch.inference_mode()
 def run_kernels(rows: tuple[int, ...], fmts=("int4", "int8"), budget_s: float = 0.4) -> list[dict]:
     """Our GEMM against torch's kernel on the same weights, interleaved call for call; checks equal bits too."""
+    if not (native.int4_gemm_enabled() and native.int8_gemm_enabled()):
+        raise SystemExit("our GEMMs are not built or not enabled here (CPUSERVE_KERNELS, AVX-512): nothing to compare")
     results = []
     for fmt in fmts:
         for n, k in KERNEL_SHAPES[fmt]:

@@ -10,13 +10,13 @@
 // in a 16-entry table by the code), acc = fma(a_k, w_k, acc) for k = 0, 1, ..., K-1, rounded to bf16 once. So
 // each row's result is bit for bit torch's kernel and the tiled kernel's, whatever the number of rows.
 //
-// Tasks, taken by the threads from a shared counter (tasks.h):
+// Tasks, taken by the threads from a shared counter (tasks.h), are a column unit times a group of rows:
 //   - a block of 64 columns (torch's packing: per k 32 bytes; byte d < 16 holds columns d and 32 + d in its low
-//     and high nibbles, byte 16 + d columns 16 + d and 48 + d), R <= 4 rows per pass;
-//   - half a block, when there are fewer than 4 blocks per thread: the 16 bytes per k of columns h*16.. and
-//     32 + h*16.. (the 9 blocks of a 576-wide layer split 9/9 between 2 threads instead of 5/4), R <= 8;
-//   - 16 columns of a last block of 16, 32 or 48 (neighbour pairs: byte j holds columns 2j and 2j + 1), R <= 8.
-// Rows beyond a pass's R are another pass over the same weights.
+//     and high nibbles, byte 16 + d columns 16 + d and 48 + d), groups of 4 rows;
+//   - or, when that makes fewer than 4 tasks per thread, half a block: the 16 bytes per k of columns h*16.. and
+//     32 + h*16.., groups of 8 rows (a 448-wide layer at 1 row: 14 tasks instead of 7);
+//   - 16 columns of a last block of 16, 32 or 48 (neighbour pairs: byte j holds columns 2j and 2j + 1).
+// A group's rows share each k's dequantized weights; another group dequantizes them again.
 
 #include "int4_few_rows.h"
 
@@ -28,6 +28,7 @@
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
 #include <vector>
 
 namespace cpuserve_int4 {
@@ -110,7 +111,8 @@ void pass(const float* x, int64_t K, const Codes& src, const bf16* sz, int64_t N
       __m512 w[C];
       for (int c = 0; c < C; ++c) w[c] = _mm512_fmadd_ps(_mm512_permutexvar_ps(q[c], minus_eight), scale[c], zero[c]);
       for (int r = 0; r < R; ++r) {
-        const __m512 a = _mm512_set1_ps(x[r * K + k]);
+        __m512 a = _mm512_set1_ps(x[r * K + k]);
+        asm("" : "+v"(a));  // one broadcast into a register, not a broadcast load folded into each of C fmas
         for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(a, w[c], acc[r][c]);
       }
     }
@@ -150,19 +152,28 @@ void few_rows_gemm(const bf16* x, int64_t M, int64_t K, const uint8_t* packed, i
   xf.resize(M * K);
   for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(x[i]);
   const float* xd = xf.data();
+  // A task is one column unit (a block, half a block or 16 tail columns) times one group of rows, as in torch's
+  // kernel: 9 blocks x 2 groups of 4 rows split 9/9 between 2 threads, where 9 blocks alone would split 5/4.
   const int64_t blocks = N / 64, tail = N % 64, threads = at::get_num_threads();
-  const int64_t per_block = blocks < 4 * threads ? 2 : 1;  // halves: the blocks alone would balance badly
+  const bool halves = blocks * ((M + 3) / 4) < 4 * threads;  // too few whole-block tasks to balance
+  const int64_t rows_per_group = halves ? HalfBlock::kMaxRows : WholeBlock::kMaxRows;
+  const int64_t groups = (M + rows_per_group - 1) / rows_per_group;
+  const int64_t units = blocks * (halves ? 2 : 1) + tail / 16;
   const uint8_t* tail_bytes = packed + blocks * K * 32;
-  cpuserve_tasks::share_tasks(blocks * per_block + tail / 16, [&](const auto& next) {
+  cpuserve_tasks::share_tasks(units * groups, [&](const auto& next) {
     for (int64_t task; (task = next()) >= 0;) {
-      if (task >= blocks * per_block) {
-        const int64_t i = task - blocks * per_block;
-        all_rows(xd, M, K, TailColumns{tail_bytes + 8 * i, tail / 2, blocks * 64 + 16 * i}, sz, N, group, out);
-      } else if (per_block == 2) {
-        const int64_t nb = task / 2, h = task % 2;
-        all_rows(xd, M, K, HalfBlock{packed + nb * K * 32 + 16 * h, nb * 64 + 16 * h}, sz, N, group, out);
+      const int64_t unit = task / groups, m0 = task % groups * rows_per_group;
+      const int64_t rows = std::min(rows_per_group, M - m0);
+      const float* xr = xd + m0 * K;
+      bf16* o = out + m0 * N;
+      if (unit >= units - tail / 16) {
+        const int64_t i = unit - (units - tail / 16);
+        all_rows(xr, rows, K, TailColumns{tail_bytes + 8 * i, tail / 2, blocks * 64 + 16 * i}, sz, N, group, o);
+      } else if (halves) {
+        const int64_t nb = unit / 2, h = unit % 2;
+        all_rows(xr, rows, K, HalfBlock{packed + nb * K * 32 + 16 * h, nb * 64 + 16 * h}, sz, N, group, o);
       } else {
-        all_rows(xd, M, K, WholeBlock{packed + task * K * 32, task * 64}, sz, N, group, out);
+        all_rows(xr, rows, K, WholeBlock{packed + unit * K * 32, unit * 64}, sz, N, group, o);
       }
     }
   });
