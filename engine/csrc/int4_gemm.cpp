@@ -1,4 +1,6 @@
-// int4 weight x bf16 activation GEMM for many rows (batched decode, prefill), on torch's own int4 packing.
+// int4 weight x bf16 activation GEMM with out=, on torch's own int4 packing. Up to kInt4FewRowsMax rows it hands
+// off to int4_few_rows.cpp (weights dequantized in registers); this file is the kernel for many rows (batched
+// decode, prefill).
 //
 // torch's _weight_int4pack_mm_for_cpu dequantizes the weight again for every few rows: its cost grows with M
 // almost linearly (measured here: 29 us for M=1, 310 us for M=32 on a 1536x576 layer), so a 32-sequence

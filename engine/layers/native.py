@@ -126,7 +126,7 @@ def int4_gemm_enabled() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def int8_gemm_enabled() -> bool:
-    """The many-row int8 GEMM can run and reproduces torch's int8 kernel exactly on this CPU (checked once)."""
+    """Our int8 GEMM can run and reproduces torch's int8 kernel exactly on this CPU (checked once)."""
     if not (enabled() and torch.ops.cpuserve.int8_gemm_supported()):
         return False
     gen = torch.Generator().manual_seed(0)
