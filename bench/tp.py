@@ -2,7 +2,8 @@
 
     python bench/tp.py allreduce      # all-reduce latency, shm transport vs gloo, 576..65536 floats
     python bench/tp.py decode         # decode tok/s, compute/communication split, bytes per token
-    python bench/tp.py topk           # reduced top-k sampling vs all-gathering the full logits (step time)
+    python bench/tp.py topk           # reduced top-k sampling vs all-gathering the full logits (step time; both in
+                                      # one group, alternating run by run)
     python bench/tp.py all [--quick] [--skip-1b]
     python bench/tp.py decode --layouts exact,reduce   # only these rows (1x2 = the 1-rank baseline)
 
@@ -53,7 +54,7 @@ def decode_table(models: dict[str, str | None], batches, gen_tokens: int, reps: 
 
 
 def topk_table(models: dict[str, str | None], gen_tokens: int, reps: int) -> list[str]:
-    from tp_decode import measure
+    from tp_decode import measure_topk
 
     rows = ["| model | batch | sampling | step ms, top-k candidates | step ms, full logits gathered | ratio |",
             "|---|---:|---|---:|---:|---:|"]
@@ -61,11 +62,9 @@ def topk_table(models: dict[str, str | None], gen_tokens: int, reps: int) -> lis
     for name, path in models.items():
         for label, kw in cases:
             for batch in (1, 8):
-                reduced = measure(path, 2, batch=batch, gen_tokens=gen_tokens, reps=reps, params_kw=kw)
-                full = measure(path, 2, batch=batch, gen_tokens=gen_tokens, reps=reps, params_kw=kw,
-                               candidates=False)
-                rows.append(f"| {name} | {batch} | {label} | {reduced['step_ms']:.2f} | {full['step_ms']:.2f} | "
-                            f"{full['step_ms'] / reduced['step_ms']:.2f}x |")
+                r = measure_topk(path, batch, kw, gen_tokens=gen_tokens, reps=reps + 2)  # alternating runs
+                rows.append(f"| {name} | {batch} | {label} | {r['topk_step_ms']:.2f} | {r['full_step_ms']:.2f} | "
+                            f"{r['full_step_ms'] / r['topk_step_ms']:.2f}x |")
                 print(rows[-1], flush=True)
     return rows
 

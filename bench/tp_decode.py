@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import statistics
 import time
 
@@ -39,7 +40,33 @@ def _decode(engine, batch: int, prompt_len: int, gen_tokens: int, params_kw: dic
     return out
 
 
-def _run(model, ranks, threads, tp_mode, batch, prompt_len, gen_tokens, reps, candidates, params_kw, results):
+def _run_topk(model, batch, prompt_len, gen_tokens, reps, params_kw, results):
+    """One 2-rank group; reduced top-k and full-logit gathering alternate run by run, so drift hits both alike."""
+    from cpuserve.engine.llm import LLM
+
+    llm = LLM(model=model, weights="int4", kv_cache_gb=0.25, show_progress=False, ranks=2)
+    try:
+        runs = {True: [], False: []}
+        _decode(llm.engine, batch, prompt_len, 4, params_kw)  # warm-up
+        for _ in range(reps):
+            for candidates in (True, False):
+                llm.engine.runner.use_candidates = candidates
+                runs[candidates].append(_decode(llm.engine, batch, prompt_len, gen_tokens, params_kw)["step_ms"])
+        results.put(("ok", {"topk_step_ms": statistics.median(runs[True]),
+                            "full_step_ms": statistics.median(runs[False])}))
+    except BaseException as e:
+        results.put(("error", f"{type(e).__name__}: {e}"))
+    finally:
+        llm.engine.close()
+
+
+def measure_topk(model: str | None, batch: int, params_kw: dict, gen_tokens: int = 32, reps: int = 5,
+                 prompt_len: int = 32) -> dict:
+    """Median step ms of a 2-rank group sampling from reduced top-k candidates and from gathered full logits."""
+    return _in_process(_run_topk, (model, batch, prompt_len, gen_tokens, reps, params_kw))
+
+
+def _run(model, ranks, threads, tp_mode, batch, prompt_len, gen_tokens, reps, params_kw, results):
     from cpuserve.engine.llm import LLM
 
     kw = dict(model=model, weights="int4", kv_cache_gb=0.25, show_progress=False, ranks=ranks)
@@ -51,8 +78,6 @@ def _run(model, ranks, threads, tp_mode, batch, prompt_len, gen_tokens, reps, ca
         kw["tp_mode"] = tp_mode
     llm = LLM(**kw)
     try:
-        if ranks > 1:
-            llm.engine.runner.use_candidates = candidates
         _decode(llm.engine, batch, prompt_len, 4, params_kw)  # warm-up
         runs = [_decode(llm.engine, batch, prompt_len, gen_tokens, params_kw) for _ in range(reps)]
         best = sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]  # the median run
@@ -64,15 +89,25 @@ def _run(model, ranks, threads, tp_mode, batch, prompt_len, gen_tokens, reps, ca
 
 
 def measure(model: str | None, ranks: int, threads: int = 1, tp_mode: str = "exact", batch: int = 1,
-            prompt_len: int = 32, gen_tokens: int = 32, reps: int = 3, candidates: bool = True,
-            params_kw: dict | None = None) -> dict:
+            prompt_len: int = 32, gen_tokens: int = 32, reps: int = 3, params_kw: dict | None = None) -> dict:
+    return _in_process(_run, (model, ranks, threads, tp_mode, batch, prompt_len, gen_tokens, reps,
+                              params_kw or dict(temperature=0)))
+
+
+def _in_process(target, args: tuple) -> dict:
+    """target(*args, results) in a spawned process; its result, or a RuntimeError with its error."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    p = ctx.Process(target=_run, args=(model, ranks, threads, tp_mode, batch, prompt_len, gen_tokens, reps,
-                                       candidates, params_kw or dict(temperature=0), results))
+    p = ctx.Process(target=target, args=(*args, results))
     p.start()
     try:
-        status, value = results.get(timeout=1800)
+        while True:  # a child that dies before reporting (an import error, a crash) must not hang the benchmark
+            try:
+                status, value = results.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not p.is_alive():
+                    raise RuntimeError(f"benchmark process exited with code {p.exitcode} before reporting") from None
     finally:
         p.join(60)
         if p.is_alive():

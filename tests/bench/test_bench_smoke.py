@@ -103,3 +103,17 @@ def test_linear_kernels_table_compares_ours_with_torchs_on_equal_bits():
     rows = module.run_kernels((1, 24), budget_s=0.001)  # run_kernels asserts torch's bits for each row first
     assert len(rows) == 2 * sum(len(shapes) for shapes in module.KERNEL_SHAPES.values())
     assert all(r["torch_ms"] > 0 and r["ours_ms"] > 0 and r["ours_vs_torch"] > 0 for r in rows)
+
+
+def test_tp_decode_and_topk_measures_run_and_report_sane_figures():
+    sys.path.insert(0, BENCH)  # bench/tp_decode.py, as bench/tp.py imports it; its spawned children too
+    try:
+        from tp_decode import measure, measure_topk
+
+        r = measure(None, 2, batch=2, gen_tokens=3, reps=1)  # 2 ranks x 1 thread, exact
+        t = measure_topk(None, 1, dict(temperature=0.8, top_k=5, seed=1), gen_tokens=3, reps=1)
+    finally:
+        sys.path.remove(BENCH)
+    assert r["tok_s"] > 0 and r["ops_per_step"] >= 4 * 30  # 4 all-gathers per SmolLM2 layer
+    assert r["copied_per_token"] == 0 and 0 < r["comm_frac"] < 1
+    assert t["topk_step_ms"] > 0 and t["full_step_ms"] > 0
