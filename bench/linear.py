@@ -99,7 +99,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=5632)
     ap.add_argument("--k", type=int, default=2048)
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--rows", type=int, nargs="+", help="default: 1 32; with --kernels 1 2 4 8 16 24 32")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--group-size", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
@@ -110,6 +110,6 @@ if __name__ == "__main__":
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     if a.kernels:
         print("      format |        shape |            M |     torch_ms |      ours_ms | ours_vs_torch")
-        run_kernels(tuple(a.rows) if a.rows != [1, 32] else (1, 2, 4, 8, 16, 24, 32))
+        run_kernels(tuple(a.rows or (1, 2, 4, 8, 16, 24, 32)))
     else:
-        print_table(run(a.n, a.k, tuple(a.rows), a.repeats, a.group_size))
+        print_table(run(a.n, a.k, tuple(a.rows or (1, 32)), a.repeats, a.group_size))

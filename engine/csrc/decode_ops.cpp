@@ -50,15 +50,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
 }
 
 #if defined(__AVX512F__)
-// 16 elements as fp32 lanes
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-inline __m512 load16(const at::BFloat16* p) {
-  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
+using cpuserve_simd::load16;  // 16 elements as fp32 lanes
 #endif
 
 void check_cpu_contiguous(const at::Tensor& t, const char* name) {

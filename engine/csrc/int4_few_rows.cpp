@@ -22,6 +22,7 @@
 
 #include <ATen/Parallel.h>
 
+#include "simd.h"
 #include "tasks.h"
 
 #if defined(__AVX512F__)
@@ -38,19 +39,12 @@ namespace {
 using bf16 = at::BFloat16;
 
 #if defined(__AVX512F__)
-// fp32 -> bf16, round to nearest even as at::BFloat16 rounds (finite values; unlike vcvtneps2bf16 it keeps
-// denormals, so every bit matches torch's kernel)
-inline __m256i to_bf16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16));
-}
+using cpuserve_simd::load16;
+using cpuserve_simd::to_bf16_exact;  // keeps denormals: every bit matches torch's kernel
 
 // 16 columns' (scale, zero) bf16 pairs -> scale[16], zero[16] in fp32 (exact)
 inline void load_scale_zero(const bf16* pairs, __m512& scale, __m512& zero) {
-  const __m512i raw = _mm512_loadu_si512(pairs);
-  const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
-  const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
+  const __m512 lo = load16(pairs), hi = load16(pairs + 16);  // (s0, z0, ..., s7, z7), (s8, z8, ..., s15, z15)
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   scale = _mm512_permutex2var_ps(lo, even, hi);
   zero = _mm512_permutex2var_ps(lo, _mm512_add_epi32(even, _mm512_set1_epi32(1)), hi);
@@ -119,26 +113,24 @@ void pass(const float* x, int64_t K, const Codes& src, const bf16* sz, int64_t N
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * N + src.col(c)), to_bf16(acc[r][c]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * N + src.col(c)), to_bf16_exact(acc[r][c]));
 }
 
-// Every row, Codes::kMaxRows per pass
+// A task's group of rows (1..Codes::kMaxRows) in one pass
 template <typename Codes>
-void all_rows(const float* x, int64_t M, int64_t K, const Codes& src, const bf16* sz, int64_t N, int64_t group,
-              bf16* out) {
+void group_pass(const float* x, int64_t rows, int64_t K, const Codes& src, const bf16* sz, int64_t N,
+                int64_t group, bf16* out) {
   constexpr int R = Codes::kMaxRows;
-  int64_t m = 0;
-  for (; m + R <= M; m += R) pass<R>(x + m * K, K, src, sz, N, group, out + m * N);
-  const float* xr = x + m * K;
-  bf16* o = out + m * N;
-  switch (M - m) {
-    case 7: if constexpr (R > 7) pass<7>(xr, K, src, sz, N, group, o); break;
-    case 6: if constexpr (R > 6) pass<6>(xr, K, src, sz, N, group, o); break;
-    case 5: if constexpr (R > 5) pass<5>(xr, K, src, sz, N, group, o); break;
-    case 4: if constexpr (R > 4) pass<4>(xr, K, src, sz, N, group, o); break;
-    case 3: pass<3>(xr, K, src, sz, N, group, o); break;
-    case 2: pass<2>(xr, K, src, sz, N, group, o); break;
-    case 1: pass<1>(xr, K, src, sz, N, group, o); break;
+  static_assert(R == 4 || R == 8, "the switch below covers 1..8 rows");
+  switch (rows) {
+    case 8: if constexpr (R >= 8) pass<8>(x, K, src, sz, N, group, out); break;
+    case 7: if constexpr (R >= 7) pass<7>(x, K, src, sz, N, group, out); break;
+    case 6: if constexpr (R >= 6) pass<6>(x, K, src, sz, N, group, out); break;
+    case 5: if constexpr (R >= 5) pass<5>(x, K, src, sz, N, group, out); break;
+    case 4: pass<4>(x, K, src, sz, N, group, out); break;
+    case 3: pass<3>(x, K, src, sz, N, group, out); break;
+    case 2: pass<2>(x, K, src, sz, N, group, out); break;
+    case 1: pass<1>(x, K, src, sz, N, group, out); break;
   }
 }
 #endif
@@ -168,12 +160,12 @@ void few_rows_gemm(const bf16* x, int64_t M, int64_t K, const uint8_t* packed, i
       bf16* o = out + m0 * N;
       if (unit >= units - tail / 16) {
         const int64_t i = unit - (units - tail / 16);
-        all_rows(xr, rows, K, TailColumns{tail_bytes + 8 * i, tail / 2, blocks * 64 + 16 * i}, sz, N, group, o);
+        group_pass(xr, rows, K, TailColumns{tail_bytes + 8 * i, tail / 2, blocks * 64 + 16 * i}, sz, N, group, o);
       } else if (halves) {
         const int64_t nb = unit / 2, h = unit % 2;
-        all_rows(xr, rows, K, HalfBlock{packed + nb * K * 32 + 16 * h, nb * 64 + 16 * h}, sz, N, group, o);
+        group_pass(xr, rows, K, HalfBlock{packed + nb * K * 32 + 16 * h, nb * 64 + 16 * h}, sz, N, group, o);
       } else {
-        all_rows(xr, rows, K, WholeBlock{packed + unit * K * 32, unit * 64}, sz, N, group, o);
+        group_pass(xr, rows, K, WholeBlock{packed + unit * K * 32, unit * 64}, sz, N, group, o);
       }
     }
   });

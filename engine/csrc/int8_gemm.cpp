@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "simd.h"
 #include "tasks.h"
 
 #if defined(__AVX512F__)
@@ -45,11 +46,7 @@ bool int8_gemm_supported() {
 }
 
 #if defined(CPUSERVE_INT8_GEMM)
-// 16 bf16 activations -> fp32 (exact)
-inline __m512 load_bf16(const bf16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+using cpuserve_simd::load16;  // 16 bf16 / int8 elements as exact fp32 lanes
 
 // R activation rows x C weight columns (rows of W), K in steps of 16: w = float(q) * scale in registers,
 // acc = fma(a, w, acc), then one horizontal sum each.
@@ -62,12 +59,11 @@ void block(const bf16* x, int64_t K, const int8_t* weight, const bf16* scales, b
   for (int64_t k = 0; k < K; k += 16) {
     __m512 w[C];
     for (int c = 0; c < C; ++c) {
-      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(weight + c * K + k));
       _mm_prefetch(reinterpret_cast<const char*>(weight + c * K + k + kPrefetch), _MM_HINT_T0);
-      w[c] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), scale[c]);
+      w[c] = _mm512_mul_ps(load16(weight + c * K + k), scale[c]);
     }
     for (int r = 0; r < R; ++r) {
-      const __m512 a = load_bf16(x + r * K + k);  // into a register once, not folded into each of C fmas
+      const __m512 a = load16(x + r * K + k);  // into a register once, not folded into each of C fmas
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(a, w[c], acc[r][c]);
     }
   }

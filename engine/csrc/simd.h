@@ -2,9 +2,22 @@
 #pragma once
 
 #if defined(__AVX512F__)
+#include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
+#include <cstdint>
+
 namespace cpuserve_simd {
+
+// 16 elements as fp32 lanes (exact for each type)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
 
 // e^x: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6 Taylor (relative error < 2e-7). x is clamped below
 // at -87 (e^-87 ~ 1.6e-38, still a normal float); above ~88.7 the result is +inf.
@@ -24,15 +37,21 @@ inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// 16 fp32 -> 16 bf16, round to nearest even (values are finite), as at::BFloat16's constructor rounds
-inline __m256i to_bf16(__m512 x) {
-#if defined(__AVX512BF16__)
-  return (__m256i)_mm512_cvtneps_pbh(x);
-#else
+// 16 fp32 -> 16 bf16, round to nearest even (values are finite) exactly as at::BFloat16's constructor rounds,
+// denormals included: what a kernel that must match torch's bits stores
+inline __m256i to_bf16_exact(__m512 x) {
   const __m512i bits = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+// The same in one instruction where the CPU has it (vcvtneps2bf16 flushes denormals to zero)
+inline __m256i to_bf16(__m512 x) {
+#if defined(__AVX512BF16__)
+  return (__m256i)_mm512_cvtneps_pbh(x);
+#else
+  return to_bf16_exact(x);
 #endif
 }
 
