@@ -75,17 +75,18 @@ def test_greedy_tokens_identical_to_one_rank(llm_tp, llm_int4):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("prompt", [
-    "Write a long and detailed story about a lighthouse keeper who finds a map in a bottle, then sails north to "
-    "the islands the map shows.",  # a prefill of >= 24 rows: the tiled int4 GEMM
-    "Hello there",  # a few rows: the register int4 kernel, as every decode step
+@pytest.mark.parametrize("prompt,tiled", [
+    ("Write a long and detailed story about a lighthouse keeper who finds a map in a bottle, then sails north to "
+     "the islands the map shows.", True),  # a prefill of > kInt4FewRowsMax (16) rows: the tiled int4 GEMM
+    ("Hello there", False),  # a few rows: the register int4 kernel, as every decode step
 ])
-def test_exact_mode_builds_every_collective_input_in_shared_memory(llm_tp, llm_int4, prompt):
+def test_exact_mode_builds_every_collective_input_in_shared_memory(llm_tp, llm_int4, prompt, tiled):
     # Attention and the MLP activation write the o_proj / down input gathers' slots, our int4 GEMMs (at every row
     # count) the output gathers', the embedding lookup its all-reduce's: nothing is copied in, in the prefill and
     # in each decode step.
     comm = llm_tp.engine.runner.comm
     ids = _ids(llm_int4, prompt)
+    assert (len(ids) > 16) == tiled
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)  # 6 steps: a prefill, 5 decodes
     comm.stats.reset()
     out = llm_tp.generate([ids], params)[0]
