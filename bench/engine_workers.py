@@ -18,20 +18,13 @@ import sys
 import time
 import traceback
 
-import numpy as np
+from workload import kv_tokens, make_prompts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FIRST_ID, LAST_ID = 200, 40000  # ordinary tokens of the SmolLM2 vocabulary: no special or control tokens
 
 
 def log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
-
-def make_prompts(num_seqs: int, length: int, seed: int) -> list[list[int]]:
-    """Random token ids, different for every repetition: a repeated prompt would hit cpuserve's prefix cache."""
-    rng = np.random.default_rng(seed)
-    return rng.integers(FIRST_ID, LAST_ID, size=(num_seqs, length)).tolist()
 
 
 def peak_rss_mb() -> float:
@@ -65,15 +58,6 @@ def cpuserve_decode(llm, prompts: list[list[int]], gen_tokens: int) -> float:
         if len(started) == len(prompts):  # every sequence has its first token: decode starts now
             start = time.perf_counter()
     return num_timed / (time.perf_counter() - start)
-
-
-def kv_tokens(cfg: dict) -> int:
-    """KV capacity every engine gets: the largest measurement's tokens, padded as llama.cpp pads contexts."""
-    def pad(n: int) -> int:
-        return -(-n // 256) * 256
-
-    decode = max((b * pad(cfg["prompt_len"] + cfg["gen_tokens"]) for b in cfg["batches"]), default=0)
-    return max(decode, pad(cfg.get("prefill_len", 0) + 1))
 
 
 def load_cpuserve(cfg: dict):

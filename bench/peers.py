@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from engine_workers import kv_tokens, make_prompts
+from workload import kv_tokens, make_prompts
 
 
 # -- llama.cpp ------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ def _rank(rank: int, world: int, port: int, transport: str, sizes, iters: int, r
     os.sched_setaffinity(0, {cores[rank % len(cores)]})
     import torch
 
-    from cpuserve.engine.distributed.communicator import make_communicator
+    from cpuserve.engine.distributed.connect import make_communicator
 
     torch.set_num_threads(1)
     comm = make_communicator(transport)

@@ -87,6 +87,7 @@ class BlockManager:
         for block_id in computed_blocks:
             self._take(block_id)
         request.block_ids.extend(computed_blocks)
+        request.num_hashed_blocks += len(computed_blocks)  # prefix-cache hits are hashed already
         for _ in range(num_needed):
             block_id, _ = self.free_queue.popitem(last=False)
             self._evict_hash(block_id)
@@ -107,14 +108,21 @@ class BlockManager:
                 else:
                     self.free_queue[block_id] = None
         request.block_ids.clear()
+        request.num_hashed_blocks = 0
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Register the hashes of blocks that became full with computed tokens."""
+        """Register the hashes of blocks that became full with computed tokens since the last call.
+
+        Only those are hashed (request.num_hashed_blocks counts the rest), so a step costs O(new blocks), not
+        O(every full block of every running request)."""
         if not self.enable_prefix_caching:
             return
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
-        parent: int | None = None
-        for i in range(num_full):
+        start = request.num_hashed_blocks
+        if num_full <= start:
+            return
+        parent = self.blocks[request.block_ids[start - 1]].block_hash if start else None
+        for i in range(start, num_full):
             block = self.blocks[request.block_ids[i]]
             tokens = tuple(request.all_token_ids[i * self.block_size:(i + 1) * self.block_size])
             if block.block_hash is None:
@@ -122,6 +130,7 @@ class BlockManager:
                 block.token_ids = tokens
                 self.hash_to_block.setdefault(block.block_hash, block.block_id)
             parent = block.block_hash
+        request.num_hashed_blocks = num_full
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]

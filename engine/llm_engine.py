@@ -11,13 +11,14 @@ import torch
 from cpuserve.engine.block_manager import BlockManager
 from cpuserve.engine.config import EngineConfig
 from cpuserve.engine.loader import load_checkpoint
-from cpuserve.engine.model_runner import ModelRunner, kv_bytes_per_token
-from cpuserve.engine.models.builder import build_model
+from cpuserve.engine.model_runner import kv_bytes_per_token
+from cpuserve.engine.output_processor import OutputProcessor
 from cpuserve.engine.outputs import StepOutput
-from cpuserve.engine.request import Request, RequestStatus
+from cpuserve.engine.request import Request
+from cpuserve.engine.runner import build_runner
 from cpuserve.engine.sampling_params import SamplingParams
-from cpuserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from cpuserve.engine.text_stream import TextStream
+from cpuserve.engine.scheduler import Scheduler
+from cpuserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from cpuserve.engine.threads import allocator_for_loading, configure_threads, release_free_memory, tune_allocator
 
 log = logging.getLogger(__name__)
@@ -42,9 +43,6 @@ class LLMEngine:
         checkpoint = load_checkpoint(config.model, show_progress=False)  # the builder's bar covers the stream
         self.tokenizer = checkpoint.tokenizer
         self.args = checkpoint.args
-        # a replica group builds its shards in start_group instead: no rank ever holds the whole model
-        self.model = build_model(checkpoint, config.weights, config.group_size, config.show_progress) \
-            if config.ranks == 1 else None
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         self.max_model_len = min(config.max_model_len or self.args.max_seq_len, self.args.max_seq_len)
         self.kv_bytes_per_token = kv_bytes_per_token(self.args, config.kv_cache)
@@ -52,19 +50,13 @@ class LLMEngine:
         if config.num_blocks < 1:
             raise ValueError(f"kv_cache_gb={config.kv_cache_gb} holds no block of {config.block_size} tokens "
                              f"({self.kv_bytes_per_token} bytes per token); raise it")
-        if config.ranks == 1:
-            self.runner = ModelRunner(self.model, config.kv_cache, config.num_blocks, config.block_size,
-                                      self.max_model_len)
-        else:  # rank 0 here, ranks 1..k-1 in their own processes; same runner interface
-            from cpuserve.engine.distributed.group import start_group
-
-            self.runner = start_group(config, self.max_model_len, self.args.vocab_size)
-            self.num_threads = self.runner.num_threads
+        self.runner = build_runner(config, checkpoint, self.max_model_len)
+        self.num_threads = self.runner.num_threads
         release_free_memory()  # loading left fp32 copies of every weight behind in the heap
         tune_allocator()  # from here on keep freed activations for the next step
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self._streams: dict[str, TextStream] = {}
+        self.outputs = OutputProcessor(self.tokenizer)
         self._rng = torch.Generator().manual_seed(config.seed)
         self._next_id = 0
         self.last_step_seconds = 0.0
@@ -99,8 +91,7 @@ class LLMEngine:
 
     def add(self, request: Request) -> None:
         self.scheduler.add(request)
-        self._streams[request.request_id] = TextStream(
-            self.tokenizer, request.prompt_token_ids, request.params.stop, request.params.skip_special_tokens)
+        self.outputs.add(request)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     priority: int = 0) -> str:
@@ -112,7 +103,7 @@ class LLMEngine:
         request = self.scheduler.abort(request_id)
         if request is None:
             return None
-        return self._finish_output(request, [], "", None)
+        return self.outputs.finished_output(request)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -120,46 +111,18 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         out = self.scheduler.schedule()
-        outputs = [self._finish_output(r, [], "", None) for r in out.finished]
+        outputs = [self.outputs.finished_output(r) for r in out.finished]
         if out.is_empty:
             return outputs
-        now = time.monotonic()
-        for item in out.scheduled:
-            if item.request.first_scheduled_time is None:
-                item.request.first_scheduled_time = now
         start = time.perf_counter()
-        sampled = self.runner.run(out)
+        result = self.runner.run(out)
         self.last_step_seconds = time.perf_counter() - start
-        self.scheduler.postprocess(out, [s[0] if s else None for s in sampled])
-        for item, s in zip(out.scheduled, sampled):
-            if s is not None and item.request.request_id in self._streams:
-                outputs.append(self._token_output(item.request, *s))
+        for request, token_id, logprob in self.scheduler.postprocess(out, result):
+            text, status = self.outputs.decode(request, token_id)
+            if status is not None:
+                self.scheduler.finish(request, status)
+            outputs.append(self.outputs.token_output(request, token_id, text, logprob))
         return outputs
-
-    def _token_output(self, request: Request, token_id: int, logprob) -> StepOutput:
-        stream = self._streams[request.request_id]
-        text, hit_stop = stream.add(token_id, final=request.is_finished)
-        if hit_stop:
-            if not request.is_finished:
-                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
-            request.status = RequestStatus.FINISHED_STOPPED
-        if request.is_finished:
-            return self._finish_output(request, [token_id], text, logprob)
-        return self._output(request, [token_id], text, logprob, False)
-
-    def _finish_output(self, request: Request, ids: list[int], text: str, logprob) -> StepOutput:
-        self._streams.pop(request.request_id, None)
-        return self._output(request, ids, text, logprob, True)
-
-    def _output(self, request: Request, ids: list[int], text: str, logprob, finished: bool) -> StepOutput:
-        first = request.num_output_tokens == len(ids) and ids
-        queue_time = request.first_scheduled_time - request.arrival_time if first and request.first_scheduled_time else None
-        return StepOutput(
-            request_id=request.request_id, new_token_ids=ids, new_text=text,
-            logprobs=[logprob] if logprob is not None else None, finished=finished,
-            finish_reason=request.status.finish_reason if finished else None,
-            num_prompt_tokens=request.num_prompt_tokens, num_generated_tokens=request.num_output_tokens,
-            num_cached_tokens=request.num_cached_tokens, queue_time=queue_time)
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """Next-token logits at every position of a prompt, [L, V] float32 (for perplexity and reference checks).
@@ -174,17 +137,19 @@ class LLMEngine:
             step = self.config.max_num_batched_tokens
             for start in range(0, request.num_tokens, step):
                 request.num_computed_tokens = start
-                item = ScheduledRequest.from_request(request, min(step, request.num_tokens - start))
+                item = ScheduledRequest.of(request, min(step, request.num_tokens - start), self.config.block_size)
                 logits.append(self.runner.forward_logits(SchedulerOutput([item])))
         finally:
             self.block_manager.free(request)
         return torch.cat(logits)
 
+    def health(self) -> str | None:
+        """Why this engine cannot serve any more (a replica group's failed step or dead rank), or None."""
+        return self.runner.health()
+
     def close(self) -> None:
         """Stop the replica group's worker processes (a single-rank engine has nothing to stop)."""
-        close = getattr(self.runner, "close", None)
-        if close is not None:
-            close()
+        self.runner.close()
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

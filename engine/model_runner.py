@@ -1,4 +1,6 @@
-"""Runs one scheduled step: builds the flattened batch, owns the KV pool tensors, samples."""
+"""A single rank's runner (runner.py): builds the flattened batch, owns the KV pool tensors, samples.
+
+A replica group's ranks each run one too, on their shard, fed the same SchedulerOutput from the wire."""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ from cpuserve.engine.layers.attention import decode_mask
 from cpuserve.engine.models.args import ModelArgs
 from cpuserve.engine.models.llama import AttentionMetadata, LayerKV, LlamaModel, PrefillChunk
 from cpuserve.engine.models.rope import rope_tables
-from cpuserve.engine.sampler import SamplerOutput, TokenLogprob, sample
-from cpuserve.engine.scheduler import SchedulerOutput
+from cpuserve.engine.outputs import ModelRunnerOutput
+from cpuserve.engine.sampler import sample_scheduled
+from cpuserve.engine.scheduler_output import SchedulerOutput
 
 KV_DTYPES = {"int8": torch.int8, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -27,6 +30,7 @@ class ModelRunner:
         args = model.args
         self.model = model
         self.block_size = block_size
+        self.num_threads = torch.get_num_threads()
         self.cos, self.sin = rope_tables(args, max_model_len, model.dtype)  # [max_len, D] each
         shape = (num_blocks, block_size, 2 * args.n_kv_heads, args.head_dim)  # K heads then V heads
         dtype = KV_DTYPES[kv_cache]
@@ -35,30 +39,24 @@ class ModelRunner:
             layer.attention.kv = LayerKV(torch.zeros(shape, dtype=dtype), scale)
 
     @torch.inference_mode()
-    def run(self, out: SchedulerOutput) -> list[tuple[int, TokenLogprob | None] | None]:
-        """Returns, per scheduled request, (token_id, logprob) if it samples this step, else None."""
-        token_ids, meta, logit_rows, samplers = self.prepare_inputs(out)
-        logits = self.model(token_ids, meta, logit_rows)  # [S, V]
-        requests = [out.scheduled[i].request for i in samplers]
-        result: SamplerOutput = sample(
-            logits,
-            [r.params for r in requests],
-            [r.generator for r in requests],
-            [r.all_token_ids for r in requests],
-            [r.num_prompt_tokens for r in requests],
-        )
-        per_item: list[tuple[int, TokenLogprob | None] | None] = [None] * len(out.scheduled)
-        for j, i in enumerate(samplers):
-            per_item[i] = (result.token_ids[j], result.logprobs[j])
-        return per_item
+    def run(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        token_ids, meta, logit_rows = self.prepare_inputs(out)
+        return sample_scheduled(self.model(token_ids, meta, logit_rows), out.scheduled)  # logits [S, V]
 
     @torch.inference_mode()
     def forward_logits(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits at every scheduled token, [N, V] float32: scoring, not sampling."""
-        token_ids, meta, _, _ = self.prepare_inputs(out)
+        token_ids, meta, _ = self.prepare_inputs(out)
         return self.model(token_ids, meta, torch.arange(len(token_ids)))
 
-    def prepare_inputs(self, out: SchedulerOutput):
+    def health(self) -> str | None:
+        return None  # a single rank fails only by raising from run
+
+    def close(self) -> None:
+        pass
+
+    def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """(token ids [N], attention metadata, logit rows [S]: the last row of each item that samples)."""
         bs = self.block_size
         tokens: list[int] = []
         positions: list[int] = []
@@ -67,22 +65,19 @@ class ModelRunner:
         decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
         logit_rows: list[int] = []
-        samplers: list[int] = []
-        for i, item in enumerate(out.scheduled):
-            blocks = item.request.block_ids
+        for item in out.scheduled:
+            blocks = item.block_ids
             row, n, start = len(tokens), len(item.token_ids), item.start_pos
             tokens.extend(item.token_ids)
-            positions.extend(range(start, start + n))
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
-            if item.is_decode:  # decode
+            positions.extend(item.positions)
+            slots.extend(blocks[p // bs] * bs + p % bs for p in item.positions)
+            if item.is_decode:
                 decode_tables.append(blocks)
                 decode_lens.append(start + 1)
-            else:  # prefill
-                num_blocks = -(-(start + n) // bs)
-                prefills.append(PrefillChunk(row, n, start, torch.tensor(blocks[:num_blocks], dtype=torch.long)))
+            else:  # a prefill chunk: its blocks cover exactly positions [0, start + n)
+                prefills.append(PrefillChunk(row, n, start, torch.tensor(blocks, dtype=torch.long)))
             if item.needs_sample:
                 logit_rows.append(row + n - 1)
-                samplers.append(i)
         pos = torch.tensor(positions, dtype=torch.long)
         lens = torch.tensor(decode_lens, dtype=torch.int32) if decode_lens else None
         meta = AttentionMetadata(
@@ -96,7 +91,7 @@ class ModelRunner:
             decode_invalid=decode_mask(lens, bs) if decode_lens and not native.enabled() else None,
             prefills=prefills,
         )
-        return torch.tensor(tokens, dtype=torch.long), meta, torch.tensor(logit_rows, dtype=torch.long), samplers
+        return torch.tensor(tokens, dtype=torch.long), meta, torch.tensor(logit_rows, dtype=torch.long)
 
 
 def _pad(tables: list[list[int]]) -> torch.Tensor:

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cpuserve.engine.sampler import TokenLogprob
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """The sampled token's log-probability under the model's raw distribution, and the best alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely alternatives, best first
 
 
 @dataclass(slots=True)
@@ -51,3 +58,23 @@ class RequestOutput:
             self.logprobs = (self.logprobs or []) + chunk.logprobs
         self.finish_reason = chunk.finish_reason
         self.num_cached_tokens = chunk.num_cached_tokens
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """What a runner hands back for one step: per scheduled item, in order, its new token or None (a prefill
+    chunk that samples nothing), and that token's logprob when the request asked for them."""
+
+    token_ids: list[int | None]
+    logprobs: list[TokenLogprob | None]
+
+    @classmethod
+    def place(cls, scheduled: list, token_ids: list[int], logprobs: list[TokenLogprob | None]) -> "ModelRunnerOutput":
+        """Spread one value per sampling item (the step's logit rows) over every scheduled item."""
+        out = cls([None] * len(scheduled), [None] * len(scheduled))
+        rows = iter(range(len(token_ids)))
+        for i, item in enumerate(scheduled):
+            if item.needs_sample:
+                j = next(rows)
+                out.token_ids[i], out.logprobs[i] = token_ids[j], logprobs[j]
+        return out

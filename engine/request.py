@@ -49,6 +49,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # of those, taken from the prefix cache at admission
     block_ids: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0  # leading blocks of block_ids registered in the prefix cache (block_manager.py)
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     generator: object = None  # the runner's per-request RNG (a torch.Generator); opaque here
@@ -78,14 +79,3 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
-
-    def check_stop(self) -> RequestStatus | None:
-        """Stop conditions that need no text: eos, stop token ids, max_tokens, context length."""
-        last = self.all_token_ids[-1]
-        if not self.params.ignore_eos and last in self.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if last in self.params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None

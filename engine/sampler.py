@@ -6,14 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
+from cpuserve.engine.outputs import ModelRunnerOutput, TokenLogprob
 from cpuserve.engine.sampling_params import SamplingParams
-
-
-@dataclass(slots=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # the most likely alternatives, best first
+from cpuserve.engine.scheduler_output import ScheduledRequest
 
 
 @dataclass(slots=True)
@@ -54,6 +49,14 @@ def sample(
             if p.logprobs is not None:
                 logprobs[i] = _logprob_of(all_logprobs[i], token_ids[i], p.logprobs)
     return SamplerOutput(token_ids, logprobs)
+
+
+def sample_scheduled(logits: torch.Tensor, scheduled: list[ScheduledRequest]) -> ModelRunnerOutput:
+    """The one sampling path of every runner: logits [S, V] hold one row per item of `scheduled` that samples."""
+    inputs = [item.sampling for item in scheduled if item.needs_sample]
+    result = sample(logits, [i.params for i in inputs], [i.generator for i in inputs], [i.history for i in inputs],
+                    [i.num_prompt_tokens for i in inputs])
+    return ModelRunnerOutput.place(scheduled, result.token_ids, result.logprobs)
 
 
 def _has_penalty(p: SamplingParams) -> bool:

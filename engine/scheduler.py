@@ -1,54 +1,21 @@
 """Iteration-level continuous batching with a token budget, chunked prefill, preemption and prefix caching.
 
-One step: `out = scheduler.schedule()`, the runner computes `out`, `scheduler.postprocess(out, token_ids)`.
-The scheduler never imports torch and reaches the KV pool only through the BlockManager.
+One step: `out = scheduler.schedule()`, the runner computes `out` (scheduler_output.py) into a ModelRunnerOutput,
+`scheduler.postprocess(out, result)` appends the new tokens. Whether a request ends is decided once, by the
+engine's OutputProcessor, which then calls `finish`. The scheduler never imports torch and reaches the KV pool
+only through the BlockManager.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
-from dataclasses import dataclass, field
+import time
 
 from cpuserve.engine.block_manager import BlockManager
+from cpuserve.engine.outputs import ModelRunnerOutput, TokenLogprob
 from cpuserve.engine.request import Request, RequestStatus
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    token_ids: list[int]  # tokens whose KV this step computes
-    start_pos: int  # position of token_ids[0] in the sequence
-    needs_sample: bool  # the chunk ends at the sequence's last token: the step yields one new token
-
-    @classmethod
-    def from_request(cls, request: Request, num_tokens: int) -> "ScheduledRequest":
-        start = request.num_computed_tokens
-        end = start + num_tokens
-        return cls(request, request.all_token_ids[start:end], start, end == request.num_tokens)
-
-    @property
-    def is_decode(self) -> bool:
-        return len(self.token_ids) == 1
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)  # decodes first, then prefill chunks
-    preempted: list[Request] = field(default_factory=list)
-    finished: list[Request] = field(default_factory=list)  # ended by the scheduler itself (no KV room ever)
-
-    @classmethod
-    def make_empty(cls) -> "SchedulerOutput":
-        return cls()
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from cpuserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:
@@ -96,7 +63,7 @@ class Scheduler:
         self.requests.pop(request.request_id, None)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput.make_empty()
+        out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:  # running first: decodes and unfinished prefills
@@ -109,7 +76,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                out.scheduled.append(ScheduledRequest.from_request(request, num_new))
+                out.scheduled.append(self._item(request, num_new))
                 budget -= num_new
                 i += 1
         if not out.preempted:
@@ -134,32 +101,37 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest.from_request(request, num_new))
+            out.scheduled.append(self._item(request, num_new))
             budget -= num_new
         return budget
 
     def _never_fits(self, request: Request) -> bool:
         return self.block_manager.num_blocks_for(request.num_tokens) > self.block_manager.num_blocks
 
-    def postprocess(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
-        """Advance counters and append sampled tokens. Returns the requests that got a new token."""
+    def postprocess(self, out: SchedulerOutput, result: ModelRunnerOutput
+                    ) -> list[tuple[Request, int, TokenLogprob | None]]:
+        """Advance counters and append the sampled tokens; returns (request, token, logprob) per new token.
+
+        Requests that ended while the step ran (aborted) are skipped. Nothing here decides a stop.
+        """
         advanced = []
-        for item, token_id in zip(out.scheduled, sampled):
-            request = item.request
-            if request.status != RequestStatus.RUNNING:  # aborted while the step ran
+        for item, token_id, logprob in zip(out.scheduled, result.token_ids, result.logprobs):
+            request = self.requests.get(item.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens += len(item.token_ids)
             self.block_manager.cache_full_blocks(request)
-            if not item.needs_sample:
-                continue
-            assert token_id is not None
-            request.append_token(token_id)
-            advanced.append(request)
-            status = request.check_stop()
-            if status is not None:
-                self.finish(request, status)
+            if item.needs_sample:
+                assert token_id is not None, f"request {item.request_id} sampled no token"
+                request.append_token(token_id)
+                advanced.append((request, token_id, logprob))
         return advanced
+
+    def _item(self, request: Request, num_tokens: int) -> ScheduledRequest:
+        return ScheduledRequest.of(request, num_tokens, self.block_manager.block_size)
 
     def _preempt(self, request: Request) -> None:
         """Recompute-style preemption: drop the KV, keep the tokens, queue again at the front of its class."""

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from cpuserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from cpuserve.engine.detokenizer import IncrementalDetokenizer
+from cpuserve.engine.tokenizer import Tokenizer
 
 
 class TextStream:

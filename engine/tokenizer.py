@@ -16,10 +16,6 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 
-from cpuserve.engine.detokenizer import IncrementalDetokenizer
-
-__all__ = ["Tokenizer", "IncrementalDetokenizer"]
-
 # Token texts that end a turn in common chat formats (llama.cpp treats these as end-of-generation too).
 END_OF_TURN_TEXTS = frozenset(
     {"<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|endoftext|>", "<end_of_turn>", "</s>", "<|end_of_text|>"}

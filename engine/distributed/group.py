@@ -18,7 +18,8 @@ import os
 import socket
 from dataclasses import dataclass
 
-from cpuserve.engine.distributed.communicator import RankFailedError, make_communicator
+from cpuserve.engine.distributed.communicator import RankFailedError
+from cpuserve.engine.distributed.connect import make_communicator
 from cpuserve.engine.distributed.cpus import bind_rank, rank_cpu_sets
 from cpuserve.engine.distributed.worker import READY_TIMEOUT, build_rank, worker_main
 
@@ -89,7 +90,7 @@ def start_group(config, max_model_len: int, vocab_size: int, transport: str | No
     saved_mask = os.sched_getaffinity(0)
     runner = comm = None
     try:
-        num_threads = bind_rank(0, placement.cpu_sets[0], config.num_threads)
+        bind_rank(0, placement.cpu_sets[0], config.num_threads)
         comm = make_communicator(transport, rendezvous=(0, world, placement.addr, port),
                                  startup_check=lambda: _dead_worker(workers, " while starting"))
         runner = TPRunner(build_rank(spec, comm), comm, vocab_size,
@@ -101,7 +102,6 @@ def start_group(config, max_model_len: int, vocab_size: int, transport: str | No
         else:
             _stop(None, workers, saved_mask, comm)
         raise
-    runner.num_threads = num_threads
     runner.worker_pids = [w.pid for w in workers]
     log.info("replica group up: %d ranks at %s, cpus %s, transport %s", world, placement.addr,
              placement.cpu_sets, type(comm).__name__)
@@ -121,7 +121,7 @@ def _stop(runner, workers, saved_mask, comm=None) -> None:
     comm = comm if comm is not None else (runner.comm if runner is not None else None)
     if runner is not None and not runner.broken:
         from cpuserve.engine.distributed import step
-        from cpuserve.engine.scheduler import SchedulerOutput
+        from cpuserve.engine.scheduler_output import SchedulerOutput
 
         try:
             comm.broadcast_ints(step.pack(SchedulerOutput(), step.KIND_STOP, 0))

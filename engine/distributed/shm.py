@@ -25,7 +25,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
-import mmap
 import os
 import re
 import time
@@ -33,6 +32,7 @@ import time
 import torch
 
 from cpuserve.engine.distributed.communicator import Communicator, RankFailedError, timed
+from cpuserve.engine.distributed.shm_segment import alive, attach, create
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class ShmCommunicator(Communicator):
         name = "cpuserve-" + re.sub(r"[^A-Za-z0-9_.-]", "_", f"{os.getuid()}-{group_name}")
         path = os.path.join(shm_dir, name)
         size = _HEADER + 2 * world_size * slot_bytes
-        self._mm = _create(path, size) if rank == 0 else _attach(path, size, timeout)
+        self._mm = create(path, size) if rank == 0 else attach(path, size, timeout)
         # ctypes indexing returns a Python int in ~50 ns (a numpy scalar read costs ~10x that): it is the spin loop
         self._ctrl = (ctypes.c_int64 * (world_size * _LINE)).from_buffer(self._mm)  # [world * 8]
         self._data = torch.frombuffer(self._mm, dtype=torch.uint8, offset=_HEADER)  # [2 * world * slot]
@@ -114,7 +114,7 @@ class ShmCommunicator(Communicator):
             time.sleep(0.0001 if now - start < 1.0 else 0.001)  # idle: back off, keep the core free
             if now - last_check > 0.2:
                 last_check = now
-                if not _alive(self._peer_pids[r]):
+                if not alive(self._peer_pids[r]):
                     raise RankFailedError(f"rank {r} (pid {self._peer_pids[r]}) exited: the group is broken")
                 if timeout is not None and now - start > timeout:
                     raise RankFailedError(f"rank {r} did not answer collective {seq} within {timeout}s")
@@ -305,56 +305,3 @@ class ShmCommunicator(Communicator):
             self._mm.close()
         except BufferError:  # a caller still holds a view; the mapping goes when the process does
             pass
-
-
-def _alive(pid: int) -> bool:
-    """A zombie (exited, not yet reaped: a rank whose parent is rank 0) counts as dead."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]  # the field after "(comm)"
-        return state not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: fall back to signal 0
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
-
-
-def _create(path: str, size: int) -> mmap.mmap:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.ftruncate(fd, size)  # zero-filled: every seq starts at 0
-        mm = mmap.mmap(fd, size)
-        os.replace(tmp, path)  # atomic: a peer sees the full-size file or nothing
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    finally:
-        os.close(fd)
-    return mm
-
-
-def _attach(path: str, size: int, timeout: float) -> mmap.mmap:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            fd = os.open(path, os.O_RDWR)
-            break
-        except FileNotFoundError:
-            if time.monotonic() > deadline:
-                raise RankFailedError(f"shm rendezvous: {path} did not appear within {timeout}s: is rank 0 up, "
-                                      f"with the same MASTER_ADDR/MASTER_PORT?") from None
-            time.sleep(0.005)
-    try:
-        if os.fstat(fd).st_size != size:
-            raise ValueError(f"shm segment {path} is {os.fstat(fd).st_size} bytes, expected {size}: the ranks "
-                             f"disagree on WORLD_SIZE or slot size")
-        return mmap.mmap(fd, size)
-    finally:
-        os.close(fd)

@@ -17,21 +17,12 @@ request's generator on rank 0, so seeded streams match a single rank's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from cpuserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from cpuserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
 KIND_STOP, KIND_SAMPLE, KIND_SCORE = 0, 1, 2
 FULL = 0  # num_candidates meaning "gather the whole shard"
-
-
-@dataclass(slots=True)
-class _Blocks:
-    """Stands in for a Request on worker ranks: prepare_inputs reads only its block ids."""
-
-    block_ids: list[int]
 
 
 def num_candidates(params: list, vocab_per_rank: int) -> int:
@@ -50,15 +41,14 @@ def num_candidates(params: list, vocab_per_rank: int) -> int:
 def pack(out: SchedulerOutput, kind: int, candidates: int) -> torch.Tensor:
     wire = [kind, candidates, len(out.scheduled)]
     for item in out.scheduled:
-        blocks = item.request.block_ids
-        wire += [len(item.token_ids), item.start_pos, int(item.needs_sample), len(blocks)]
+        wire += [len(item.token_ids), item.start_pos, int(item.needs_sample), len(item.block_ids)]
         wire += item.token_ids
-        wire += blocks
+        wire += item.block_ids
     return torch.tensor(wire, dtype=torch.int64)
 
 
 def unpack(wire: torch.Tensor) -> tuple[int, int, SchedulerOutput]:
-    """(kind, num_candidates, a SchedulerOutput whose requests carry only their block ids)."""
+    """(kind, num_candidates, the SchedulerOutput rank 0 packed, without ids or sampling inputs)."""
     w = wire.tolist()
     kind, candidates, num_items = w[0], w[1], w[2]
     scheduled, i = [], 3
@@ -67,7 +57,7 @@ def unpack(wire: torch.Tensor) -> tuple[int, int, SchedulerOutput]:
         i += 4
         tokens, blocks = w[i: i + n], w[i + n: i + n + nb]
         i += n + nb
-        scheduled.append(ScheduledRequest(_Blocks(blocks), tokens, start, bool(needs_sample)))
+        scheduled.append(ScheduledRequest("", tokens, start, bool(needs_sample), blocks))
     return kind, candidates, SchedulerOutput(scheduled)
 
 

@@ -1,7 +1,7 @@
 """Rank 0's runner for a replica group: broadcast the step, run shard 0, reduce the candidates, sample.
 
-It offers the ModelRunner interface the engine uses (run, forward_logits), so the scheduler, the engine's step
-and the sampler are the single-rank ones.
+It is a Runner (engine/runner.py) like the single-rank ModelRunner, so the scheduler, the engine's step and the
+sampling path (sampler.sample_scheduled) are the single-rank ones.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from cpuserve.engine.distributed import step
 from cpuserve.engine.distributed.communicator import Communicator, RankFailedError
 from cpuserve.engine.distributed.worker import contribute, run_shard
 from cpuserve.engine.model_runner import ModelRunner
-from cpuserve.engine.sampler import TokenLogprob, sample
-from cpuserve.engine.scheduler import SchedulerOutput
+from cpuserve.engine.outputs import ModelRunnerOutput
+from cpuserve.engine.sampler import sample_scheduled
+from cpuserve.engine.scheduler_output import SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,8 @@ class TPRunner:
         self.comm = comm
         self.vocab_size = vocab_size
         self.plan = runner.model.plan
+        self.num_threads = runner.num_threads  # rank 0's, bound to its CPU set before the runner was built
+        self.worker_pids: list[int] = []  # set by start_group
         self._on_close = on_close  # stops the worker processes
         self._check = check  # returns why a worker is gone (it may die while the group idles), or None
         self.broken: str | None = None
@@ -51,35 +54,26 @@ class TPRunner:
             raise
 
     @torch.inference_mode()
-    def run(self, out: SchedulerOutput) -> list[tuple[int, TokenLogprob | None] | None]:
-        samplers = [i for i, item in enumerate(out.scheduled) if item.needs_sample]
-        requests = [out.scheduled[i].request for i in samplers]
-        params = [r.params for r in requests]
+    def run(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        samplers = out.samplers
+        params = [item.sampling.params for item in samplers]
         candidates = step.num_candidates(params, self.plan.vocab_padded) if self.use_candidates else step.FULL
         gathered = self._step(out, step.KIND_SAMPLE, candidates)
-        per_item: list[tuple[int, TokenLogprob | None] | None] = [None] * len(out.scheduled)
         if not samplers:
-            return per_item
+            return ModelRunnerOutput.place(out.scheduled, [], [])
         if candidates == 1:  # all greedy: the best candidate, lowest id on ties (what argmax picks)
-            token_ids = _best(gathered)
-            for j, i in enumerate(samplers):
-                per_item[i] = (token_ids[j], None)
-            return per_item
+            return ModelRunnerOutput.place(out.scheduled, _best(gathered), [None] * len(samplers))
         logits = (step.dense_from_shards(gathered, self.vocab_size) if candidates == step.FULL
                   else step.dense_from_candidates(gathered, self.vocab_size))  # [S, V]
-        result = sample(logits, params, [r.generator for r in requests], [r.all_token_ids for r in requests],
-                        [r.num_prompt_tokens for r in requests])
-        for j, i in enumerate(samplers):
-            per_item[i] = (result.token_ids[j], result.logprobs[j])
-        return per_item
+        return sample_scheduled(logits, out.scheduled)
 
     @torch.inference_mode()
     def forward_logits(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits at every scheduled token, [N, V] float32 (scoring)."""
         return step.dense_from_shards(self._step(out, step.KIND_SCORE, step.FULL), self.vocab_size)
 
-    def problem(self) -> str | None:
-        """Why this group cannot serve any more (a failed step, a worker gone), or None (health checks)."""
+    def health(self) -> str | None:
+        """Why this group cannot serve any more (a failed step, a worker gone), or None."""
         return self.broken or (self._check() if self._check is not None else None)
 
     def close(self) -> None:

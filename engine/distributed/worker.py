@@ -8,7 +8,8 @@ import os
 import torch
 
 from cpuserve.engine.distributed import step
-from cpuserve.engine.distributed.communicator import Communicator, RankFailedError, make_communicator
+from cpuserve.engine.distributed.communicator import Communicator, RankFailedError
+from cpuserve.engine.distributed.connect import make_communicator
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT = 900.0  # seconds rank 0 waits for every shard to load (a 70B shard streams for minutes)
@@ -33,7 +34,7 @@ def run_shard(runner, wire: torch.Tensor) -> tuple[int, int, torch.Tensor | None
     kind, candidates, out = step.unpack(wire)
     if kind == step.KIND_STOP:
         return kind, candidates, None
-    token_ids, meta, logit_rows, _ = runner.prepare_inputs(out)
+    token_ids, meta, logit_rows = runner.prepare_inputs(out)
     if kind == step.KIND_SCORE:
         logit_rows = torch.arange(len(token_ids))
     return kind, candidates, runner.model(token_ids, meta, logit_rows)

@@ -7,7 +7,8 @@ import time
 
 import torch
 
-from cpuserve.engine.distributed.communicator import RankFailedError, make_communicator
+from cpuserve.engine.distributed.communicator import RankFailedError
+from cpuserve.engine.distributed.connect import make_communicator
 
 SIZES = (1, 576, 65536, 100_003)  # 100_003 fp32 > the 256 KiB slot used for shm: exercises chunking
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from cpuserve.engine.block_manager import BlockManager
+from cpuserve.engine.output_processor import token_stop
+from cpuserve.engine.outputs import ModelRunnerOutput
 from cpuserve.engine.request import Request
 from cpuserve.engine.sampling_params import SamplingParams
 from cpuserve.engine.scheduler import Scheduler
@@ -20,7 +22,13 @@ def make_scheduler(num_blocks: int, block_size: int = 4, max_num_seqs: int = 8, 
 
 
 def run_step(scheduler: Scheduler, next_token: int = 7):
-    """One step where the 'model' emits `next_token` for every sequence that samples."""
+    """One step where the 'model' emits `next_token` for every sequence that samples; token-level stops
+    (eos, max_tokens) are decided as the engine's OutputProcessor decides them."""
     out = scheduler.schedule()
-    scheduler.postprocess(out, [next_token if s.needs_sample else None for s in out.scheduled])
+    samplers = out.samplers
+    result = ModelRunnerOutput.place(out.scheduled, [next_token] * len(samplers), [None] * len(samplers))
+    for request, _, _ in scheduler.postprocess(out, result):
+        status = token_stop(request)
+        if status is not None:
+            scheduler.finish(request, status)
     return out

@@ -65,3 +65,48 @@ def test_whole_prompt_cached_still_leaves_one_token_to_compute():
     bm.cache_full_blocks(a)
     b = make_request("b", [1, 2, 3, 4, 5, 6, 7, 8])
     assert len(bm.get_computed_blocks(b)) == 1  # the last block is recomputed so the model yields logits
+
+
+def _chain(tokens: list[int], block_size: int) -> list[int]:
+    """The prefix-cache hash of every full block, computed from scratch: h_i = hash((h_{i-1}, block_i))."""
+    hashes, parent = [], None
+    for i in range(len(tokens) // block_size):
+        parent = hash((parent, tuple(tokens[i * block_size:(i + 1) * block_size])))
+        hashes.append(parent)
+    return hashes
+
+
+def test_blocks_are_hashed_once_as_they_fill_with_the_chain_from_scratch():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    r = make_request("a", list(range(1, 7)))  # 6 tokens: one full block
+    assert bm.allocate_slots(r, 6)
+    r.num_computed_tokens = 6
+    bm.cache_full_blocks(r)
+    assert r.num_hashed_blocks == 1
+    for token in range(100, 111):  # decode 11 tokens, one a step: 17 tokens = 4 full blocks
+        r.append_token(token)
+        assert bm.allocate_slots(r, 1)
+        r.num_computed_tokens += 1
+        bm.cache_full_blocks(r)
+    assert r.num_hashed_blocks == 4
+    want = _chain(r.all_token_ids, 4)
+    assert [bm.blocks[b].block_hash for b in r.block_ids[:4]] == want
+    assert bm.blocks[r.block_ids[4]].block_hash is None  # the partial tail
+
+
+def test_a_prefix_hit_counts_as_hashed_and_the_rest_of_the_chain_continues_from_it():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a = make_request("a", list(range(1, 10)))
+    assert bm.allocate_slots(a, 9)
+    a.num_computed_tokens = 9
+    bm.cache_full_blocks(a)
+    b = make_request("b", list(range(1, 9)) + [50, 51, 52, 53, 54])  # shares a's two full blocks
+    hits = bm.get_computed_blocks(b)
+    assert hits == a.block_ids[:2]
+    assert bm.allocate_slots(b, 5, hits) and b.num_hashed_blocks == 2
+    b.num_computed_tokens = 13
+    bm.cache_full_blocks(b)
+    assert b.num_hashed_blocks == 3
+    assert [bm.blocks[x].block_hash for x in b.block_ids[:3]] == _chain(b.all_token_ids, 4)
+    bm.free(b)
+    assert b.num_hashed_blocks == 0  # a preempted request starts its count again

@@ -33,7 +33,7 @@ def test_decodes_come_first_and_share_the_budget_with_a_new_prefill():
     run_step(s)
     s.add(make_request("b", list(range(1, 30)), max_tokens=1))
     out = run_step(s)
-    assert [(x.request.request_id, len(x.token_ids)) for x in out.scheduled] == [("a", 1), ("b", 9)]
+    assert [(x.request_id, len(x.token_ids)) for x in out.scheduled] == [("a", 1), ("b", 9)]
 
 
 def test_pool_exhaustion_preempts_the_latest_and_everything_completes():
@@ -86,7 +86,7 @@ def test_eos_stops_and_priority_orders_admission():
     s.add(low)
     s.add(high)
     out = run_step(s, next_token=0)  # token 0 is eos in the factory
-    assert [x.request.request_id for x in out.scheduled] == ["high"]
+    assert [x.request_id for x in out.scheduled] == ["high"]
     assert high.status == RequestStatus.FINISHED_STOPPED
 
 

@@ -7,7 +7,8 @@ import os
 import pytest
 
 from cpuserve.engine.loader import default_model_path, load_checkpoint
-from cpuserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from cpuserve.engine.detokenizer import IncrementalDetokenizer
+from cpuserve.engine.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello, world!",

@@ -38,5 +38,5 @@ def test_int8_kv_uses_about_half_the_bytes_of_bf16(llm_int4):
     args = llm_int4.engine.args
     ratio = kv_bytes_per_token(args, "int8") / kv_bytes_per_token(args, "bf16")
     assert ratio <= 0.55, ratio
-    pool = llm_int4.engine.model.layers[0].attention.kv
+    pool = llm_int4.engine.runner.model.layers[0].attention.kv
     assert pool.kv.dtype == torch.int8 and pool.scale.dtype == torch.float32

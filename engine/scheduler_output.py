@@ -1,0 +1,75 @@
+"""What the scheduler hands the runner for one step: plain values, never the live Request.
+
+    scheduler.schedule() -> SchedulerOutput -> runner.run() -> ModelRunnerOutput -> scheduler.postprocess()
+
+A ScheduledRequest carries everything a runner needs to compute its chunk (token ids, positions, block ids) and,
+when the chunk ends at the sequence's last token, to sample the next one (SamplingInputs). A replica group's
+worker ranks rebuild the same items from the broadcast wire (distributed/step.py), without sampling inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cpuserve.engine.request import Request
+from cpuserve.engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingInputs:
+    """What the sampler reads of one sequence."""
+
+    params: SamplingParams
+    generator: object  # the request's torch.Generator: a seeded request draws only from its own
+    history: list[int]  # prompt + output so far, for the penalties; read during the step, never written
+    num_prompt_tokens: int  # where the output starts in history (the presence penalty counts output only)
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # tokens whose KV this step computes
+    start_pos: int  # position of token_ids[0] in the sequence
+    needs_sample: bool  # the chunk ends at the sequence's last token: the step yields one new token
+    block_ids: list[int]  # the blocks holding positions [0, start_pos + len(token_ids))
+    sampling: SamplingInputs | None = None  # set when needs_sample (on rank 0)
+
+    @classmethod
+    def of(cls, request: Request, num_tokens: int, block_size: int) -> "ScheduledRequest":
+        """The next `num_tokens` of `request`, whose block table already covers them."""
+        start = request.num_computed_tokens
+        end = start + num_tokens
+        needs_sample = end == request.num_tokens
+        num_blocks = -(-end // block_size)
+        sampling = SamplingInputs(request.params, request.generator, request.all_token_ids,
+                                  request.num_prompt_tokens) if needs_sample else None
+        return cls(request.request_id, request.all_token_ids[start:end], start, needs_sample,
+                   request.block_ids[:num_blocks], sampling)
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.token_ids) == 1
+
+    @property
+    def positions(self) -> range:
+        return range(self.start_pos, self.start_pos + len(self.token_ids))
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)  # decodes first, then prefill chunks
+    preempted: list[Request] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)  # ended by the scheduler itself (no KV room ever)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def samplers(self) -> list[ScheduledRequest]:
+        """The items that sample this step, in order: row j of the step's logits belongs to samplers[j]."""
+        return [s for s in self.scheduled if s.needs_sample]
