@@ -133,9 +133,8 @@ class LLMServer:
         self._ensure_stats_task()
         if getattr(self.engine, "error", None) is not None:
             raise RuntimeError(f"engine stopped: {self.engine.error!r}")
-        runner = getattr(getattr(self.engine, "engine", None), "runner", None)
-        problem = getattr(runner, "problem", None)  # replica groups only
-        if problem is not None and (reason := problem()):
+        engine = getattr(self.engine, "engine", None)
+        if engine is not None and (reason := engine.health()):  # a replica group's failed step or dead rank
             raise RuntimeError(f"replica group down: {reason}")
 
     def _ensure_stats_task(self) -> None:
