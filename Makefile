@@ -33,9 +33,10 @@ serve: install
 generate: install
 	$(BIN)/cpuserve generate "Explain in one sentence what a CPU cache is."
 
+# -v names each test as it starts (some run for minutes); --durations lists the slowest at the end.
 # pytest's exit code 5 means no test ran: that is a failure here, never a pass.
 test: install tools
-	$(BIN)/python -m pytest -q -rs tests; rc=$$?; \
+	$(BIN)/python -m pytest -v -rs --durations=25 tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
 
 # Benchmarks need llama.cpp (compiled by pip, ~10 minutes on 2 cores).
@@ -63,8 +64,14 @@ $(TOOLS)/helm: | $(STAMP)
 	rm -rf $(TOOLS)/helm-dl
 	$@ version --short
 
-# promtool comes with Debian's prometheus package; installed only when missing (CI runs as root).
+# promtool (and prometheus) from Debian's prometheus package, unpacked into tools/ with dpkg-deb: nothing is
+# installed system-wide and no Prometheus service is enabled. `apt-get download` needs no root once the package
+# lists exist; when they are missing, `apt-get update` (root) fetches them first.
 $(TOOLS)/promtool:
-	command -v promtool >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-	  apt-get install -y -qq --no-install-recommends prometheus)
-	mkdir -p $(TOOLS) && ln -sf "$$(command -v promtool)" $@
+	rm -rf $(TOOLS)/prom-dl && mkdir -p $(TOOLS)/prom-dl
+	cd $(TOOLS)/prom-dl && (apt-get download -q prometheus 2>/dev/null || \
+	  (apt-get update -qq && apt-get download -q prometheus))
+	cd $(TOOLS)/prom-dl && dpkg-deb -x prometheus_*.deb unpacked
+	install -m 0755 $(TOOLS)/prom-dl/unpacked/usr/bin/promtool $(TOOLS)/prom-dl/unpacked/usr/bin/prometheus $(TOOLS)/
+	rm -rf $(TOOLS)/prom-dl
+	$@ --version
