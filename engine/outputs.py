@@ -1,10 +1,19 @@
-"""What the engine hands back: per-step deltas for streaming and whole results for the offline API."""
+"""What the engine hands back: per-step deltas for streaming and whole results for the offline API.
+
+Plain data, no torch: serving's ingress imports these."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cpuserve.engine.sampler import TokenLogprob
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """One sampled token's log-probability under the model's raw distribution, and its top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely alternatives, best first
 
 
 @dataclass(slots=True)

@@ -6,14 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cpuserve.engine.outputs import TokenLogprob
 from cpuserve.engine.sampling_params import SamplingParams
-
-
-@dataclass(slots=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # the most likely alternatives, best first
 
 
 @dataclass(slots=True)
