@@ -27,6 +27,10 @@ HTTP_STATUS = {INVALID_ARGUMENT: 400, NOT_FOUND: 404, RESOURCE_EXHAUSTED: 429, U
 GRPC_CODE = {INVALID_ARGUMENT: "INVALID_ARGUMENT", NOT_FOUND: "NOT_FOUND", RESOURCE_EXHAUSTED: "RESOURCE_EXHAUSTED",
              UNAUTHENTICATED: "UNAUTHENTICATED", TOO_LARGE: "INVALID_ARGUMENT", UNAVAILABLE: "UNAVAILABLE"}
 
+# max_tokens of a request that gives none: SamplingParams' default, OpenAI's 16 for /v1/completions (gRPC too);
+# chat requests leave it out and the replica fills the rest of the context (LLMServer.generate). README: the table
+DEFAULT_MAX_TOKENS = SamplingParams().max_tokens
+
 
 @dataclass(slots=True)
 class RequestError(Exception):
