@@ -14,3 +14,6 @@ class InvalidRequest(ValueError):
         super().__init__(message)
         self.param = param
         self.message = message
+
+    def __reduce__(self):  # pickles whole (the default would rebuild it from the message alone)
+        return type(self), (self.param, self.message)
