@@ -12,9 +12,10 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 from cpuserve.engine.config import EngineConfig
+from cpuserve.engine.errors import InvalidRequest
 from cpuserve.engine.llm_engine import EngineStats, LLMEngine
 from cpuserve.engine.outputs import StepOutput
 from cpuserve.engine.sampling_params import SamplingParams
@@ -45,48 +46,29 @@ class AsyncLLMEngine:
         return cls(LLMEngine(EngineConfig.from_kwargs(model=model, **config)))
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       priority: int = 0, coalesce: bool = False,
-                       min_interval: float | Callable[[], float] = 0.0) -> AsyncIterator[StepOutput]:
-        """Yields one StepOutput per new token; the last has finished=True. Raises ValueError on bad input
-        before anything is queued. Leaving the iteration early (cancel, disconnect) aborts the request.
-
-        coalesce: when the consumer falls behind the engine, hand over every token waiting for it as one
-        chunk instead of one chunk each (a server streaming over a slow hop sends fewer, larger messages).
-        min_interval: with coalesce, seconds between chunks at least: tokens arriving sooner wait and go out
-        together (the first chunk and the last never wait). A function is asked again before each chunk (a
-        server spacing messages by how many streams are open)."""
+                       priority: int = 0) -> AsyncIterator[StepOutput]:
+        """Yields one StepOutput per engine step that made progress (one new token, or the finish); the last has
+        finished=True. Raises InvalidRequest on bad input before anything is queued. Leaving the iteration early
+        (cancel, disconnect) aborts the request. (Pacing and merging chunks for a slow consumer is serving's
+        policy: serving/pacing.py.)"""
         if self.error is not None:
             raise EngineDeadError(f"engine stopped: {self.error!r}")
         if request_id in self._streams:
-            raise ValueError(f"request_id={request_id!r} is already running; give each request a unique id")
+            raise InvalidRequest("request_id", f"request_id={request_id!r} is already running; give each request a "
+                                               "unique id")
         request = self.engine.make_request(prompt, params, request_id, priority)
         chunks: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), chunks)
         self._send(("add", request))
         finished = False
-        pending = None
-        last_yield = 0.0
         try:
             while not finished:
-                chunk = pending if pending is not None else await chunks.get()
-                pending = None
-                interval = min_interval() if callable(min_interval) else min_interval
-                if coalesce and interval > 0 and isinstance(chunk, StepOutput) and not chunk.finished:
-                    wait = last_yield + interval - time.monotonic()
-                    if wait > 0:  # pace the stream: what arrives meanwhile is merged below
-                        await asyncio.sleep(wait)
-                while coalesce and isinstance(chunk, StepOutput) and not chunk.finished and not chunks.empty():
-                    later = chunks.get_nowait()
-                    if isinstance(later, BaseException):  # an error is raised on its own, after the tokens
-                        pending = later
-                        break
-                    chunk = chunk.merge(later)
+                chunk = await chunks.get()
                 if isinstance(chunk, ValueError):
                     raise chunk
                 if isinstance(chunk, BaseException):
                     raise EngineDeadError(f"engine stopped: {chunk!r}") from chunk
                 finished = chunk.finished
-                last_yield = time.monotonic()
                 yield chunk
         finally:
             self._streams.pop(request_id, None)
@@ -95,6 +77,20 @@ class AsyncLLMEngine:
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
+
+    @property
+    def max_model_len(self) -> int:
+        """Tokens of context one request may use (prompt + output)."""
+        return self.engine.max_model_len
+
+    def check_health(self) -> None:
+        """Raises EngineDeadError when no request can make progress: the engine thread died, or a rank of the
+        replica group reports a problem (a single-rank engine has no ranks to ask)."""
+        if self.error is not None:
+            raise EngineDeadError(f"engine stopped: {self.error!r}")
+        reason = self.engine.health()  # the runner's: a replica group's failed step or dead rank
+        if reason:
+            raise EngineDeadError(f"replica group down: {reason}")
 
     @property
     def num_streams(self) -> int:
@@ -150,8 +146,8 @@ class AsyncLLMEngine:
             if kind == "add":
                 try:
                     self.engine.add(arg)
-                except ValueError as e:  # e.g. an id still held by an aborting request: fail only this one
-                    self._deliver_error(arg.request_id, e)
+                except ValueError as e:  # an id still held by an aborting request: fail only this one
+                    self._deliver_error(arg.request_id, InvalidRequest("request_id", str(e)))
             else:
                 chunk = self.engine.abort_request(arg)
                 if chunk is not None:

@@ -6,31 +6,77 @@ import argparse
 import importlib
 import logging
 import sys
+import types
+import typing
+from dataclasses import MISSING, fields
+from typing import Any, Literal
 
-from cpuserve.engine.config import GROUP_SIZES, KV_CACHE_DTYPES, WEIGHT_FORMATS
+from cpuserve.engine.config import GROUP_SIZES, KV_CACHE_DTYPES, WEIGHT_FORMATS, EngineConfig
 
 # Subcommands owned by other packages: each module offers register(subparsers).
 _PLUGINS = ("cpuserve.serving.cli", "cpuserve.operator.cli")
 
+# EngineConfig fields that every subcommand starting an engine offers as flags, with their help; the type and the
+# default come from EngineConfig itself (choices: the tuples in engine/config.py)
+ENGINE_FLAGS = {
+    "model": "GGUF file or Hugging Face folder; none = the embedded SmolLM2-135M-Instruct",
+    "weights": "runtime weight format",
+    "group_size": "int4 quantization group along the input dimension",
+    "kv_cache": "KV cache element type",
+    "kv_cache_gb": "memory budget of the KV block pool, GiB",
+    "block_size": "tokens per KV block",
+    "max_num_seqs": "sequences running at once",
+    "max_num_batched_tokens": "token budget of one engine step (chunked prefill above it)",
+    "max_model_len": "context length; none = the model's",
+    "num_threads": "torch threads; none = the cores in the process's affinity mask",
+}
+_CHOICES = {"weights": WEIGHT_FORMATS, "group_size": GROUP_SIZES, "kv_cache": KV_CACHE_DTYPES}
+
+
+def add_flag(parser: argparse.ArgumentParser, name: str, annotation: Any, default: Any, help: str | None,
+             unset: Any = None, choices: tuple | None = None) -> None:
+    """One --flag for a config field: type and choices from its annotation, its default shown in the help.
+
+    Args:
+        name: the field; the flag is --name-with-dashes and parses into args.name.
+        annotation: the field's type: int, float, str, bool (--flag / --no-flag), Literal[...] (choices),
+            optionally `| None`.
+        default: the field's default, for the help text.
+        unset: what args.name holds when the flag is not given (None: the config's own default applies).
+        choices: allowed values, when the annotation does not list them.
+    """
+    kind, literal = _flag_type(annotation)
+    text = (help or "").replace("%", "%%") + ("" if default is None else f" (default: {default})")
+    flag = "--" + name.replace("_", "-")
+    if kind is bool:
+        parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=unset, help=text.strip())
+    else:
+        parser.add_argument(flag, type=kind, choices=choices or literal, default=unset, help=text.strip())
+
+
+def _flag_type(annotation: Any) -> tuple[type, tuple | None]:
+    """(argparse type, choices) of a field's annotation; `X | None` is X."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        (annotation,) = [a for a in args if a is not type(None)]
+        args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is Literal:
+        return type(args[0]), args
+    return annotation, None
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine options shared by every subcommand that starts an engine."""
-    parser.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: SmolLM2-135M)")
-    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="int4")
-    parser.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=32)
-    parser.add_argument("--kv-cache", choices=KV_CACHE_DTYPES, default="int8")
-    parser.add_argument("--kv-cache-gb", type=float, default=1.0)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--num-threads", type=int, default=None, help="default: the cores in the affinity mask")
+    """Engine options shared by every subcommand that starts an engine, with EngineConfig's defaults."""
+    hints = typing.get_type_hints(EngineConfig)
+    for f in fields(EngineConfig):
+        if f.name in ENGINE_FLAGS:
+            default = None if f.default is MISSING else f.default
+            add_flag(parser, f.name, hints[f.name], default, ENGINE_FLAGS[f.name], unset=default,
+                     choices=_CHOICES.get(f.name))
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    keys = ("model", "weights", "group_size", "kv_cache", "kv_cache_gb", "block_size", "max_num_seqs",
-            "max_num_batched_tokens", "max_model_len", "num_threads")
-    return {k: getattr(args, k) for k in keys}
+    return {name: getattr(args, name) for name in ENGINE_FLAGS}
 
 
 def _generate(args: argparse.Namespace) -> int:

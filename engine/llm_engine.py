@@ -10,6 +10,7 @@ import torch
 
 from cpuserve.engine.block_manager import BlockManager
 from cpuserve.engine.config import EngineConfig
+from cpuserve.engine.errors import InvalidRequest
 from cpuserve.engine.loader import load_checkpoint
 from cpuserve.engine.model_runner import kv_bytes_per_token
 from cpuserve.engine.output_processor import OutputProcessor
@@ -70,16 +71,19 @@ class LLMEngine:
         """Validate and tokenize; touches no engine state, so any thread may call it."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids or (isinstance(prompt, str) and not prompt):
-            raise ValueError("prompt is empty: give at least one token of text")
+            raise InvalidRequest("prompt", "prompt is empty: give at least one token of text")
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.args.vocab_size]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is out of range: ids must be in [0, {self.args.vocab_size})")
+            raise InvalidRequest("prompt", f"prompt token id {bad[0]!r} is out of range: ids must be in "
+                                           f"[0, {self.args.vocab_size})")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt is {len(ids)} tokens: the context holds {self.max_model_len}, so the prompt "
-                             f"must be at most {self.max_model_len - 1} tokens to leave room for one new token")
+            raise InvalidRequest("prompt", f"prompt is {len(ids)} tokens: the context holds {self.max_model_len}, so "
+                                           f"the prompt must be at most {self.max_model_len - 1} tokens to leave room "
+                                           "for one new token")
         if self.block_manager.num_blocks_for(len(ids) + 1) > self.block_manager.num_blocks:
-            raise ValueError(f"prompt is {len(ids)} tokens but the KV pool holds only "
-                             f"{self.block_manager.num_blocks * self.config.block_size}; raise kv_cache_gb")
+            raise InvalidRequest("prompt", f"prompt is {len(ids)} tokens but the KV pool holds only "
+                                           f"{self.block_manager.num_blocks * self.config.block_size}; raise "
+                                           "kv_cache_gb")
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1

@@ -1,4 +1,6 @@
-"""What the engine hands back: per-step deltas for streaming and whole results for the offline API."""
+"""What the engine hands back: per-step deltas for streaming and whole results for the offline API.
+
+Plain data, no torch: serving's ingress imports these."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class TokenLogprob:
-    """The sampled token's log-probability under the model's raw distribution, and the best alternatives."""
+    """One sampled token's log-probability under the model's raw distribution, and its top alternatives."""
 
     token_id: int
     logprob: float

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cpuserve.engine.errors import InvalidRequest
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -45,4 +47,4 @@ class SamplingParams:
 
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:
     if not ok:
-        raise ValueError(f"{name}={value!r} is invalid: must be {allowed}")
+        raise InvalidRequest(name, f"{name}={value!r} is invalid: must be {allowed}")

@@ -17,6 +17,8 @@ from cpuserve.operator import naming
 from cpuserve.operator.memory import GIB, MIB, MemoryPlan, download_size_limit
 from cpuserve.operator.settings import OperatorSettings
 from cpuserve.operator.spec import LLMServiceSpec
+from cpuserve.serving.cli import config_to_args
+from cpuserve.serving.config import ServeConfig
 from cpuserve.serving.ray_env import RAY_ENV
 
 UID = 10001
@@ -41,26 +43,31 @@ def model_path(spec: LLMServiceSpec) -> str | None:
     return None
 
 
-def serve_args(spec: LLMServiceSpec) -> list[str]:
-    """`cpuserve serve` command line of the head pod."""
+def serve_config(spec: LLMServiceSpec) -> ServeConfig:
+    """The ServeConfig the head pod serves, validated here: a value serving would refuse fails in the operator."""
     q, r, b, p = spec.quantization, spec.resources, spec.batching, spec.ports
-    args = ["cpuserve", "serve"]
+    fields = dict(weights=q.weights, group_size=q.group_size, kv_cache=q.kv_cache, kv_cache_gb=r.kv_cache_gb,
+                  # at replicas 0 there are no rank pods: the app's one LLMServer replica waits for a rank pod
+                  # (cpuserve serve refuses --replicas 0)
+                  replicas=max(spec.replicas, 1), ranks_per_replica=spec.ranks_per_replica,
+                  cpus_per_rank=r.cpus_per_rank, max_num_seqs=b.max_num_seqs,
+                  max_num_batched_tokens=b.max_num_batched_tokens, max_queued_requests=b.max_queued_requests,
+                  host="0.0.0.0", grpc_port=p.grpc, http_port=p.http, metrics_port=p.metrics, ray_address="auto",
+                  socket_resource=naming.SOCKET_RESOURCE,
+                  # each rank pod is its own Ray node offering one socket unit: a group's bundles land on k pods
+                  placement_strategy="STRICT_SPREAD")
     if (path := model_path(spec)) is not None:
-        args += ["--model", path]
-    args += ["--weights", q.weights, "--group-size", str(q.group_size), "--kv-cache", q.kv_cache,
-             "--kv-cache-gb", f"{r.kv_cache_gb:g}", "--replicas", str(spec.replicas),
-             "--ranks-per-replica", str(spec.ranks_per_replica), "--cpus-per-rank", str(r.cpus_per_rank),
-             "--max-num-seqs", str(b.max_num_seqs), "--max-num-batched-tokens", str(b.max_num_batched_tokens),
-             "--max-queued-requests", str(b.max_queued_requests), "--host", "0.0.0.0",
-             "--grpc-port", str(p.grpc), "--http-port", str(p.http), "--metrics-port", str(p.metrics),
-             "--ray-address", "auto", "--socket-resource", naming.SOCKET_RESOURCE,
-             # each rank pod is its own Ray node offering one socket unit: a group's bundles land on k pods
-             "--placement-strategy", "STRICT_SPREAD"]
+        fields["model"] = path
     if spec.security.api_keys is not None:
-        args += ["--api-key-file", f"{API_KEYS_DIR}/{spec.security.api_keys.key}"]
+        fields["api_key_file"] = f"{API_KEYS_DIR}/{spec.security.api_keys.key}"
     if spec.security.tls_secret_name:
-        args += ["--tls-cert-file", f"{TLS_DIR}/tls.crt", "--tls-key-file", f"{TLS_DIR}/tls.key"]
-    return args
+        fields.update(tls_cert_file=f"{TLS_DIR}/tls.crt", tls_key_file=f"{TLS_DIR}/tls.key")
+    return ServeConfig.for_another_host(**fields)  # the paths are the pod's
+
+
+def serve_args(spec: LLMServiceSpec) -> list[str]:
+    """`cpuserve serve` command line of the head pod: the flags of serve_config's fields."""
+    return ["cpuserve", "serve", *config_to_args(serve_config(spec))]
 
 
 def _container_security() -> dict[str, Any]:

@@ -12,6 +12,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from cpuserve.engine.config import KV_CACHE_DTYPES, WEIGHT_FORMATS
+
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 SECRET_KEY = r"^[-._a-zA-Z0-9]+$"
 # SmolLM2-135M-Instruct, the model embedded in the image.
@@ -46,11 +48,14 @@ class ModelSpec(Spec):
 
 
 class QuantizationSpec(Spec):
-    weights: Literal["int4", "int8", "bf16", "fp32"] = "int4"
+    # The formats are the engine's (engine/config.py). The group sizes are a subset of the engine's GROUP_SIZES: the
+    # API offers the two INT4 recipes of DESIGN.md (32, 128); the engine also takes 64 (`cpuserve serve --group-size
+    # 64`). Adding 64 here stays possible; removing a value from a CRD enum is not, as stored objects may hold it.
+    weights: Literal[WEIGHT_FORMATS] = "int4"  # type: ignore[valid-type]
     """Runtime weight format (weight-only quantization; activations stay bf16/fp32)."""
     group_size: Literal[32, 128] = 32
     """INT4 group size (weights int4 only)."""
-    kv_cache: Literal["int8", "bf16", "fp32"] = "int8"
+    kv_cache: Literal[KV_CACHE_DTYPES] = "int8"  # type: ignore[valid-type]
     """KV cache element type; int8 keeps one fp32 scale per token and head."""
 
 
@@ -70,6 +75,13 @@ class ResourcesSpec(Spec):
 
 
 class BatchingSpec(Spec):
+    # These defaults differ from the engine's and `cpuserve serve`'s (max_num_seqs 64, max_num_batched_tokens 512,
+    # max_queued_requests 64: engine/config.py), which are sized for one process on a small box. A rank pod gets a
+    # socket's cores: a 2048-token step prefills long prompts in fewer steps, and the time it stalls running
+    # streams shrinks with the cores. The models a cluster serves need more KV per sequence, so at the same
+    # kvCacheGb 32 sequences run out of blocks (and preempt) less often than 64. One endpoint queues for many
+    # clients: 256. The API server stores these defaults in every LLMService created without them, so changing
+    # them would restart running services; the head pod always gets all three explicitly (pods.serve_config).
     max_num_seqs: int = Field(32, ge=1, le=4096)
     """Most sequences in one engine step."""
     max_num_batched_tokens: int = Field(2048, ge=16, le=1_048_576)

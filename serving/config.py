@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,36 +16,50 @@ from pydantic import Field, model_validator
 from pydantic.alias_generators import to_camel
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from cpuserve.engine.config import GROUP_SIZES, KV_CACHE_DTYPES, WEIGHT_FORMATS
+from cpuserve.engine.config import GROUP_SIZES, KV_CACHE_DTYPES, WEIGHT_FORMATS, EngineConfig
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+PATH_FIELDS = ("model", "api_key_file", "tls_cert_file", "tls_key_file")  # files the serving host must have
+_ENGINE = EngineConfig()  # the engine's defaults are the engine fields' defaults here: one value each
 
 
 class ServeConfig(BaseSettings):
     """What one `cpuserve serve` deploys: the model, its replicas and the endpoints."""
 
+    # field docstrings are the descriptions (`cpuserve serve --help` shows them: serving/cli.py)
     model_config = SettingsConfigDict(env_prefix="CPUSERVE_SERVE_", alias_generator=to_camel,
-                                      populate_by_name=True, frozen=True, extra="forbid")
+                                      populate_by_name=True, frozen=True, extra="forbid",
+                                      use_attribute_docstrings=True)
 
     # -- engine (one AsyncLLMEngine per replica) --------------------------------------------------------
     model: str | None = None
     """GGUF file or Hugging Face folder; None = the embedded SmolLM2-135M-Instruct."""
     served_model_name: str | None = None
     """Name clients pass as `model`; default: the model file's stem (or SmolLM2-135M-Instruct)."""
-    weights: Literal[WEIGHT_FORMATS] = "int4"  # type: ignore[valid-type]
-    group_size: Literal[GROUP_SIZES] = 32  # type: ignore[valid-type]
-    kv_cache: Literal[KV_CACHE_DTYPES] = "int8"  # type: ignore[valid-type]
-    kv_cache_gb: float = Field(1.0, gt=0)
-    block_size: int = Field(16, ge=1)
-    max_num_seqs: int = Field(64, ge=1)
+    weights: Literal[WEIGHT_FORMATS] = _ENGINE.weights  # type: ignore[valid-type]
+    """Runtime weight format (weight-only quantization)."""
+    group_size: Literal[GROUP_SIZES] = _ENGINE.group_size  # type: ignore[valid-type]
+    """int4 quantization group along the input dimension."""
+    kv_cache: Literal[KV_CACHE_DTYPES] = _ENGINE.kv_cache  # type: ignore[valid-type]
+    """KV cache element type; int8 keeps one fp32 scale per token and KV head."""
+    kv_cache_gb: float = Field(_ENGINE.kv_cache_gb, gt=0)
+    """Memory budget of each replica's KV block pool, GiB."""
+    block_size: int = Field(_ENGINE.block_size, ge=1)
+    """Tokens per KV block."""
+    max_num_seqs: int = Field(_ENGINE.max_num_seqs, ge=1)
     """Sequences one replica runs at once."""
-    max_num_batched_tokens: int = Field(512, ge=1)
-    max_model_len: int | None = Field(None, ge=2)
-    enable_prefix_caching: bool = True
-    seed: int = 0
+    max_num_batched_tokens: int = Field(_ENGINE.max_num_batched_tokens, ge=1)
+    """Token budget of one engine step (prompts above it are prefilled in chunks)."""
+    max_model_len: int | None = Field(_ENGINE.max_model_len, ge=2)
+    """Context length (prompt + output); None = the model's."""
+    enable_prefix_caching: bool = _ENGINE.enable_prefix_caching
+    """Reuse the KV blocks of a prompt prefix seen before."""
+    seed: int = _ENGINE.seed
+    """Seed of the engine's generator for unseeded requests."""
 
     # -- replicas and placement ---------------------------------------------------------------------------
     replicas: int = Field(1, ge=1)
+    """LLMServer replicas (replica groups), one engine each."""
     ranks_per_replica: int = Field(1, ge=1)
     """Tensor-parallel ranks (sockets) of one replica group, at most the model's KV heads: rank 0 in the
     LLMServer replica, ranks 1..k-1 in Ray actors of the replica's placement group (serving/rank_actors.py)."""
@@ -75,8 +90,11 @@ class ServeConfig(BaseSettings):
 
     # -- endpoints ----------------------------------------------------------------------------------------
     host: str = "127.0.0.1"
+    """Address of the HTTP and metrics endpoints."""
     grpc_port: int = Field(9000, ge=1, le=65535)
+    """gRPC endpoint (cpuserve.v1.Inference)."""
     http_port: int = Field(8000, ge=1, le=65535)
+    """OpenAI-compatible HTTP endpoint."""
     metrics_port: int = Field(8080, ge=0, le=65535)
     """Prometheus endpoint served by the ingress; 0 turns it off."""
     stats_interval_s: float = Field(0.5, gt=0, le=60)
@@ -86,14 +104,28 @@ class ServeConfig(BaseSettings):
     api_key_file: str | None = None
     """File with one accepted API key per line; requests must send `Authorization: Bearer <key>`."""
     tls_cert_file: str | None = None
+    """TLS certificate (PEM) of the HTTP endpoint; give tls_key_file with it."""
     tls_key_file: str | None = None
+    """TLS private key (PEM) of the HTTP endpoint."""
     access_log: bool = False
+    """Ray Serve's per-request access log (off: it costs CPU per request)."""
+
+    @classmethod
+    def for_another_host(cls, **fields: Any) -> "ServeConfig":
+        """A validated config that another machine runs (the operator's head pod), with only `fields` set.
+
+        Its files are that machine's, so they are not looked for here, and this process's CPUSERVE_SERVE_*
+        environment does not leak into it.
+        """
+        paths = {name: fields[name] for name in PATH_FIELDS if fields.get(name) is not None}
+        checked = cls(**{**fields, **dict.fromkeys(paths, os.devnull)})  # every check but the files' existence
+        return cls.model_construct(set(fields), **{**{name: getattr(checked, name) for name in fields}, **paths})
 
     @model_validator(mode="after")
     def _check(self) -> "ServeConfig":
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file and tls_key_file go together: give both or neither")
-        for name in ("model", "api_key_file", "tls_cert_file", "tls_key_file"):
+        for name in PATH_FIELDS:
             path = getattr(self, name)
             if path is not None and not Path(path).exists():
                 raise ValueError(f"{name}={path!r}: no such file or folder")

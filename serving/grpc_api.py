@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from cpuserve.serving.protocol import RequestError, check_sampling
+from cpuserve.serving.protocol import DEFAULT_MAX_TOKENS, RequestError, check_sampling
 from cpuserve.v1 import inference_pb2 as pb
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Inference"]
@@ -74,7 +74,7 @@ def generate_request(req: Any, max_request_bytes: int) -> tuple[str, dict[str, A
         internal = {"messages": messages}
     s = req.sampling
     sampling = {name: getattr(s, name) for name in _OPTIONAL_SAMPLING if s.HasField(name)}
-    sampling.setdefault("max_tokens", 16)
+    sampling.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
     sampling.update(stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos)
     internal.update(sampling=check_sampling(sampling), priority=req.priority)
     if req.request_id:

@@ -45,8 +45,14 @@ def _error_response(e: RequestError) -> JSONResponse:
     return JSONResponse({"error": e.to_dict()}, status_code=HTTP_STATUS[e.kind])
 
 
-@serve.ingress(api)
-class Ingress:
+class IngressCore:
+    """Everything the ingress does, without Ray Serve's wrapper (`Ingress` below is the deployment).
+
+    Args:
+        config: a ServeConfig's dict.
+        llm_server: a DeploymentHandle to LLMServer (tests pass a stand-in that calls an LLMServer in-process).
+    """
+
     def __init__(self, config: dict[str, Any], llm_server: Any):
         self.config = ServeConfig(**config)
         self.llm = llm_server
@@ -261,3 +267,8 @@ class Ingress:
         ok, message = await self._is_healthy()
         status = pb.SERVING_STATUS_SERVING if ok else pb.SERVING_STATUS_NOT_SERVING
         return pb.HealthResponse(status=status, message=message)
+
+
+@serve.ingress(api)
+class Ingress(IngressCore):
+    """The Ingress deployment: Ray Serve binds `api`'s routes (IngressCore's methods) to the replica."""

@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator
 from cpuserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from cpuserve.engine.sampling_params import SamplingParams
 from cpuserve.serving.config import ServeConfig
+from cpuserve.serving.pacing import paced
 from cpuserve.serving.protocol import UNAVAILABLE, RequestError, chunk_from_step
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,8 @@ class LLMServer:
 
     Args:
         config: a ServeConfig or its dict.
-        engine_cls: the engine class; anything with AsyncLLMEngine's from_config/generate/tokenizer/stats.
+        engine_cls: the engine class; anything with AsyncLLMEngine's from_config, generate, tokenizer,
+            max_model_len, num_streams, stats, pop_step_times, check_health and shutdown.
     """
 
     def __init__(self, config: dict[str, Any] | ServeConfig, engine_cls: type = AsyncLLMEngine):
@@ -66,17 +68,16 @@ class LLMServer:
             sampling = dict(request["sampling"])
             if "max_tokens" not in sampling:  # OpenAI chat's default: fill the rest of the context
                 ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-                sampling["max_tokens"] = max(1, self.engine.engine.max_model_len - len(ids))
-            # coalesce: tokens that pile up while Ray sends the previous message (or within the stream interval)
-            # go out as one message
-            stream = self.engine.generate(prompt, SamplingParams(**sampling), request_id,
-                                          priority=request.get("priority", 0), coalesce=True,
-                                          min_interval=self._stream_interval)
+                sampling["max_tokens"] = max(1, self.engine.max_model_len - len(ids))
+            # tokens that pile up while Ray sends the previous message (or within the stream interval) go out as
+            # one message
+            stream = paced(self.engine.generate(prompt, SamplingParams(**sampling), request_id,
+                                                priority=request.get("priority", 0)), self._stream_interval)
             first = await anext(stream)
         except RequestError as e:
             yield {"error": e.to_dict()}
             return
-        except ValueError as e:  # the engine names the field: empty prompt, too long, bad token id, ...
+        except ValueError as e:  # InvalidRequest names the field: empty prompt, too long, bad token id, ...
             chat = "messages" in request
             error = RequestError.from_value_error(e, "messages" if chat else "prompt",
                                                   rename={"prompt": "messages"} if chat else None)
@@ -117,7 +118,7 @@ class LLMServer:
 
     async def info(self) -> dict[str, Any]:
         c = self.config
-        return {"name": c.model_name, "max_model_len": self.engine.engine.max_model_len, "weights": c.weights,
+        return {"name": c.model_name, "max_model_len": self.engine.max_model_len, "weights": c.weights,
                 "kv_cache": c.kv_cache, "replicas": c.replicas}
 
     def stats(self) -> dict[str, Any]:
@@ -131,11 +132,7 @@ class LLMServer:
     async def check_health(self) -> None:
         # Serve calls this on every replica soon after start: a good place to start the stats loop
         self._ensure_stats_task()
-        if getattr(self.engine, "error", None) is not None:
-            raise RuntimeError(f"engine stopped: {self.engine.error!r}")
-        engine = getattr(self.engine, "engine", None)
-        if engine is not None and (reason := engine.health()):  # a replica group's failed step or dead rank
-            raise RuntimeError(f"replica group down: {reason}")
+        self.engine.check_health()  # raises when the engine thread died or a rank of the group is down
 
     def _ensure_stats_task(self) -> None:
         if self._ingress is not None and self._stats_task is None:

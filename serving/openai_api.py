@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from cpuserve.serving.protocol import RequestError, check_sampling
+from cpuserve.serving.protocol import DEFAULT_MAX_TOKENS, RequestError, check_sampling
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
@@ -83,7 +83,8 @@ class CompletionRequest(_Sampling):
     def to_internal(self) -> dict[str, Any]:
         if self.echo:
             raise RequestError("echo=true is not supported", "echo")
-        sampling = self.sampling(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+        max_tokens = DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        sampling = self.sampling(max_tokens, self.logprobs)
         return {"prompt": self.prompt, "sampling": check_sampling(sampling), "priority": self.priority}
 
 

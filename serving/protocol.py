@@ -9,7 +9,6 @@ the replica rejects the request (bad prompt, engine stopped), so that no excepti
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -28,7 +27,9 @@ HTTP_STATUS = {INVALID_ARGUMENT: 400, NOT_FOUND: 404, RESOURCE_EXHAUSTED: 429, U
 GRPC_CODE = {INVALID_ARGUMENT: "INVALID_ARGUMENT", NOT_FOUND: "NOT_FOUND", RESOURCE_EXHAUSTED: "RESOURCE_EXHAUSTED",
              UNAUTHENTICATED: "UNAUTHENTICATED", TOO_LARGE: "INVALID_ARGUMENT", UNAVAILABLE: "UNAVAILABLE"}
 
-_FIELD = re.compile(r"^([a-z_]+)[=\s]")
+# max_tokens of a request that gives none: SamplingParams' default, OpenAI's 16 for /v1/completions (gRPC too);
+# chat requests leave it out and the replica fills the rest of the context (LLMServer.generate). README: the table
+DEFAULT_MAX_TOKENS = SamplingParams().max_tokens
 
 
 @dataclass(slots=True)
@@ -52,12 +53,16 @@ class RequestError(Exception):
     @classmethod
     def from_value_error(cls, e: ValueError, default_param: str | None = None,
                          rename: dict[str, str] | None = None) -> "RequestError":
-        """Engine ValueErrors start with the field name ("top_p=1.5 is invalid ..."): keep it as the param."""
+        """The engine's InvalidRequest names its param ("top_p"); another ValueError gets default_param.
+
+        rename: a param the client knows by another name (chat's "messages" for the engine's "prompt"), renamed in
+        the param and at the start of the message.
+        """
         message = str(e)
-        m = _FIELD.match(message)
-        param = m.group(1) if m else default_param
+        param = getattr(e, "param", None) or default_param
         if rename and param in rename:
-            message = rename[param] + message[len(param):]
+            if message.startswith(param):
+                message = rename[param] + message[len(param):]
             param = rename[param]
         return cls(message, param)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import torch
@@ -135,51 +134,3 @@ def test_async_engine_streams_cancels_and_isolates_bad_requests(llm_int4):
     assert [t for c in chunks for t in c.new_token_ids] == expected
     bm = llm_int4.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
-
-
-def test_async_engine_coalesces_tokens_for_a_slow_consumer(llm_int4):
-    engine = AsyncLLMEngine(llm_int4.engine)
-    ids = chat(llm_int4, "Describe a forest.")
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-
-    async def slow_reader():
-        chunks = []
-        async for chunk in engine.generate(ids, params, "slow", coalesce=True):
-            chunks.append(chunk)
-            await asyncio.sleep(0.1)  # several engine steps pass while the reader is busy
-        return chunks
-
-    try:
-        chunks = asyncio.run(slow_reader())
-    finally:
-        engine.shutdown()
-    expected = llm_int4.generate([ids], params)[0]
-    assert len(chunks) < 24 and any(len(c.new_token_ids) > 1 for c in chunks)
-    assert [t for c in chunks for t in c.new_token_ids] == expected.token_ids
-    assert "".join(c.new_text for c in chunks) == expected.text
-    assert chunks[-1].finished and chunks[-1].num_generated_tokens == 24
-
-
-def test_async_engine_paces_chunks_with_min_interval(llm_int4):
-    engine = AsyncLLMEngine(llm_int4.engine)
-    ids = chat(llm_int4, "Describe a river.")
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-
-    async def reader():
-        arrivals, chunks = [], []
-        async for chunk in engine.generate(ids, params, "paced", coalesce=True, min_interval=0.1):
-            arrivals.append(time.monotonic())
-            chunks.append(chunk)
-        return arrivals, chunks
-
-    try:
-        arrivals, chunks = asyncio.run(reader())
-    finally:
-        engine.shutdown()
-    expected = llm_int4.generate([ids], params)[0]
-    assert [t for c in chunks for t in c.new_token_ids] == expected.token_ids  # nothing lost or reordered
-    assert chunks[-1].finished and chunks[-1].num_generated_tokens == 24
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    # every chunk but the last waited out the interval; a fast reader alone would get 24 chunks of one token
-    assert all(g >= 0.095 for g in gaps[:-1]), gaps
-    assert len(chunks) < 24 and any(len(c.new_token_ids) > 1 for c in chunks)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import typing
 
 import pytest
 
@@ -31,3 +32,19 @@ def test_head_command_line_parses_with_cpuserve_serve():
         (2, 8, 9000, "auto", "cpuserve_socket")
     assert args.placement_strategy == "STRICT_SPREAD"  # one rank per pod, each pod its own Ray node
     assert args.tls_cert_file == "/etc/cpuserve/tls/tls.crt" and args.api_key_file == "/etc/cpuserve/api-keys/api-keys"
+
+
+def test_head_command_line_is_the_validated_serve_config():
+    from cpuserve.engine.config import GROUP_SIZES, KV_CACHE_DTYPES, WEIGHT_FORMATS
+    from cpuserve.engine.cli import build_parser
+    from cpuserve.operator.pods import serve_config
+    from cpuserve.operator.spec import QuantizationSpec
+    from cpuserve.serving.cli import config_from_args
+
+    # every quantization the CRD offers is one the engine takes
+    for name, allowed in (("weights", WEIGHT_FORMATS), ("group_size", GROUP_SIZES), ("kv_cache", KV_CACHE_DTYPES)):
+        assert set(typing.get_args(QuantizationSpec.model_fields[name].annotation)) <= set(allowed), name
+    spec, _ = validate(make_body(replicas=2, batching={"maxNumSeqs": 8}), OperatorSettings())
+    config = serve_config(spec)
+    assert (config.replicas, config.max_num_seqs, config.max_num_batched_tokens) == (2, 8, 2048)
+    assert config_from_args(build_parser().parse_args(serve_args(spec)[1:])) == config

@@ -86,3 +86,26 @@ def test_more_ranks_than_kv_heads_names_the_field(capsys):
     assert "ranks_per_replica=4" in err and "3 KV heads" in err and "ranks_per_replica <= 3" in err
     with pytest.raises(ValueError, match=r"ranks_per_replica=4 exceeds the model's 3 KV heads"):
         build_app(ServeConfig(ranks_per_replica=4))
+
+
+def test_every_field_is_a_flag_showing_its_default():
+    import argparse
+
+    from cpuserve.serving.cli import register
+
+    sub = argparse.ArgumentParser(prog="cpuserve").add_subparsers()
+    register(sub)
+    help_text = " ".join(sub.choices["serve"].format_help().split())
+    for name in ServeConfig.model_fields:
+        assert "--" + name.replace("_", "-") in help_text, name
+    assert "Sequences one replica runs at once. (default: 64)" in help_text
+    assert "--no-enable-prefix-caching" in help_text
+    assert parse().max_num_seqs == ServeConfig().max_num_seqs  # unset flags keep the field's default
+
+
+def test_config_to_args_round_trips():
+    from cpuserve.serving.cli import config_to_args
+
+    c = ServeConfig(weights="int8", kv_cache_gb=2.5, replicas=3, enable_prefix_caching=False, access_log=True,
+                    transport="torch", stream_interval_ms=12.5)
+    assert parse(*config_to_args(c)) == c

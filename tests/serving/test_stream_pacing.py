@@ -1,6 +1,7 @@
-"""LLMServer's stream pacing without Ray: the message budget (stream_messages_per_s) spaces each stream's messages
-by how many streams are open, and nothing is lost or reordered. (One stream under the default budget still gets
-token after token: tests/serving/test_serving_streams.py, through the real stack.)"""
+"""Stream pacing without Ray (serving/pacing.py over the real engine): a slow consumer gets merged chunks, a minimum
+interval spaces them, and LLMServer's message budget (stream_messages_per_s) spaces each stream's messages by how
+many streams are open; nothing is lost or reordered. (One stream under the default budget still gets token after
+token: tests/serving/test_serving_streams.py, through the real stack.)"""
 
 from __future__ import annotations
 
@@ -9,13 +10,21 @@ import time
 
 import pytest
 
+from cpuserve.engine.async_engine import AsyncLLMEngine
+from cpuserve.engine.sampling_params import SamplingParams
 from cpuserve.serving.config import ServeConfig
 from cpuserve.serving.llm_server import LLMServer
+from cpuserve.serving.pacing import paced
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["The river", "A short poem about bread", "Prime numbers are", "Once upon a time"]
 NUM_TOKENS = 24
+
+
+def chat(llm, text: str) -> list[int]:
+    return llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": text}]),
+                                add_special_tokens=False)
 
 
 def serve_all(server: LLMServer) -> list[tuple[list[float], list[dict]]]:
@@ -44,8 +53,6 @@ def paced_server():
 
 
 def test_message_budget_spaces_each_stream_by_the_open_streams(paced_server, engine_alone):
-    from cpuserve.engine.sampling_params import SamplingParams
-
     results = serve_all(paced_server)
     refs = engine_alone.generate(PROMPTS, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True))
     for prompt, (arrivals, chunks), ref in zip(PROMPTS, results, refs):
@@ -60,3 +67,50 @@ def test_message_budget_spaces_each_stream_by_the_open_streams(paced_server, eng
         assert len(chunks) < NUM_TOKENS / 2, f"{prompt}: {len(chunks)} messages for {NUM_TOKENS} tokens"
     assert paced_server.engine.num_streams == 0
 
+
+def test_paced_coalesces_tokens_for_a_slow_consumer(engine_alone):
+    engine = AsyncLLMEngine(engine_alone.engine)
+    ids = chat(engine_alone, "Describe a forest.")
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+    async def slow_reader():
+        chunks = []
+        async for chunk in paced(engine.generate(ids, params, "slow")):
+            chunks.append(chunk)
+            await asyncio.sleep(0.1)  # several engine steps pass while the reader is busy
+        return chunks
+
+    try:
+        chunks = asyncio.run(slow_reader())
+    finally:
+        engine.shutdown()
+    expected = engine_alone.generate([ids], params)[0]
+    assert len(chunks) < 24 and any(len(c.new_token_ids) > 1 for c in chunks)
+    assert [t for c in chunks for t in c.new_token_ids] == expected.token_ids
+    assert "".join(c.new_text for c in chunks) == expected.text
+    assert chunks[-1].finished and chunks[-1].num_generated_tokens == 24
+
+
+def test_paced_spaces_chunks_by_min_interval(engine_alone):
+    engine = AsyncLLMEngine(engine_alone.engine)
+    ids = chat(engine_alone, "Describe a river.")
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+    async def reader():
+        arrivals, chunks = [], []
+        async for chunk in paced(engine.generate(ids, params, "paced"), min_interval=0.1):
+            arrivals.append(time.monotonic())
+            chunks.append(chunk)
+        return arrivals, chunks
+
+    try:
+        arrivals, chunks = asyncio.run(reader())
+    finally:
+        engine.shutdown()
+    expected = engine_alone.generate([ids], params)[0]
+    assert [t for c in chunks for t in c.new_token_ids] == expected.token_ids  # nothing lost or reordered
+    assert chunks[-1].finished and chunks[-1].num_generated_tokens == 24
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    # every chunk but the last waited out the interval; a fast reader alone would get 24 chunks of one token
+    assert all(g >= 0.095 for g in gaps[:-1]), gaps
+    assert len(chunks) < 24 and any(len(c.new_token_ids) > 1 for c in chunks)

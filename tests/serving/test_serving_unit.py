@@ -1,0 +1,257 @@
+"""The serving path without Ray and without a model, in milliseconds: IngressCore -> a stand-in DeploymentHandle ->
+LLMServer(engine_cls=FakeEngine). Bad input gets HTTP 4xx / a gRPC status naming the field, past the admission
+limit requests get 429 / RESOURCE_EXHAUSTED, a dead engine 503 / UNAVAILABLE. (The same through the real stack:
+test_serving_bad_input.py, test_serving_metrics_cancel.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import grpc
+import pytest
+from starlette.requests import Request
+
+from cpuserve.engine.async_engine import EngineDeadError
+from cpuserve.engine.errors import InvalidRequest
+from cpuserve.engine.outputs import StepOutput
+from cpuserve.serving.config import ServeConfig
+from cpuserve.serving.ingress import IngressCore
+from cpuserve.serving.llm_server import LLMServer
+from cpuserve.serving.protocol import RequestError
+from cpuserve.v1 import inference_pb2 as pb
+
+MAX_MODEL_LEN = 64
+VOCAB_SIZE = 1000
+
+
+class FakeTokenizer:
+    """One token per character."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) % VOCAB_SIZE for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+
+
+class FakeEngine:
+    """AsyncLLMEngine's interface: validates like the engine (InvalidRequest), then streams "x" per token. With
+    `hold` set, streams wait on `release` after their first token (requests in flight, for the admission test);
+    `dead` fails every request."""
+
+    hold = False
+    dead = False
+
+    def __init__(self) -> None:
+        self.tokenizer = FakeTokenizer()
+        self.max_model_len = MAX_MODEL_LEN
+        self.num_streams = 0
+        self.release = asyncio.Event()
+
+    @classmethod
+    def from_config(cls, **options: Any) -> "FakeEngine":
+        return cls()
+
+    async def generate(self, prompt, params, request_id: str, priority: int = 0):
+        if self.dead:
+            raise EngineDeadError("engine stopped: RuntimeError('a rank died')")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise InvalidRequest("prompt", "prompt is empty: give at least one token of text")
+        if any(not 0 <= t < VOCAB_SIZE for t in ids):
+            raise InvalidRequest("prompt", "prompt token id is out of range")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequest("prompt", f"prompt is {len(ids)} tokens: the context holds {self.max_model_len}")
+        self.num_streams += 1
+        try:
+            for n in range(1, params.max_tokens + 1):
+                if self.hold and n > 1:
+                    await self.release.wait()
+                last = n == params.max_tokens
+                yield StepOutput(request_id, [120], "x", None, last, "length" if last else None, len(ids), n)
+        finally:
+            self.num_streams -= 1
+
+    def check_health(self) -> None:
+        if self.dead:
+            raise EngineDeadError("engine stopped")
+
+    def shutdown(self) -> None:
+        pass
+
+
+class Remote:
+    def __init__(self, fn) -> None:
+        self.remote = fn
+
+
+class Responses:
+    """A DeploymentResponseGenerator: iterate it, cancel it."""
+
+    def __init__(self, chunks) -> None:
+        self.chunks = chunks
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self.chunks.__anext__()
+
+    def cancel(self) -> None:
+        asyncio.get_running_loop().create_task(self.chunks.aclose())
+
+
+class FakeHandle:
+    """What the ingress uses of its DeploymentHandle to LLMServer, calling the server in this process."""
+
+    def __init__(self, server: LLMServer) -> None:
+        self.generate = Remote(lambda request: Responses(server.generate(request)))
+        self.info = Remote(server.info)
+        self.tokenize = Remote(server.tokenize)
+
+    def options(self, stream: bool = False) -> "FakeHandle":
+        return self
+
+
+class FakeContext:
+    """A gRPC servicer context: records the status code and details."""
+
+    code = details = None
+
+    def set_code(self, code) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
+
+    def invocation_metadata(self):
+        return ()
+
+
+def make_ingress(**fields: Any) -> tuple[IngressCore, FakeEngine]:
+    config = ServeConfig(metrics_port=0, max_num_seqs=2, max_queued_requests=1, max_request_bytes=4096, **fields)
+    server = LLMServer(config, engine_cls=FakeEngine)
+    return IngressCore(config.model_dump(), FakeHandle(server)), server.engine
+
+
+def http_request(body: bytes | dict) -> Request:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    sent = False
+
+    async def receive():
+        nonlocal sent
+        if sent:
+            return {"type": "http.disconnect"}
+        sent = True
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+    return Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}, receive)
+
+
+async def post(ingress: IngressCore, path: str, body: bytes | dict) -> tuple[int, dict]:
+    route = ingress.chat_completions if path == "chat" else ingress.completions
+    response = await route(http_request(body))
+    return response.status_code, json.loads(response.body)
+
+
+HTTP_CASES = [  # (id, path, body, status, param)
+    ("empty prompt", "completions", {"prompt": ""}, 400, "prompt"),
+    ("token id out of range", "completions", {"prompt": [1, 10_000]}, 400, "prompt"),
+    ("prompt over the context", "completions", {"prompt": "w" * 80}, 400, "prompt"),
+    ("chat over the context", "chat", {"messages": [{"role": "user", "content": "w" * 80}]}, 400, "messages"),
+    ("unknown model", "completions", {"model": "gpt-9", "prompt": "hi"}, 404, "model"),
+    ("temperature < 0", "completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("max_tokens = 0", "completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("top_logprobs > 20", "chat", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                                   "top_logprobs": 30}, 400, "top_logprobs"),
+    ("n = 2", "completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("wrong type", "completions", {"prompt": "hi", "max_tokens": 1.5}, 400, "max_tokens"),
+    ("malformed JSON", "completions", b'{"prompt": "hi",', 400, "body"),
+    ("oversized body", "completions", {"prompt": "x" * 5000}, 413, "body"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", [c[1:] for c in HTTP_CASES], ids=[c[0] for c in HTTP_CASES])
+def test_http_bad_input_names_the_field(path, body, status, param):
+    ingress, _ = make_ingress()
+    got_status, got = asyncio.run(post(ingress, path, body))
+    assert got_status == status and got["error"]["param"] == param, got
+    assert ingress.num_in_flight == 0
+
+
+def test_http_error_bodies():
+    ingress, _ = make_ingress()
+    _, body = asyncio.run(post(ingress, "completions", {"prompt": "hi", "temperature": -1}))
+    assert body == {"error": {"message": "temperature=-1.0 is invalid: must be >= 0 (0 = greedy)",
+                              "type": "invalid_request_error", "param": "temperature", "code": None}}
+    # the engine's "prompt" is chat's "messages", in the param and the message
+    _, body = asyncio.run(post(ingress, "chat", {"messages": [{"role": "user", "content": "w" * 80}]}))
+    assert body["error"]["message"].startswith("messages is ") and body["error"]["param"] == "messages"
+    _, body = asyncio.run(post(ingress, "chat", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                                                 "top_logprobs": 30}))
+    assert body["error"]["message"] == "top_logprobs=30 is invalid: must be None or in [0, 20]"
+
+
+GRPC_CASES = [  # (id, request, code, field named in the details)
+    ("empty prompt", pb.GenerateRequest(text=""), "INVALID_ARGUMENT", "prompt"),
+    ("prompt over the context", pb.GenerateRequest(text="w" * 80), "INVALID_ARGUMENT", "prompt"),
+    ("unknown model", pb.GenerateRequest(model="gpt-9", text="hi"), "NOT_FOUND", "model"),
+    ("top_p > 1", pb.GenerateRequest(text="hi", sampling=pb.SamplingParameters(top_p=1.5)), "INVALID_ARGUMENT",
+     "top_p"),
+    ("unknown role", pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="robot", content="x")])),
+     "INVALID_ARGUMENT", "role"),
+    ("not a protobuf message", b"\xff\xff\xff\xff", "INVALID_ARGUMENT", "request"),
+]
+
+
+@pytest.mark.parametrize("request_,code,field", [c[1:] for c in GRPC_CASES], ids=[c[0] for c in GRPC_CASES])
+def test_grpc_bad_input_names_the_field(request_, code, field):
+    ingress, _ = make_ingress()
+    raw = request_ if isinstance(request_, bytes) else request_.SerializeToString()
+    context = FakeContext()
+    with pytest.raises(RequestError):
+        asyncio.run(ingress.Complete(raw, context))
+    assert context.code == getattr(grpc.StatusCode, code) and field in context.details
+
+
+def test_admission_refuses_past_the_queue_limit():
+    ingress, engine = make_ingress()  # 2 running + 1 waiting in flight
+    engine.hold = True
+
+    async def scenario():
+        starts = [await ingress._start(None, {"prompt": "hi", "sampling": {"max_tokens": 2}}) for _ in range(3)]
+        status, body = await post(ingress, "completions", {"prompt": "hi"})
+        context = FakeContext()
+        with pytest.raises(RequestError):
+            await ingress.Complete(pb.GenerateRequest(text="hi").SerializeToString(), context)
+        engine.release.set()  # the held streams finish; then a new request is admitted again
+        for _, _, stream in starts:
+            assert [c async for c in stream][-1]["finish_reason"] == "length"
+        status_after, _ = await post(ingress, "completions", {"prompt": "hi"})
+        return status, body, context.code, status_after
+
+    status, body, code, status_after = asyncio.run(scenario())
+    assert status == 429 and body["error"]["type"] == "rate_limit_error"
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert status_after == 200 and ingress.num_in_flight == 0
+
+
+def test_dead_engine_is_unavailable_and_fails_the_health_check():
+    ingress, engine = make_ingress()
+    engine.dead = True
+    status, body = asyncio.run(post(ingress, "completions", {"prompt": "hi"}))
+    assert status == 503 and body["error"]["type"] == "server_error"
+    context = FakeContext()
+    with pytest.raises(RequestError):
+        asyncio.run(ingress.Complete(pb.GenerateRequest(text="hi").SerializeToString(), context))
+    assert context.code == grpc.StatusCode.UNAVAILABLE
+    server = LLMServer(ServeConfig(metrics_port=0), engine_cls=FakeEngine)
+    server.engine.dead = True
+    with pytest.raises(EngineDeadError):
+        asyncio.run(server.check_health())
