@@ -20,7 +20,8 @@ from cpuserve.engine.runner import build_runner
 from cpuserve.engine.sampling_params import SamplingParams
 from cpuserve.engine.scheduler import Scheduler
 from cpuserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
-from cpuserve.engine.threads import allocator_for_loading, configure_threads, release_free_memory, tune_allocator
+from cpuserve.engine.threads import (allocator_for_loading, configure_threads, release_free_memory,
+                                     slow_openmp_warning, tune_allocator)
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.num_threads = configure_threads(config.num_threads)
+        if (warning := slow_openmp_warning()) is not None:
+            log.warning("%s", warning)
         allocator_for_loading()
         checkpoint = load_checkpoint(config.model, show_progress=False)  # the builder's bar covers the stream
         self.tokenizer = checkpoint.tokenizer

@@ -106,6 +106,19 @@ def reexec_with_intel_openmp() -> None:
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)  # the command line as typed
 
 
+def slow_openmp_warning() -> str | None:
+    """What to tell a user whose process runs torch's libgomp although Intel's OpenMP is installed, or None.
+
+    Only a process started with it preloaded gets it (`cpuserve` re-executes itself so; a Python program
+    cannot switch once torch is loaded), so the engine says how."""
+    if openmp_runtime() != "gnu" or intel_openmp_library() is None:
+        return None
+    return ("this process runs torch's GNU OpenMP (libgomp): decode is up to 2x slower than with Intel's OpenMP, "
+            "which the cpuserve command uses. Put `from cpuserve.engine.threads import reexec_with_intel_openmp; "
+            "reexec_with_intel_openmp()` first in your script, or start Python with LD_PRELOAD=" +
+            intel_openmp_library() + " (CPUSERVE_OPENMP=gnu silences this)")
+
+
 def openmp_runtime() -> str:
     """Which OpenMP runtime this process runs its parallel regions on: "intel" or "gnu"."""
     try:

@@ -42,3 +42,22 @@ def test_cpuserve_command_reexecutes_with_intel_openmp():
     out = subprocess.run([sys.executable, "-c", code], env=base, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("libiomp5.so")
+
+
+def test_engine_warns_when_it_runs_on_libgomp_and_says_how_to_fix_it():
+    base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "CPUSERVE_REEXEC", "CPUSERVE_OPENMP")}
+    code = "from cpuserve.engine import LLM; LLM(kv_cache_gb=0.05, show_progress=False)"
+    out = subprocess.run([sys.executable, "-c", code], env=base, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "runs torch's GNU OpenMP" in out.stderr and "reexec_with_intel_openmp()" in out.stderr
+    assert "LD_PRELOAD=" + intel_openmp_library() in out.stderr
+
+
+def test_no_warning_on_intel_openmp_or_when_gnu_is_chosen():
+    base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "CPUSERVE_REEXEC", "CPUSERVE_OPENMP")}
+    code = ("import torch; from cpuserve.engine.threads import slow_openmp_warning; "
+            "torch.ones(1 << 20).exp().sum(); print(slow_openmp_warning())")
+    for env in ({**base, **openmp_env(base)}, {**base, "CPUSERVE_OPENMP": "gnu"}):
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == "None"
