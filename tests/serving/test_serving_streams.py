@@ -143,3 +143,17 @@ def test_two_replicas_both_take_traffic(http_url):
 
     replicas = asyncio.run(run_all())
     assert len(set(replicas)) == 2, f"requests went to {set(replicas)}"
+
+
+def test_readme_first_curl_is_deterministic(http_url):
+    """The README's first request, sent as written (its JSON body), twice: the same answer both times."""
+    import json
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    body = json.loads(re.search(r"curl -s localhost:8000/v1/chat/completions .*?-d '(\{.*?\})'", readme, re.S)[1])
+    assert body.get("temperature") == 0, "the README's first example must be greedy"
+    answers = [httpx.post(f"{http_url}/v1/chat/completions", json=body, timeout=120).json() for _ in range(2)]
+    texts = [a["choices"][0]["message"]["content"] for a in answers]
+    assert texts[0] and texts[0] == texts[1]
