@@ -17,10 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from attention import median_ms  # bench/ is on sys.path when a bench script runs
+from cpuserve.engine.config import WEIGHT_FORMATS as FORMATS
 from cpuserve.engine.layers import native
 from cpuserve.engine.layers.quant_linear import QuantLinear
-
-FORMATS = ("int4", "int8", "bf16", "fp32")
 
 
 @torch.inference_mode()

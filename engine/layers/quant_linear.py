@@ -21,12 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from cpuserve.engine.config import GROUP_SIZES
+from cpuserve.engine.config import WEIGHT_FORMATS as FORMATS
 from cpuserve.engine.layers import native
 
 logger = logging.getLogger(__name__)
 
-FORMATS = ("int4", "int8", "bf16", "fp32")
-GROUP_SIZES = (32, 64, 128, 256)  # the group sizes the int4 CPU kernel accepts
 INT4_N_ALIGN = 16  # _convert_weight_to_int4pack_for_cpu: "expect N to be dividable by 16"
 INT8_K_ALIGN = 16  # measured: other K crash (K=33, 34, 36) or return garbage (K=8, 40) in torch 2.13
 INNER_K_TILES = 2  # the CPU packing ignores the tiling beyond a divisibility check; 2 is the loosest
