@@ -14,7 +14,7 @@ from torch import nn
 
 from cpuserve.engine.layers import ops
 from cpuserve.engine.layers.kv_quant import LayerKV, gather_kv
-from cpuserve.engine.layers.quant_linear import QuantLinear
+from cpuserve.engine.layers.linear import QuantLinear
 from cpuserve.engine.models.args import ModelArgs
 
 
