@@ -19,8 +19,9 @@ import torch.nn.functional as F
 
 from cpuserve.engine.layers import native
 from cpuserve.engine.threads import tune_allocator as tune_malloc  # the engine's own setting, applied the same way
-from cpuserve.engine.layers.attention import (DECODE_CHUNK_TOKENS, NATIVE_SLIM_BLOCK_ROWS, SLIM_BLOCK_ROWS,
-                                              paged_decode_attention, slim_attention, write_kv)
+from cpuserve.engine.layers.attention import (DECODE_CHUNK_TOKENS, SLIM_BLOCK_ROWS, paged_decode_attention,
+                                              slim_attention, write_kv)
+from cpuserve.engine.layers.ops import NATIVE_SLIM_BLOCK_ROWS
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 

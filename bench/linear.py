@@ -17,10 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from attention import median_ms  # bench/ is on sys.path when a bench script runs
+from cpuserve.engine.config import WEIGHT_FORMATS as FORMATS
 from cpuserve.engine.layers import native
-from cpuserve.engine.layers.quant_linear import QuantLinear
-
-FORMATS = ("int4", "int8", "bf16", "fp32")
+from cpuserve.engine.layers.linear import QuantLinear, build_linear
 
 
 @torch.inference_mode()
@@ -28,7 +27,7 @@ def run(n: int = 5632, k: int = 2048, rows: tuple[int, ...] = (1, 32), repeats: 
         group_size: int = 32) -> list[dict]:
     """One row per (M, format): median ms and the ratio fp32_F.linear_ms / ms."""
     weight = torch.randn(n, k) * 0.02
-    mods = {fmt: QuantLinear.from_float(weight, None, fmt, group_size) for fmt in FORMATS}
+    mods = {fmt: build_linear(weight, None, fmt, group_size) for fmt in FORMATS}
     results = []
     for m in rows:
         x = torch.randn(m, k)
@@ -55,7 +54,7 @@ def run_kernels(rows: tuple[int, ...], fmts=("int4", "int8"), budget_s: float = 
     results = []
     for fmt in fmts:
         for n, k in KERNEL_SHAPES[fmt]:
-            mod = QuantLinear.from_float(torch.randn(n, k) * 0.02, None, fmt, 32)
+            mod = build_linear(torch.randn(n, k) * 0.02, None, fmt, 32)
             for m in rows:
                 x = torch.randn(m, k).to(torch.bfloat16)
                 out = torch.empty(m, n, dtype=torch.bfloat16)

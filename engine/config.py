@@ -6,9 +6,9 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-WEIGHT_FORMATS = ("int4", "int8", "bf16", "fp32")
+WEIGHT_FORMATS = ("int4", "int8", "bf16", "fp32")  # one class each in engine/layers/linear/
 KV_CACHE_DTYPES = ("int8", "bf16", "fp32")
-GROUP_SIZES = (32, 64, 128)
+GROUP_SIZES = (32, 64, 128, 256)  # int4 groups along K: the ones torch's int4 CPU kernel (and ours) accept
 
 
 @dataclass(slots=True)

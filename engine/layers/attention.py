@@ -1,7 +1,8 @@
 """Attention kernels: SlimAttention for prefill, the hybrid INT8 paged kernel for decode, and a plain reference.
 
-All functions are pure. Grouped-query attention: n_heads H = g * n_kv_heads Hkv, query head h reads kv head
-h // g. Scores and softmax run in fp32; results come back in q's dtype.
+In plain torch: the references of the C++ kernels, which ops.py chooses between. All functions are pure.
+Grouped-query attention: n_heads H = g * n_kv_heads Hkv, query head h reads kv head h // g. Scores and softmax
+run in fp32; results come back in q's dtype.
 """
 from __future__ import annotations
 
@@ -10,16 +11,12 @@ import functools
 import torch
 from torch import Tensor
 
-from cpuserve.engine.layers import native
 from cpuserve.engine.layers.kv_quant import gather_kv, quantize_kv, write_kv, write_kv_fused
 
 __all__ = ["quantize_kv", "write_kv", "write_kv_fused", "gather_kv", "decode_mask", "slim_attention",
-           "prefill_attention",
-           "paged_decode_attention",
-           "reference_attention", "SLIM_BLOCK_ROWS", "DECODE_CHUNK_TOKENS"]
+           "paged_decode_attention", "reference_attention", "SLIM_BLOCK_ROWS", "DECODE_CHUNK_TOKENS"]
 
 SLIM_BLOCK_ROWS = 64  # query rows per SlimAttention block (bench/attention.py: 32..128 within noise, 256 slower)
-NATIVE_SLIM_BLOCK_ROWS = 32  # the C++ kernel's row block (4096-token bench: 16..32 best, 8 and 128 slower)
 DECODE_CHUNK_TOKENS = 4096  # (sequence, token) pairs converted to fp32 per decode chunk (bench: best of 256..16384)
 
 
@@ -92,15 +89,6 @@ def slim_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, scale: float,
         torch.bmm(scores, vh[:, :end_key], out=ob)  # ob: [Hkv, rows*g, D]
         out[start:start + rows] = ob.view(num_kv_heads, rows, g, head_dim).transpose(0, 1)
     return out.view(seq_len, num_heads, head_dim)
-
-
-def prefill_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, scale: float) -> Tensor:
-    """SlimAttention as the engine runs it: the C++ kernel (engine/csrc/slim_attention.cpp: bf16 brgemm for
-    Q K^T and P V, fp32 softmax) for bf16 when it is built, else slim_attention below. Same arguments."""
-    if q.dtype == torch.bfloat16 and native.brgemm_enabled():
-        return torch.ops.cpuserve.slim_attention(q, k.contiguous(), v.contiguous(), q_start, scale,
-                                                 NATIVE_SLIM_BLOCK_ROWS)
-    return slim_attention(q, k, v, q_start, scale)
 
 
 def decode_mask(context_lens: Tensor, block_size: int) -> Tensor:

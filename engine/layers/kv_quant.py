@@ -1,6 +1,6 @@
 """Paged KV cache I/O: per-(token, kv head) int8 quantization, scatter of new tokens, gather of one context.
 
-Cache layout per layer (allocated by the runner):
+Cache layout per layer (allocated by the runner; the model holds it as LayerKV, K and V in one tensor):
 
     k_cache, v_cache: [num_blocks, block_size B, n_kv_heads, head_dim]   int8 | bf16 | fp32
     k_scale, v_scale: [num_blocks, B, n_kv_heads] fp32 for int8 caches, else None
@@ -10,11 +10,45 @@ Cache layout per layer (allocated by the runner):
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 INT8_MAX = 127.0
 _MIN_SCALE = 1e-30  # an all-zero vector gets a tiny scale, so quantizing it divides 0 by a non-zero number
+
+
+@dataclass(slots=True)
+class LayerKV:
+    """One layer's pool. K heads and V heads sit side by side so a step writes both with one scatter.
+
+        kv:    [num_blocks, block_size, 2 * n_kv_heads, head_dim]   (K heads 0..Hkv-1, then V heads)
+        scale: [num_blocks, block_size, 2 * n_kv_heads] fp32 for int8 caches, else None
+    """
+
+    kv: torch.Tensor
+    scale: torch.Tensor | None
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv.shape[2] // 2
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.kv[:, :, : self.num_kv_heads]  # [num_blocks, B, Hkv, D] view
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.kv[:, :, self.num_kv_heads:]
+
+    @property
+    def k_scale(self) -> torch.Tensor | None:
+        return None if self.scale is None else self.scale[:, :, : self.num_kv_heads]
+
+    @property
+    def v_scale(self) -> torch.Tensor | None:
+        return None if self.scale is None else self.scale[:, :, self.num_kv_heads:]
 
 
 def quantize_kv(x: Tensor) -> tuple[Tensor, Tensor]:

@@ -8,7 +8,7 @@ from collections import defaultdict
 import torch
 from tqdm import tqdm
 
-from cpuserve.engine.layers.quant_linear import QuantLinear
+from cpuserve.engine.layers.linear import QuantLinear, build_linear
 from cpuserve.engine.models.llama import MLP, Attention, LlamaModel, TransformerBlock
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -43,7 +43,7 @@ def build_model(checkpoint, weights: str, group_size: int, show_progress: bool =
         # the vocabulary-sized tensors are converted as they arrive, so their fp32 copies are never held together
         # with the layers' (a 1B model's embedding and lm_head are 262 MB each in fp32)
         if name == "lm_head.weight" or (name == "model.embed_tokens.weight" and args.tie_embeddings):
-            lm_head = QuantLinear.from_float(tensor, None, lm_head_format(weights), group_size)
+            lm_head = build_linear(tensor, None, lm_head_format(weights), group_size)
         if name == "model.embed_tokens.weight":
             tensor = tensor.to(dtype)
         elif name == "lm_head.weight":
@@ -74,7 +74,7 @@ def _has_biases(parts: dict[str, torch.Tensor]) -> bool:
 
 def _build_block(args, parts: dict[str, torch.Tensor], weights: str, group_size: int, dtype) -> TransformerBlock:
     def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> QuantLinear:
-        return QuantLinear.from_float(weight, bias, weights, group_size)
+        return build_linear(weight, bias, weights, group_size)
 
     qkv_weight = torch.cat([parts[f"self_attn.{p}_proj.weight"] for p in "qkv"])  # [(H + 2 Hkv) D, dim]
     qkv_bias = torch.cat([parts[f"self_attn.{p}_proj.bias"] for p in "qkv"]) if args.qkv_bias else None

@@ -12,11 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cpuserve.engine.layers import native
-from cpuserve.engine.layers.attention import gather_kv, paged_decode_attention, prefill_attention, write_kv_fused
-from cpuserve.engine.layers.quant_linear import QuantLinear
+from cpuserve.engine.layers import ops
+from cpuserve.engine.layers.kv_quant import LayerKV, gather_kv
+from cpuserve.engine.layers.linear import QuantLinear
 from cpuserve.engine.models.args import ModelArgs
-from cpuserve.engine.models.rope import apply_rope
 
 
 @dataclass(slots=True)
@@ -35,40 +34,9 @@ class AttentionMetadata:
     num_decode: int  # rows [0, num_decode) are single-token decodes, one per sequence
     decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks] int32
     decode_context_lens: torch.Tensor | None  # [num_decode] int32, including the new token
-    decode_invalid: torch.Tensor | None  # decode_mask(decode_context_lens, B) for every layer; None: fused kernels
+    # decode_mask(decode_context_lens, B) for every layer; None: fused kernels (= ops.prepare_decode_mask)
+    decode_invalid: torch.Tensor | None
     prefills: list[PrefillChunk]
-
-
-@dataclass(slots=True)
-class LayerKV:
-    """One layer's pool. K heads and V heads sit side by side so a step writes both with one scatter.
-
-        kv:    [num_blocks, block_size, 2 * n_kv_heads, head_dim]   (K heads 0..Hkv-1, then V heads)
-        scale: [num_blocks, block_size, 2 * n_kv_heads] fp32 for int8 caches, else None
-    """
-
-    kv: torch.Tensor
-    scale: torch.Tensor | None
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.kv.shape[2] // 2
-
-    @property
-    def k(self) -> torch.Tensor:
-        return self.kv[:, :, : self.num_kv_heads]  # [num_blocks, B, Hkv, D] view
-
-    @property
-    def v(self) -> torch.Tensor:
-        return self.kv[:, :, self.num_kv_heads:]
-
-    @property
-    def k_scale(self) -> torch.Tensor | None:
-        return None if self.scale is None else self.scale[:, :, : self.num_kv_heads]
-
-    @property
-    def v_scale(self) -> torch.Tensor | None:
-        return None if self.scale is None else self.scale[:, :, self.num_kv_heads:]
 
 
 class RMSNorm(nn.Module):
@@ -78,9 +46,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if native.enabled():
-            return torch.ops.cpuserve.rms_norm(x.contiguous(), self.weight, self.eps)
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -97,32 +63,21 @@ class Attention(nn.Module):
         h, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.qkv(x).view(n, h + 2 * hkv, d)  # qkv: [N, H + 2 Hkv, D]
         kv = self.kv
-        fused = native.enabled()
-        if fused:  # RoPE on q and k, then K and V into the pool: one C++ pass
-            torch.ops.cpuserve.rope_write_kv(qkv, meta.cos, meta.sin, h, kv.kv, kv.scale, meta.slot_mapping)
-        else:
-            # one rotation for q and k together, written back so k and v stay adjacent for the fused KV write
-            qkv[:, : h + hkv] = apply_rope(qkv[:, : h + hkv], meta.cos, meta.sin)
-            write_kv_fused(kv.kv, kv.scale, qkv[:, h:], meta.slot_mapping)
+        ops.rope_write_kv(qkv, meta.cos, meta.sin, h, kv, meta.slot_mapping)  # RoPE on q and k, K and V into the pool
         q = qkv[:, :h]  # q: [N, H, D]
         # o_proj's input [N, H * D], written in place: in a replica group, its gather's shared-memory slot
         # (zero-copy; the collective wants that very tensor back)
         buf = self.o_proj.input_buffer(n, q.dtype)
-        out = buf.view(n, h, d)
-        if meta.num_decode and fused:
-            torch.ops.cpuserve.decode_attention.out(
-                q[: meta.num_decode], kv.kv, kv.scale, meta.decode_block_tables, meta.decode_context_lens,
-                self.scale, out=out[: meta.num_decode])
-        elif meta.num_decode:
-            out[: meta.num_decode] = paged_decode_attention(
-                q[: meta.num_decode], kv.k, kv.k_scale, kv.v, kv.v_scale,
-                meta.decode_block_tables, meta.decode_context_lens, self.scale, invalid=meta.decode_invalid)
+        out = buf.view(n, h, d)  # out: [N, H, D]
+        if meta.num_decode:  # decode
+            ops.decode_attention(q[: meta.num_decode], kv, meta.decode_block_tables, meta.decode_context_lens,
+                                 self.scale, out[: meta.num_decode], meta.decode_invalid)
         for p in meta.prefills:  # prefill: read the context back from the pool, as a later chunk would
             length = p.q_start + p.num_tokens
             k_ctx = gather_kv(kv.k, kv.k_scale, p.block_table, length, q.dtype)  # [T, Hkv, D]
             v_ctx = gather_kv(kv.v, kv.v_scale, p.block_table, length, q.dtype)
             rows = slice(p.token_start, p.token_start + p.num_tokens)
-            out[rows] = prefill_attention(q[rows], k_ctx, v_ctx, p.q_start, self.scale)
+            out[rows] = ops.prefill_attention(q[rows], k_ctx, v_ctx, p.q_start, self.scale)
         return self.o_proj(buf)
 
 
@@ -134,11 +89,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)
-        if native.enabled():  # in a replica group, straight into the down gather's shared-memory slot (zero-copy)
-            act = self.down.input_buffer(gate_up.shape[0], gate_up.dtype)
-            return self.down(torch.ops.cpuserve.silu_mul.out(gate_up.contiguous(), out=act))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        # the kernel writes straight into down's input buffer: in a replica group, its gather's shared-memory slot
+        return self.down(ops.silu_mul(gate_up, self.down.input_buffer))
 
 
 class TransformerBlock(nn.Module):

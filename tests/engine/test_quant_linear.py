@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from cpuserve.engine.layers import native
-from cpuserve.engine.layers.quant_linear import QuantLinear
+from cpuserve.engine.layers.linear import QuantLinear, build_linear
 
 # The bf16 formats return bf16: one output rounding (2^-9 relative) plus kernel-side bf16 rounding of the
 # dequantized weight in some paths. 1% of the output's max magnitude catches any wrong scale, zero point or
@@ -34,7 +34,7 @@ def reference(m: QuantLinear, x: torch.Tensor, bias: torch.Tensor | None) -> tor
 @pytest.mark.parametrize("m_rows", [1, 7, 64])
 def test_each_format_matches_its_dequantized_weight(fmt, n, k, m_rows):
     w, b = make_weight(n, k)
-    m = QuantLinear.from_float(w, b, fmt, group_size=32)
+    m = build_linear(w, b, fmt, group_size=32)
     assert not m.is_fallback
     x = torch.randn(m_rows, k)
     y = m(x)
@@ -46,8 +46,8 @@ def test_each_format_matches_its_dequantized_weight(fmt, n, k, m_rows):
 @pytest.mark.parametrize("group_size", [32, 128])
 def test_fast_path_and_fallback_agree(fmt, group_size):
     w, b = make_weight(576, 1536, seed=1)
-    fast = QuantLinear.from_float(w, b, fmt, group_size)
-    slow = QuantLinear.from_float(w, b, fmt, group_size, use_fallback=True)
+    fast = build_linear(w, b, fmt, group_size)
+    slow = build_linear(w, b, fmt, group_size, use_fallback=True)
     assert not fast.is_fallback and slow.is_fallback
     x = torch.randn(3, 5, 1536, dtype=torch.bfloat16)  # leading dims are kept
     y_fast, y_slow = fast(x), slow(x)
@@ -60,7 +60,7 @@ def test_fast_path_and_fallback_agree(fmt, group_size):
 @pytest.mark.parametrize("group_size", [32, 128])
 def test_int4_error_within_rtn_bound(group_size):
     w, _ = make_weight(64, 512, seed=2)
-    d = QuantLinear.from_float(w, None, "int4", group_size).dequantize()
+    d = build_linear(w, None, "int4", group_size).dequantize()
     wg = w.view(64, -1, group_size)
     lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
     step = (hi - lo) / 15
@@ -74,7 +74,7 @@ def test_int4_error_within_rtn_bound(group_size):
 
 def test_int8_error_within_half_step():
     w, _ = make_weight(128, 256, seed=3)
-    d = QuantLinear.from_float(w, None, "int8").dequantize()
+    d = build_linear(w, None, "int8").dequantize()
     step = w.abs().amax(-1, keepdim=True) / 127
     assert ((d - w).abs() <= 0.5 * step * (1 + 2 ** -7) + 2 ** -9 * w.abs()).all()
 
@@ -82,7 +82,7 @@ def test_int8_error_within_half_step():
 @pytest.mark.parametrize("fmt,n,k", [("int4", 30, 576), ("int4", 64, 100), ("int8", 64, 40), ("int8", 17, 33)])
 def test_misfit_shapes_run_on_the_fallback(fmt, n, k):
     w, b = make_weight(n, k, seed=4)
-    m = QuantLinear.from_float(w, b, fmt, group_size=32)
+    m = build_linear(w, b, fmt, group_size=32)
     assert m.is_fallback
     x = torch.randn(4, k)
     assert rel_err(m(x), reference(m, x, b)) < BF16_TOL
@@ -91,10 +91,10 @@ def test_misfit_shapes_run_on_the_fallback(fmt, n, k):
 
 def test_fp32_keeps_fp32_and_bf16_input_is_not_copied():
     w, b = make_weight(32, 64)
-    m = QuantLinear.from_float(w, b, "fp32")
+    m = build_linear(w, b, "fp32")
     assert m(torch.randn(2, 64, dtype=torch.bfloat16)).dtype == torch.float32
     assert torch.equal(m.dequantize(), w)
-    q = QuantLinear.from_float(w, None, "int8")
+    q = build_linear(w, None, "int8")
     assert q(torch.randn(2, 64)).dtype == torch.bfloat16
 
 
@@ -105,7 +105,7 @@ def test_fp32_keeps_fp32_and_bf16_input_is_not_copied():
 def test_bad_arguments_raise_value_error_naming_the_field(kwargs, field):
     w, _ = make_weight(32, 64)
     with pytest.raises(ValueError, match=field) as info:
-        QuantLinear.from_float(w, None, **kwargs)
+        build_linear(w, None, **kwargs)
     assert "int4" in str(info.value) or "32" in str(info.value)  # lists the allowed values
 
 
@@ -115,7 +115,7 @@ def test_bad_arguments_raise_value_error_naming_the_field(kwargs, field):
 def test_int4_kernel_is_torch_kernel_bit_for_bit(n, rows, threads):
     assert native.int4_gemm_enabled(), "the int4 GEMM kernel must build and pass its layout check here"
     w, b = make_weight(n, 576, seed=3)
-    m = QuantLinear.from_float(w, b, "int4", group_size=32)
+    m = build_linear(w, b, "int4", group_size=32)
     x = torch.randn(rows, 576).to(torch.bfloat16)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -133,7 +133,7 @@ def test_int4_kernel_is_torch_kernel_bit_for_bit(n, rows, threads):
 @pytest.mark.parametrize("rows", [1, 6, 40])
 def test_int4_kernel_is_torch_kernel_for_every_group_size(group_size, rows):
     w, _ = make_weight(208, 1024, seed=7)
-    m = QuantLinear.from_float(w, None, "int4", group_size=group_size)
+    m = build_linear(w, None, "int4", group_size=group_size)
     x = torch.randn(rows, 1024).to(torch.bfloat16)
     want = torch.ops.aten._weight_int4pack_mm_for_cpu(x, m.packed, group_size, m.scales_and_zeros)
     assert torch.equal(m(x), want)
@@ -143,11 +143,11 @@ def test_int4_kernel_is_torch_kernel_for_every_group_size(group_size, rows):
 def test_int4_kernel_columns_do_not_depend_on_the_shard(rows):
     """A replica rank holding some output columns must compute them bit for bit as one rank holding all."""
     w, _ = make_weight(208, 576, seed=4)
-    full = QuantLinear.from_float(w, None, "int4", group_size=32)
+    full = build_linear(w, None, "int4", group_size=32)
     x = torch.randn(rows, 576).to(torch.bfloat16)
     y = full(x)
     for lo, hi in ((64, 208), (0, 48), (128, 144)):  # block-aligned, a tail-only shard, a 16-column shard
-        shard = QuantLinear.from_float(w[lo:hi], None, "int4", group_size=32)
+        shard = build_linear(w[lo:hi], None, "int4", group_size=32)
         assert torch.equal(shard(x), y[:, lo:hi]), f"columns {lo}:{hi}"
 
 
@@ -156,7 +156,7 @@ def test_int4_kernel_columns_do_not_depend_on_the_shard(rows):
 def test_int8_kernel_is_torch_kernel_bit_for_bit(n, rows):
     assert native.int8_gemm_enabled(), "the int8 GEMM kernel must build and pass its check here"
     w, b = make_weight(n, 576, seed=5)
-    m = QuantLinear.from_float(w, b, "int8")
+    m = build_linear(w, b, "int8")
     x = torch.randn(rows, 576).to(torch.bfloat16)
     ours = m(x)  # the C++ kernel at every row count
     assert torch.equal(ours, torch._weight_int8pack_mm(x, m.weight_int8, m.scales) + b.bfloat16())
@@ -171,7 +171,7 @@ def test_out_gives_the_same_bits_in_place(fmt, fallback, rows, with_bias):
     """out= (a replica group writing into its shared-memory slot) changes where the result goes, not its bits."""
     assert native.int4_gemm_enabled() and native.int8_gemm_enabled()
     w, b = make_weight(80, 576, seed=6)  # N=80: a 16-column tail in the int4 and int8 kernels
-    m = QuantLinear.from_float(w, b if with_bias else None, fmt, group_size=32, use_fallback=fallback)
+    m = build_linear(w, b if with_bias else None, fmt, group_size=32, use_fallback=fallback)
     x = torch.randn(rows, 576)
     arena = torch.full((3 + rows * 80,), 7.0, dtype=m.act_dtype)  # out sits at an offset, like a slot
     out = arena[3:].view(rows, 80)
@@ -183,7 +183,7 @@ def test_out_gives_the_same_bits_in_place(fmt, fallback, rows, with_bias):
 
 
 def test_out_of_the_wrong_shape_raises_naming_the_right_one():
-    m = QuantLinear.from_float(*make_weight(80, 576), "int4")
+    m = build_linear(*make_weight(80, 576), "int4")
     with pytest.raises(ValueError, match=r"shape \(4, 80\), got torch.bfloat16 \(4, 64\)"):
         m(torch.randn(4, 576), out=torch.empty(4, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="not contiguous"):
@@ -191,7 +191,7 @@ def test_out_of_the_wrong_shape_raises_naming_the_right_one():
     with pytest.raises(RuntimeError, match=r"out must be contiguous bf16 \[M, N\] = \[24, 80\]"):
         torch.ops.cpuserve.int4_gemm.out(torch.randn(24, 576).bfloat16(), m.packed, 32, m.scales_and_zeros,
                                          out=torch.empty(24, 64, dtype=torch.bfloat16))
-    m8 = QuantLinear.from_float(*make_weight(80, 576), "int8")
+    m8 = build_linear(*make_weight(80, 576), "int8")
     with pytest.raises(RuntimeError, match=r"out must be contiguous bf16 \[M, N\] = \[8, 80\]"):
         torch.ops.cpuserve.int8_gemm.out(torch.randn(8, 576).bfloat16(), m8.weight_int8, m8.scales,
                                          out=torch.empty(8, 80))
@@ -201,7 +201,7 @@ def test_out_of_the_wrong_shape_raises_naming_the_right_one():
 def test_out_without_our_kernels_copies_torchs_result(fmt, monkeypatch):
     """Where our GEMMs are not built, torch's kernels (no out=) run and out= gets their result by one copy."""
     w, b = make_weight(80, 576, seed=8)
-    m = QuantLinear.from_float(w, b, fmt, group_size=32)
+    m = build_linear(w, b, fmt, group_size=32)
     x = torch.randn(3, 576)
     ours = m(x)
     monkeypatch.setattr(native, f"{fmt}_gemm_enabled", lambda: False)

@@ -1,0 +1,94 @@
+"""The ops the model calls, each choosing between its C++ kernel (engine/csrc, loaded by native.py as
+torch.ops.cpuserve.*) and its plain-torch reference, which the tests compare the kernel against.
+
+    op                 kernel (CPUSERVE_KERNELS=auto / native)    reference (=torch, or kernels not built)
+    rms_norm           cpuserve.rms_norm                          F.rms_norm
+    silu_mul           cpuserve.silu_mul.out                      F.silu(gate) * up
+    rope_write_kv      cpuserve.rope_write_kv                     models/rope.py apply_rope + kv_quant.write_kv_fused
+    decode_attention   cpuserve.decode_attention.out              attention.paged_decode_attention
+    prefill_attention  cpuserve.slim_attention (bf16 brgemm)      attention.slim_attention
+
+Model code (engine/models, engine/distributed/sharding.py) calls these and never asks native.py itself. The
+weight formats' matmuls choose their GEMM in engine/layers/linear/.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from cpuserve.engine.layers import native
+from cpuserve.engine.layers.attention import decode_mask, paged_decode_attention, slim_attention
+from cpuserve.engine.layers.kv_quant import LayerKV, write_kv_fused
+from cpuserve.engine.models.rope import apply_rope
+
+NATIVE_SLIM_BLOCK_ROWS = 32  # the C++ kernel's row block (4096-token bench: 16..32 best, 8 and 128 slower)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x / rms(x) * weight over the last dimension."""
+    if native.enabled():
+        return torch.ops.cpuserve.rms_norm(x.contiguous(), weight, eps)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def silu_mul(gate_up: Tensor, make_out: Callable[[int, torch.dtype], Tensor]) -> Tensor:
+    """silu(gate) * up of gate_up = [gate | up] [N, 2F] -> [N, F].
+
+    make_out(rows, dtype): the [N, F] tensor the kernel writes into (in a replica group, the next layer's
+    shared-memory slot: zero-copy). The reference returns a new tensor and never calls it.
+    """
+    if native.enabled():
+        act = make_out(gate_up.shape[0], gate_up.dtype)
+        return torch.ops.cpuserve.silu_mul.out(gate_up.contiguous(), out=act)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_write_kv(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, kv: LayerKV, slot_mapping: Tensor) -> None:
+    """RoPE on the q and k heads of qkv, in place, then the k and v heads into the pool.
+
+    Args:
+        qkv: [N, H + 2 Hkv, D] (q heads, k heads, v heads); cos, sin: [N, 1, D]; num_heads: H.
+        slot_mapping: [N] int64, slot = block_id * B + offset.
+    """
+    if native.enabled():  # one C++ pass
+        torch.ops.cpuserve.rope_write_kv(qkv, cos, sin, num_heads, kv.kv, kv.scale, slot_mapping)
+        return
+    h, hkv = num_heads, kv.num_kv_heads
+    # one rotation for q and k together, written back so k and v stay adjacent for the fused KV write
+    qkv[:, : h + hkv] = apply_rope(qkv[:, : h + hkv], cos, sin)
+    write_kv_fused(kv.kv, kv.scale, qkv[:, h:], slot_mapping)
+
+
+def decode_attention(q: Tensor, kv: LayerKV, block_tables: Tensor, context_lens: Tensor, scale: float, out: Tensor,
+                     invalid: Tensor | None = None) -> None:
+    """One new token per sequence against its paged context, written into out.
+
+    Args:
+        q: [S, H, D]; out: [S, H, D] (a view of o_proj's input buffer).
+        block_tables: [S, max_blocks] int32; context_lens: [S] int32, including the new token.
+        invalid: prepare_decode_mask's result for this step (the reference reads it; built here when None).
+    """
+    if native.enabled():
+        torch.ops.cpuserve.decode_attention.out(q, kv.kv, kv.scale, block_tables, context_lens, scale, out=out)
+        return
+    out[:] = paged_decode_attention(q, kv.k, kv.k_scale, kv.v, kv.v_scale, block_tables, context_lens, scale,
+                                    invalid=invalid)
+
+
+def prepare_decode_mask(context_lens: Tensor, block_size: int) -> Tensor | None:
+    """decode_mask for the step when decode_attention runs the reference (built once, read by every layer);
+    None when the kernel runs, which needs none."""
+    return None if native.enabled() else decode_mask(context_lens, block_size)
+
+
+def prefill_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, scale: float) -> Tensor:
+    """SlimAttention as the engine runs it: the C++ kernel (engine/csrc/slim_attention.cpp: bf16 brgemm for
+    Q K^T and P V, fp32 softmax) for bf16 when it is built, else attention.slim_attention. Same arguments."""
+    if q.dtype == torch.bfloat16 and native.brgemm_enabled():
+        return torch.ops.cpuserve.slim_attention(q, k.contiguous(), v.contiguous(), q_start, scale,
+                                                 NATIVE_SLIM_BLOCK_ROWS)
+    return slim_attention(q, k, v, q_start, scale)
