@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from cpuserve.engine.layers import native
-from cpuserve.engine.layers.attention import decode_mask
+from cpuserve.engine.layers import ops
 from cpuserve.engine.models.args import ModelArgs
 from cpuserve.engine.models.llama import AttentionMetadata, LayerKV, LlamaModel, PrefillChunk
 from cpuserve.engine.models.rope import rope_tables
@@ -88,7 +87,7 @@ class ModelRunner:
             decode_block_tables=_pad(decode_tables) if decode_tables else None,
             decode_context_lens=lens,
             # only the plain-torch decode attention reads the mask; the fused kernel stops at each context length
-            decode_invalid=decode_mask(lens, bs) if decode_lens and not native.enabled() else None,
+            decode_invalid=ops.prepare_decode_mask(lens, bs) if decode_lens else None,
             prefills=prefills,
         )
         return torch.tensor(tokens, dtype=torch.long), meta, torch.tensor(logit_rows, dtype=torch.long)
