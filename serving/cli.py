@@ -18,8 +18,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for name, field in ServeConfig.model_fields.items():
         # unset = None, so a YAML value or the ServeConfig default applies
         add_flag(p, name, field.annotation, field.default, field.description)
-    p.add_argument("--num-threads", dest="cpus_per_rank", type=int, metavar="N", help="the same as --cpus-per-rank")
-    p.add_argument("--config", help="YAML (or JSON) file of ServeConfig fields, snake_case or camelCase")
+    p.add_argument("--num-threads", dest="cpus_per_rank", type=int, metavar="N",
+                   help="another name of --cpus-per-rank: each rank runs this many torch threads and reserves as "
+                        f"many Ray CPUs (default: {ServeConfig.model_fields['cpus_per_rank'].default})")
+    p.add_argument("--config", help="YAML (or JSON) file of ServeConfig fields, snake_case or camelCase; flags "
+                                    "override it (example: serving/serve.example.yaml) (default: none)")
     p.set_defaults(func=_serve)
 
 
@@ -42,18 +45,13 @@ def config_to_args(config) -> list[str]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
-
+    from cpuserve.engine.distributed.cpus import check_cpu_count
     from cpuserve.serving.app import endpoints, start_serving, stop_serving
 
-    try:
-        config = config_from_args(args)
-        config.check_model()  # its ValueError names the field; main() prints it
-    except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or "config"
-        print(f"error: {field}: {err['msg']}", file=sys.stderr)
-        return 2
+    config = config_from_args(args)  # its ValueError is one line naming the file or field; main() prints it
+    if config.ray_address is None:  # a local cluster: this machine's cores are every rank's
+        check_cpu_count("cpus_per_rank", config.cpus_per_rank)
+    config.check_model()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
