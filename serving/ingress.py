@@ -154,12 +154,13 @@ class IngressCore:
 
     async def _sse(self, rid: str, first: dict, stream: AsyncIterator[dict], chat: bool,
                    include_usage: bool) -> AsyncIterator[bytes]:
-        chunk = first
+        chunk, text_offset = first, 0
         try:
             while True:
-                yield sse(completion_body(rid, self.model, chunk, chat, final=False))
+                yield sse(completion_body(rid, self.model, chunk, chat, final=False, text_offset=text_offset))
                 if chunk["finish_reason"]:
                     break
+                text_offset += len(chunk["text"])
                 chunk = await anext(stream)
             if include_usage:
                 yield sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
