@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
 
         reexec_with_intel_openmp()
     args = build_parser().parse_args(argv)
+    args.from_command_line = argv is None  # the `cpuserve` command itself (not a call from Python)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

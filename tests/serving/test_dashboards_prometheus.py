@@ -10,7 +10,6 @@ running operator and are not checked here.
 from __future__ import annotations
 
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import httpx
 import pytest
 import yaml
 
+from cli_checks import free_port
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "charts"))
 from chart_tools import tool  # noqa: E402
 from test_chart_metrics import alert_queries, dashboard_queries  # noqa: E402
@@ -45,9 +45,7 @@ def prometheus(serving, tmp_path_factory):
               "scrape_configs": [{"job_name": "cpuserve",
                                   "static_configs": [{"targets": [f"127.0.0.1:{serving.metrics_port}"]}]}]}
     (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([binary, f"--config.file={folder / 'prometheus.yml'}",
                              f"--storage.tsdb.path={folder / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
