@@ -46,7 +46,7 @@ def add_flag(parser: argparse.ArgumentParser, name: str, annotation: Any, defaul
         choices: allowed values, when the annotation does not list them.
     """
     kind, literal = _flag_type(annotation)
-    text = (help or "").replace("%", "%%") + ("" if default is None else f" (default: {default})")
+    text = (help or "").replace("%", "%%") + f" (default: {'none' if default is None else default})"
     flag = "--" + name.replace("_", "-")
     if kind is bool:
         parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=unset, help=text.strip())
@@ -80,12 +80,19 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from cpuserve.engine.distributed.cpus import check_cpu_count
+    from cpuserve.engine.errors import InvalidRequest
     from cpuserve.engine.llm import LLM
     from cpuserve.engine.sampling_params import SamplingParams
 
+    try:  # before the model loads: a bad flag costs nothing
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed)
+    except InvalidRequest as e:
+        raise ValueError(e.message.replace(e.param, "--" + e.param.replace("_", "-"), 1)) from None
+    if args.num_threads is not None:
+        check_cpu_count("--num-threads", args.num_threads)
     llm = LLM(**engine_kwargs(args), ranks=args.ranks)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)
     try:
         _print_generations(llm, args, params)
     finally:
@@ -120,19 +127,20 @@ def _bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cpuserve", description="Serve LLMs on CPUs.")
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level (default: WARNING)")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text from prompts with the engine")
-    gen.add_argument("prompt", nargs="+")
+    gen.add_argument("prompt", nargs="+", help="one or more prompts, each answered on its own")
     add_engine_args(gen)
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--raw", action="store_true", help="no chat template: continue the prompt text")
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most per prompt (default: 64)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0.0)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (default: 1.0)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 = off (default: 0)")
+    gen.add_argument("--seed", type=int, default=None, help="seed of this run's sampling (default: unseeded)")
+    gen.add_argument("--raw", action="store_true", help="no chat template: continue the prompt text (default: off)")
     gen.add_argument("--ranks", type=int, default=1,
-                     help="tensor-parallel ranks (processes; CPU sets from CPUSERVE_CPUS or split from the mask)")
+                     help="tensor-parallel ranks (processes; CPU sets from CPUSERVE_CPUS or split from the mask) "
+                          "(default: 1)")
     gen.set_defaults(func=_generate)
     bench = sub.add_parser("bench", help="run bench/engine.py (options after --)")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
@@ -152,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
 
         reexec_with_intel_openmp()
     args = build_parser().parse_args(argv)
+    args.from_command_line = argv is None  # the `cpuserve` command itself (not a call from Python)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 from cpuserve.engine.threads import openmp_env
@@ -85,10 +86,17 @@ def start_serving(config: ServeConfig, blocking_timeout_s: float = 600) -> None:
     if config.tls_cert_file:
         log.warning("TLS applies to HTTP only: Ray Serve's gRPC proxy listens in plaintext on port %d",
                     config.grpc_port)
+    logging.getLogger("ray.serve").addFilter(_quiet_serve_start)
     serve.start(http_options=HTTPOptions(host=config.host, port=config.http_port,
                                          ssl_certfile=config.tls_cert_file, ssl_keyfile=config.tls_key_file),
                 grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]))
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+
+
+def _quiet_serve_start(record: logging.LogRecord) -> bool:
+    """serve.run after serve.start always logs that it connects to the Serve instance serve.start just made and
+    will not apply new options: true and normal here, and read as a warning. Everything else passes."""
+    return not record.getMessage().startswith("Connecting to existing Serve app")
 
 
 def stop_serving() -> None:
@@ -96,10 +104,30 @@ def stop_serving() -> None:
     from ray import serve
 
     if ray.is_initialized():
+        import psutil
+
+        started = psutil.Process().children(recursive=True)  # Ray's processes, when this one started the cluster
         try:
             serve.shutdown()
         finally:
             ray.shutdown()
+            psutil.wait_procs(started, timeout=5)  # workers stop shortly after their raylet
+            remove_openmp_registrations({p.pid for p in started})
+
+
+def remove_openmp_registrations(pids: set[int], shm: Path = Path("/dev/shm")) -> list[Path]:
+    """Remove the files Intel's OpenMP registers itself in (`__KMP_REGISTERED_LIB_<pid>_<uid>`) for those of `pids`
+    that are gone. A process unregisters at exit, but Ray ends its workers without running library destructors,
+    and each leaves one. Only files of this user and of processes no longer alive are touched; returns them."""
+    import psutil
+
+    removed = []
+    for pid in pids:
+        path = shm / f"__KMP_REGISTERED_LIB_{pid}_{os.getuid()}"
+        if path.exists() and not psutil.pid_exists(pid):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
 
 
 def endpoints(config: ServeConfig) -> dict[str, str]:

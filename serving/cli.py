@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
+import subprocess
 import sys
 import threading
+
+
+_SUPERVISED = "CPUSERVE_SERVE_SUPERVISED"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -18,8 +23,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for name, field in ServeConfig.model_fields.items():
         # unset = None, so a YAML value or the ServeConfig default applies
         add_flag(p, name, field.annotation, field.default, field.description)
-    p.add_argument("--num-threads", dest="cpus_per_rank", type=int, metavar="N", help="the same as --cpus-per-rank")
-    p.add_argument("--config", help="YAML (or JSON) file of ServeConfig fields, snake_case or camelCase")
+    p.add_argument("--num-threads", dest="cpus_per_rank", type=int, metavar="N",
+                   help="another name of --cpus-per-rank: each rank runs this many torch threads and reserves as "
+                        f"many Ray CPUs (default: {ServeConfig.model_fields['cpus_per_rank'].default})")
+    p.add_argument("--config", help="YAML (or JSON) file of ServeConfig fields, snake_case or camelCase; flags "
+                                    "override it (example: serving/serve.example.yaml) (default: none)")
     p.set_defaults(func=_serve)
 
 
@@ -42,18 +50,15 @@ def config_to_args(config) -> list[str]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
-
+    from cpuserve.engine.distributed.cpus import check_cpu_count
     from cpuserve.serving.app import endpoints, start_serving, stop_serving
 
-    try:
-        config = config_from_args(args)
-        config.check_model()  # its ValueError names the field; main() prints it
-    except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or "config"
-        print(f"error: {field}: {err['msg']}", file=sys.stderr)
-        return 2
+    config = config_from_args(args)  # its ValueError is one line naming the file or field; main() prints it
+    if config.ray_address is None:  # a local cluster: this machine's cores are every rank's
+        check_cpu_count("cpus_per_rank", config.cpus_per_rank)
+    config.check_model()
+    if getattr(args, "from_command_line", False) and config.ray_address is None and os.environ.get(_SUPERVISED) != "1":
+        return _supervise()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -65,9 +70,30 @@ def _serve(args: argparse.Namespace) -> int:
         for name, url in endpoints(config).items():
             print(f"{name:8s}{url}", flush=True)
         print("serving; Ctrl-C stops", file=sys.stderr, flush=True)
-        while not stop.wait(1.0):
+        parent = os.getppid()
+        while not stop.wait(1.0) and os.getppid() == parent:  # the supervisor gone: stop too
             pass
     finally:
         print("shutting down", file=sys.stderr, flush=True)
         stop_serving()
     return 0
+
+
+def _supervise() -> int:
+    """Run this same command in its own session and pass it Ctrl-C / SIGTERM; returns its exit code.
+
+    A local Ray cluster's processes (GCS, raylet, workers) are children of the serving process and would share the
+    terminal's process group: `kill -TERM -PGID` (or a service manager stopping the group) would then kill them all
+    at once, before the serving process could shut Serve down, leaving actors behind. In their own session only
+    this supervisor receives the group's signal, and the serving process stops everything in order (as on Ctrl-C).
+    """
+    child = subprocess.Popen([sys.executable, *sys.orig_argv[1:]], env={**os.environ, _SUPERVISED: "1"},
+                             start_new_session=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: child.send_signal(signal.SIGINT))
+    while True:
+        try:
+            code = child.wait()
+            return code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
+        except InterruptedError:  # a signal arrived while waiting: keep waiting for the orderly stop
+            continue

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -172,15 +172,55 @@ class ServeConfig(BaseSettings):
 
 
 def load_config(path: str | None = None, **overrides: Any) -> ServeConfig:
-    """A YAML file (keys snake_case or camelCase) with CLI overrides on top; overrides of None are ignored."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"config={path!r} must be a YAML mapping of ServeConfig fields")
-        data = {_snake(k): v for k, v in loaded.items()}
-    data.update({k: v for k, v in overrides.items() if v is not None})
-    return ServeConfig(**data)
+    """A YAML file (keys snake_case or camelCase) with CLI overrides on top; overrides of None are ignored.
+
+    Raises:
+        ValueError: one line naming the file (missing, not YAML, not a mapping) or the field and where its value
+            came from (the file, a --flag or a CPUSERVE_SERVE_* variable), without pydantic's wrapping.
+    """
+    data = {} if path is None else _read_yaml(path)
+    flags = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return ServeConfig(**{**data, **flags})
+    except ValidationError as e:
+        raise ValueError(describe_error(e, path, file_keys=set(data) - set(flags))) from None
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    try:
+        loaded = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"config={path!r}: {e.strerror.lower()}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ValueError(f"config={path!r} is not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ValueError(f"config={path!r} must be a YAML mapping of ServeConfig fields")
+    return {_snake(str(k)): v for k, v in loaded.items()}
+
+
+def describe_error(error: ValidationError, path: str | None = None, file_keys: set[str] = frozenset()) -> str:
+    """The first error of a ServeConfig validation as one line: `<where>: <field>=<value>: <problem>`.
+
+    Args:
+        path: the --config file; fields in file_keys came from it, other fields from flags or the environment.
+    """
+    err = error.errors()[0]
+    msg = err["msg"].removeprefix("Value error, ")  # pydantic's wrapping of a ValueError raised by a validator
+    if not err["loc"]:  # a check across fields (_check below): its message names them
+        in_file = path and any(name in msg for name in file_keys)
+        return f"{path}: {msg}" if in_file else msg
+    name = str(err["loc"][0])
+    if err["type"] == "extra_forbidden":
+        msg = f"{name}: not a ServeConfig field (see `cpuserve serve --help`)"
+    else:
+        msg = f"{name}={err['input']!r}: {msg}"
+    if name in file_keys:
+        return f"{path}: {msg}"
+    return msg
 
 
 @functools.lru_cache(maxsize=4)

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException
 
 from cpuserve.serving import grpc_api
 from cpuserve.serving.config import ServeConfig
-from cpuserve.serving.metrics import build_serving_metrics
+from cpuserve.serving.metrics import build_serving_metrics, initialize_serving_metrics
 from cpuserve.serving.openai_api import ChatRequest, CompletionRequest, completion_body, parse_body, sse, usage
 from cpuserve.serving.protocol import (GRPC_CODE, HTTP_STATUS, NOT_FOUND, RESOURCE_EXHAUSTED, TOO_LARGE,
                                        UNAUTHENTICATED, UNAVAILABLE, RequestError, merge_chunks)
@@ -59,6 +59,7 @@ class IngressCore:
         self.model = self.config.model_name
         self.api_keys = self.config.api_keys()
         self.metrics = build_serving_metrics(registry := CollectorRegistry())
+        initialize_serving_metrics(self.metrics, self.model)
         self.engine_stats = EngineStatsAggregator(self.metrics, self.model)
         if self.config.metrics_port:
             start_http_server(self.config.metrics_port, addr=self.config.host, registry=registry)
@@ -154,12 +155,13 @@ class IngressCore:
 
     async def _sse(self, rid: str, first: dict, stream: AsyncIterator[dict], chat: bool,
                    include_usage: bool) -> AsyncIterator[bytes]:
-        chunk = first
+        chunk, text_offset = first, 0
         try:
             while True:
-                yield sse(completion_body(rid, self.model, chunk, chat, final=False))
+                yield sse(completion_body(rid, self.model, chunk, chat, final=False, text_offset=text_offset))
                 if chunk["finish_reason"]:
                     break
+                text_offset += len(chunk["text"])
                 chunk = await anext(stream)
             if include_usage:
                 yield sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 PREFIX = "cpuserve"
+FINISH_REASONS = ("stop", "length", "abort", "error")  # the finish_reason label's values
 
 # Latency buckets in seconds: CPU serving spans ~5 ms (one decode step of a tiny model) to minutes.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -80,3 +81,16 @@ def build_serving_metrics(registry: CollectorRegistry) -> ServingMetrics:
             f"{PREFIX}_engine_step_seconds", "Wall time of one engine step on one rank.",
             ("model", "rank"), buckets=STEP_BUCKETS, registry=registry),
     )
+
+
+def initialize_serving_metrics(metrics: ServingMetrics, model: str) -> None:
+    """Create every labelled series of `model` at zero, so dashboards and alerts read 0 instead of "No data"
+    before the first request, preemption or step (a labelled metric has no sample until its labels are used)."""
+    for reason in FINISH_REASONS:
+        metrics.requests.labels(model=model, finish_reason=reason)
+    for metric in (metrics.prompt_tokens, metrics.generation_tokens, metrics.time_to_first_token,
+                   metrics.inter_token_latency, metrics.e2e_request_latency, metrics.request_queue_time,
+                   metrics.num_requests_running, metrics.num_requests_waiting, metrics.kv_cache_usage_ratio,
+                   metrics.preemptions):
+        metric.labels(model=model)
+    metrics.engine_step.labels(model=model, rank="0")  # rank 0 reports the step time (serving/telemetry.py)

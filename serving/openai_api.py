@@ -6,6 +6,7 @@ Parsing is strict: wrong JSON types are errors, never coerced, and every error n
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from typing import Any, Literal
@@ -133,12 +134,14 @@ def usage(chunk: dict[str, Any]) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": chunk["cached_tokens"]}}
 
 
-def completion_logprobs(chunk: dict[str, Any]) -> dict[str, Any] | None:
+def completion_logprobs(chunk: dict[str, Any], text_offset: int = 0) -> dict[str, Any] | None:
+    """OpenAI's completions logprobs; text_offset: where the chunk's text starts in the completion (streams)."""
     if "logprobs" not in chunk:
         return None
     lps = chunk["logprobs"]  # [(id, token text, logprob, [(id, text, logprob), ...]), ...]
+    offsets = list(itertools.accumulate((len(lp[1]) for lp in lps[:-1]), initial=text_offset))
     return {"tokens": [lp[1] for lp in lps], "token_logprobs": [lp[2] for lp in lps],
-            "top_logprobs": [{t[1]: t[2] for t in lp[3]} for lp in lps], "text_offset": []}
+            "top_logprobs": [{t[1]: t[2] for t in lp[3]} for lp in lps], "text_offset": offsets if lps else []}
 
 
 def chat_logprobs(chunk: dict[str, Any]) -> dict[str, Any] | None:
@@ -152,8 +155,10 @@ def chat_logprobs(chunk: dict[str, Any]) -> dict[str, Any] | None:
                         for lp in chunk["logprobs"]]}
 
 
-def completion_body(rid: str, model: str, chunk: dict[str, Any], chat: bool, final: bool) -> dict[str, Any]:
-    """A whole response (final=True, chunk = all chunks merged) or one SSE chunk."""
+def completion_body(rid: str, model: str, chunk: dict[str, Any], chat: bool, final: bool,
+                    text_offset: int = 0) -> dict[str, Any]:
+    """A whole response (final=True, chunk = all chunks merged) or one SSE chunk, whose text starts at text_offset
+    in the completion."""
     reason = chunk["finish_reason"]
     if chat:
         content = {"role": "assistant", "content": chunk["text"]}
@@ -161,7 +166,8 @@ def completion_body(rid: str, model: str, chunk: dict[str, Any], chat: bool, fin
                   "finish_reason": reason}
         kind = "chat.completion" if final else "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": chunk["text"], "logprobs": completion_logprobs(chunk), "finish_reason": reason}
+        choice = {"index": 0, "text": chunk["text"], "logprobs": completion_logprobs(chunk, text_offset),
+                  "finish_reason": reason}
         kind = "text_completion"
     body = {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [choice]}
     if final:

@@ -63,3 +63,11 @@ def _ranges(cpus: list[int]) -> str:
             out.append(f"{start}-{c}" if c != start else f"{c}")
             start = None
     return ",".join(out)
+
+
+def check_cpu_count(name: str, count: int) -> None:
+    """Refuse `count` CPUs per rank (a field or flag `name`) above the cores this process may run on."""
+    mask = sorted(os.sched_getaffinity(0))
+    if count > len(mask):
+        raise ValueError(f"{name}={count} exceeds the {len(mask)} cores this process may run on "
+                         f"(affinity mask {_ranges(mask)}); use {name} <= {len(mask)}")

@@ -1,0 +1,96 @@
+"""`cpuserve serve` as a process: what it leaves behind when it stops."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from cli_checks import CPUSERVE, free_port
+from cpuserve.serving.app import remove_openmp_registrations
+
+
+def test_openmp_registrations_of_dead_processes_are_removed(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    uid = os.getuid()
+    files = {name: tmp_path / f"__KMP_REGISTERED_LIB_{pid}_{u}"
+             for name, pid, u in (("dead", dead.pid, uid), ("alive", os.getpid(), uid), ("other", dead.pid, uid + 1))}
+    for path in files.values():
+        path.write_text("registration")
+    assert remove_openmp_registrations({dead.pid, os.getpid()}, shm=tmp_path) == [files["dead"]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(files[k].name for k in ("alive", "other"))
+
+
+# Ports Ray 2.60 opens on every interface whatever the node address (measured: `cpuserve serve` on 127.0.0.1):
+# its core gRPC servers (GCS, raylet, every worker), Serve's gRPC proxy and replica data plane ("[::]" is hard-coded
+# in ray/serve/_private/grpc_util.py and replica.py), and the dashboard/runtime-env agents' HTTP servers, which take
+# the host's address. docs/serving.md lists them; the HTTP and metrics endpoints follow --host.
+WIDE = {"::", "0.0.0.0"}
+LOOPBACK = {"127.0.0.1", "::1"}
+
+
+def listening(pids: list[int]) -> dict[tuple[str, int], str]:
+    out = {}
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            for c in proc.net_connections(kind="inet"):
+                if c.status == psutil.CONN_LISTEN:
+                    out[(c.laddr.ip, c.laddr.port)] = proc.name()
+        except psutil.Error:
+            pass
+    return out
+
+
+@pytest.mark.parametrize("to_group", [True, False], ids=["kill-group", "kill-main"])
+def test_serve_binds_its_endpoints_to_host_and_sigterm_stops_every_process(tmp_path, to_group):
+    ports = {"grpc": free_port(), "http": free_port(), "metrics": free_port()}
+    err = (tmp_path / "stderr").open("w+")
+    proc = subprocess.Popen([CPUSERVE, "serve", "--grpc-port", str(ports["grpc"]), "--http-port", str(ports["http"]),
+                             "--metrics-port", str(ports["metrics"]), "--kv-cache-gb", "0.25"],
+                            stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
+                            env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    try:
+        deadline = time.monotonic() + 180
+        while not _healthy(ports["http"]):
+            assert proc.poll() is None and time.monotonic() < deadline, _read(err)
+            time.sleep(1)
+        tree = [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        sockets = listening(tree)
+        assert sockets[("127.0.0.1", ports["http"])] and sockets[("127.0.0.1", ports["metrics"])]
+        host_ips = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs} - LOOPBACK
+        unexpected = {k: v for k, v in sockets.items() if k[0] not in LOOPBACK | WIDE | host_ips}
+        assert unexpected == {}
+        os.killpg(proc.pid, signal.SIGTERM) if to_group else proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0, _read(err)
+        gone, alive = psutil.wait_procs([psutil.Process(p) for p in tree if psutil.pid_exists(p)], timeout=15)
+        assert alive == [], [p.info if hasattr(p, "info") else p for p in alive]
+        log = _read(err)
+        assert "Traceback" not in log and "SIGTERM received" not in log, log
+        assert "Connecting to existing Serve app" not in log, log
+        leftover = [p for p in tree if (Path("/dev/shm") / f"__KMP_REGISTERED_LIB_{p}_{os.getuid()}").exists()]
+        assert leftover == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _healthy(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _read(f) -> str:
+    f.flush()
+    f.seek(0)
+    return f.read()[-4000:]
