@@ -37,6 +37,18 @@ WIDE = {"::", "0.0.0.0"}
 LOOPBACK = {"127.0.0.1", "::1"}
 
 
+def test_only_the_normal_shutdown_line_is_dropped_from_forwarded_logs():
+    from cpuserve.serving.app import _forward_unless_normal_shutdown
+
+    got = []
+    normal = ("Task ServeController.graceful_shutdown failed. There are infinite retries remaining, so the task "
+              "will be retried. Error: The actor is dead because it was killed by `ray.kill`.")
+    other = "Task LLMServer.generate failed. Error: The actor is dead because it was killed by `ray.kill`."
+    _forward_unless_normal_shutdown(got.append, {"pid": "raylet", "lines": [normal, other]})
+    _forward_unless_normal_shutdown(got.append, {"pid": "raylet", "lines": [normal]})
+    assert [d["lines"] for d in got] == [[other]]
+
+
 def listening(pids: list[int]) -> dict[tuple[str, int], str]:
     out = {}
     for pid in pids:
@@ -76,6 +88,7 @@ def test_serve_binds_its_endpoints_to_host_and_sigterm_stops_every_process(tmp_p
         log = _read(err)
         assert "Traceback" not in log and "SIGTERM received" not in log, log
         assert "Connecting to existing Serve app" not in log, log
+        assert "graceful_shutdown failed" not in log, log  # normal at every shutdown: filtered (serving/app.py)
         leftover = [p for p in tree if (Path("/dev/shm") / f"__KMP_REGISTERED_LIB_{p}_{os.getuid()}").exists()]
         assert leftover == []
     finally:
