@@ -115,7 +115,9 @@ def stop_serving() -> None:
         finally:
             ray.shutdown()
             psutil.wait_procs(started, timeout=5)  # workers stop shortly after their raylet
-            remove_openmp_registrations({p.pid for p in started})
+            # and those Ray restarted or ended while serving: registered since this process started
+            since = registrations_since(psutil.Process().create_time())
+            remove_openmp_registrations({p.pid for p in started} | since)
 
 
 # serve.shutdown() asks the controller to shut down gracefully and the controller then kills itself, so the
@@ -138,6 +140,20 @@ def _forward_unless_normal_shutdown(print_lines, data: dict, **kwargs) -> None:
     lines = [line for line in data.get("lines", []) if not _NORMAL_SHUTDOWN.search(line)]
     if lines or not data.get("lines"):
         print_lines({**data, "lines": lines}, **kwargs)
+
+
+def registrations_since(start: float, shm: Path = Path("/dev/shm")) -> set[int]:
+    """The pids of this user's Intel OpenMP registration files written at or after `start` (a Unix time)."""
+    suffix = f"_{os.getuid()}"
+    pids = set()
+    for path in shm.glob(f"__KMP_REGISTERED_LIB_*{suffix}"):
+        pid = path.name[len("__KMP_REGISTERED_LIB_"):-len(suffix)]
+        try:
+            if pid.isdigit() and path.stat().st_mtime >= start:
+                pids.add(int(pid))
+        except FileNotFoundError:  # its process unregistered meanwhile
+            pass
+    return pids
 
 
 def remove_openmp_registrations(pids: set[int], shm: Path = Path("/dev/shm")) -> list[Path]:

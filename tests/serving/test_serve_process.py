@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from cli_checks import CPUSERVE, free_port
-from cpuserve.serving.app import remove_openmp_registrations
+from cpuserve.serving.app import registrations_since, remove_openmp_registrations
 
 
 def test_openmp_registrations_of_dead_processes_are_removed(tmp_path):
@@ -27,6 +27,16 @@ def test_openmp_registrations_of_dead_processes_are_removed(tmp_path):
         path.write_text("registration")
     assert remove_openmp_registrations({dead.pid, os.getpid()}, shm=tmp_path) == [files["dead"]]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(files[k].name for k in ("alive", "other"))
+
+
+def test_registrations_written_while_serving_are_found_by_time(tmp_path):
+    uid = os.getuid()
+    old, new, other = (tmp_path / f"__KMP_REGISTERED_LIB_{pid}_{u}" for pid, u in ((11, uid), (12, uid), (13, uid + 1)))
+    for path in (old, new, other):
+        path.write_text("registration")
+    start = time.time() - 5
+    os.utime(old, (start - 60, start - 60))  # before serving started: another program's, kept
+    assert registrations_since(start, shm=tmp_path) == {12}
 
 
 # Ports Ray 2.60 opens on every interface whatever the node address (measured: `cpuserve serve` on 127.0.0.1):
