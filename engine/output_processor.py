@@ -37,9 +37,6 @@ class OutputProcessor:
         self._streams[request.request_id] = TextStream(
             self.tokenizer, request.prompt_token_ids, params.stop, params.skip_special_tokens)
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._streams
-
     def decode(self, request: Request, token_id: int) -> tuple[str, RequestStatus | None]:
         """The text this token adds and, if the request ends with it, how: the one stop decision."""
         status = token_stop(request)

@@ -74,9 +74,9 @@ class ModelRunnerOutput:
     def place(cls, scheduled: list, token_ids: list[int], logprobs: list[TokenLogprob | None]) -> "ModelRunnerOutput":
         """Spread one value per sampling item (the step's logit rows) over every scheduled item."""
         out = cls([None] * len(scheduled), [None] * len(scheduled))
-        rows = iter(range(len(token_ids)))
+        row = 0
         for i, item in enumerate(scheduled):
             if item.needs_sample:
-                j = next(rows)
-                out.token_ids[i], out.logprobs[i] = token_ids[j], logprobs[j]
+                out.token_ids[i], out.logprobs[i] = token_ids[row], logprobs[row]
+                row += 1
         return out
