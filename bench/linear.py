@@ -2,10 +2,14 @@
 
     python bench/linear.py [--n 5632 --k 2048 --rows 1 32 --repeats 30]
     python bench/linear.py --kernels [--rows 1 2 4 8 16 24 32]   # SmolLM2's and a 1B's layer shapes
+    python bench/linear.py --int8-activations [--rows 1 8 32 128 512]
 
 Prints median milliseconds per call and the speed-up over fp32 F.linear (higher is faster). --kernels times our
 kernel (engine/csrc, with out=) and torch's (_weight_int4pack_mm_for_cpu / _weight_int8pack_mm) call for call,
 interleaved, so drift on a shared machine hits both alike; the ratio is torch's median / ours (> 1: ours faster).
+--int8-activations times the int8 dot-product GEMMs (activations="int8", vnni_gemm.cpp) against our bf16-activation
+GEMMs on the same shapes, interleaved: ratio = bf16_ms / int8_ms, and the int8 kernel's multiply-adds per cycle
+per thread (the roofline: AVX-512 VNNI issues one 64-MAC vpdpbusd per cycle on Zen 4, two on Sapphire Rapids).
 """
 from __future__ import annotations
 
@@ -67,18 +71,51 @@ def run_kernels(rows: tuple[int, ...], fmts=("int4", "int8"), budget_s: float = 
                     theirs = lambda: torch._weight_int8pack_mm(*args)  # noqa: E731
                     ours = lambda: torch.ops.cpuserve.int8_gemm.out(*args, out=out)  # noqa: E731
                 assert torch.equal(ours(), theirs()), f"{fmt} {n}x{k}, {m} rows: not torch's bits"
-                t_theirs, t_ours = [], []
-                deadline = time.perf_counter() + budget_s
-                while time.perf_counter() < deadline or len(t_ours) < 10:
-                    t0 = time.perf_counter()
-                    theirs()
-                    t1 = time.perf_counter()
-                    ours()
-                    t_ours.append(time.perf_counter() - t1)
-                    t_theirs.append(t1 - t0)
-                a, b = statistics.median(t_theirs) * 1e3, statistics.median(t_ours) * 1e3
+                a, b = interleaved_ms(theirs, ours, budget_s)
                 results.append({"bench": "kernels", "format": fmt, "shape": f"{n}x{k}", "M": m, "torch_ms": round(a, 4),
                                 "ours_ms": round(b, 4), "ours_vs_torch": round(a / b, 2)})
+                print(" | ".join(f"{v!s:>12}" for v in results[-1].values()), flush=True)
+    return results
+
+
+def interleaved_ms(a, b, budget_s: float) -> tuple[float, float]:
+    """Median ms of a() and b(), called alternately for budget_s (at least 10 each)."""
+    t_a, t_b = [], []
+    deadline = time.perf_counter() + budget_s
+    while time.perf_counter() < deadline or len(t_a) < 10:
+        t0 = time.perf_counter()
+        a()
+        t1 = time.perf_counter()
+        b()
+        t_a.append(t1 - t0)
+        t_b.append(time.perf_counter() - t1)
+    return statistics.median(t_a) * 1e3, statistics.median(t_b) * 1e3
+
+
+def cpu_ghz() -> float:
+    with open("/proc/cpuinfo") as f:
+        mhz = [float(line.split(":")[1]) for line in f if line.startswith("cpu MHz")]
+    return (max(mhz) if mhz else 0.0) / 1e3
+
+
+@torch.inference_mode()
+def run_int8_activations(rows: tuple[int, ...], budget_s: float = 0.4) -> list[dict]:
+    """int8 dot products against bf16 activations (our GEMMs, each with out=) on the engine's layer shapes."""
+    if not native.vnni_gemm_enabled():
+        raise SystemExit("the VNNI GEMMs are not built here (CPUSERVE_KERNELS, a CPU without AVX-512 VNNI)")
+    ghz, threads, results = cpu_ghz(), torch.get_num_threads(), []
+    for fmt in ("int4", "int8"):
+        for n, k in KERNEL_SHAPES[fmt]:
+            w = torch.randn(n, k) * 0.02
+            bf16, int8 = (build_linear(w, None, fmt, 32, activations=a) for a in ("bf16", "int8"))
+            for m in rows:
+                x = torch.randn(m, k).to(torch.bfloat16)
+                out = torch.empty(m, n, dtype=torch.bfloat16)
+                a, b = interleaved_ms(lambda: bf16(x, out=out), lambda: int8(x, out=out), budget_s)
+                macs = m * n * k / (b * 1e-3) / 1e9  # GMAC/s of the int8 kernel
+                results.append({"format": fmt, "shape": f"{n}x{k}", "M": m, "bf16_ms": round(a, 4),
+                                "int8_ms": round(b, 4), "int8_vs_bf16": round(a / b, 2),
+                                "MAC/cycle/thread": round(macs / (ghz * threads), 1) if ghz else "?"})
                 print(" | ".join(f"{v!s:>12}" for v in results[-1].values()), flush=True)
     return results
 
@@ -103,11 +140,16 @@ if __name__ == "__main__":
     ap.add_argument("--group-size", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     ap.add_argument("--kernels", action="store_true", help="our int4 / int8 GEMMs against torch's kernels")
+    ap.add_argument("--int8-activations", action="store_true", help="int8 dot products against bf16 activations")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    if a.kernels:
+    if a.int8_activations:
+        print(f"CPU clock {cpu_ghz():.2f} GHz (/proc/cpuinfo)")
+        print("      format |        shape |            M |      bf16_ms |      int8_ms | int8_vs_bf16 | MAC/cycle/thread")
+        run_int8_activations(tuple(a.rows or (1, 8, 32, 128, 512)))
+    elif a.kernels:
         print("      format |        shape |            M |     torch_ms |      ours_ms | ours_vs_torch")
         run_kernels(tuple(a.rows or (1, 2, 4, 8, 16, 24, 32)))
     else:

@@ -11,7 +11,7 @@ import typing
 from dataclasses import MISSING, fields
 from typing import Any, Literal
 
-from cpuserve.engine.config import GROUP_SIZES, KV_CACHE_DTYPES, WEIGHT_FORMATS, EngineConfig
+from cpuserve.engine.config import ACTIVATION_FORMATS, GROUP_SIZES, KV_CACHE_DTYPES, WEIGHT_FORMATS, EngineConfig
 
 # Subcommands owned by other packages: each module offers register(subparsers).
 _PLUGINS = ("cpuserve.serving.cli", "cpuserve.operator.cli")
@@ -22,6 +22,7 @@ ENGINE_FLAGS = {
     "model": "GGUF file or Hugging Face folder; none = the embedded SmolLM2-135M-Instruct",
     "weights": "runtime weight format",
     "group_size": "int4 quantization group along the input dimension",
+    "activations": "what int4 / int8 weights multiply: int8 (dynamic, VNNI dot products) or bf16 (exact)",
     "kv_cache": "KV cache element type",
     "kv_cache_gb": "memory budget of the KV block pool, GiB",
     "block_size": "tokens per KV block",
@@ -30,7 +31,8 @@ ENGINE_FLAGS = {
     "max_model_len": "context length; none = the model's",
     "num_threads": "torch threads; none = the cores in the process's affinity mask",
 }
-_CHOICES = {"weights": WEIGHT_FORMATS, "group_size": GROUP_SIZES, "kv_cache": KV_CACHE_DTYPES}
+_CHOICES = {"weights": WEIGHT_FORMATS, "group_size": GROUP_SIZES, "kv_cache": KV_CACHE_DTYPES,
+            "activations": ACTIVATION_FORMATS}
 
 
 def add_flag(parser: argparse.ArgumentParser, name: str, annotation: Any, default: Any, help: str | None,

@@ -8,6 +8,7 @@ from typing import Any
 
 WEIGHT_FORMATS = ("int4", "int8", "bf16", "fp32")  # one class each in engine/layers/linear/
 KV_CACHE_DTYPES = ("int8", "bf16", "fp32")
+ACTIVATION_FORMATS = ("int8", "bf16")  # what int4 / int8 weights multiply: see engine/layers/linear/act_int8.py
 GROUP_SIZES = (32, 64, 128, 256)  # int4 groups along K: the ones torch's int4 CPU kernel (and ours) accept
 
 
@@ -18,6 +19,7 @@ class EngineConfig:
     model: str | None = None  # GGUF file or HF folder; None = the embedded SmolLM2 default
     weights: str = "int4"  # runtime weight format, see WEIGHT_FORMATS
     group_size: int = 32  # int4 quantization group along the input dimension
+    activations: str = "int8"  # int4 / int8 weights x int8 activations (VNNI), or "bf16": torch's exact arithmetic
     kv_cache: str = "int8"  # KV cache dtype, see KV_CACHE_DTYPES
     kv_cache_gb: float = 1.0  # memory budget of the KV block pool
     block_size: int = 16  # tokens per KV block
@@ -38,6 +40,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights={self.weights!r} is not supported; use one of {', '.join(WEIGHT_FORMATS)}")
+        if self.activations not in ACTIVATION_FORMATS:
+            raise ValueError(f"activations={self.activations!r} is not supported; use one of "
+                             f"{', '.join(ACTIVATION_FORMATS)}")
         if self.kv_cache not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache={self.kv_cache!r} is not supported; use one of {', '.join(KV_CACHE_DTYPES)}")
         if self.group_size not in GROUP_SIZES:

@@ -42,5 +42,5 @@ def build_runner(config: EngineConfig, checkpoint, max_model_len: int) -> Runner
     from cpuserve.engine.model_runner import ModelRunner
     from cpuserve.engine.models.builder import build_model
 
-    model = build_model(checkpoint, config.weights, config.group_size, config.show_progress)
+    model = build_model(checkpoint, config.weights, config.group_size, config.show_progress, config.activations)
     return ModelRunner(model, config.kv_cache, config.num_blocks, config.block_size, max_model_len)

@@ -16,7 +16,7 @@ from pydantic import Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from cpuserve.engine.config import GROUP_SIZES, KV_CACHE_DTYPES, WEIGHT_FORMATS, EngineConfig
+from cpuserve.engine.config import ACTIVATION_FORMATS, GROUP_SIZES, KV_CACHE_DTYPES, WEIGHT_FORMATS, EngineConfig
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 PATH_FIELDS = ("model", "api_key_file", "tls_cert_file", "tls_key_file")  # files the serving host must have
@@ -40,6 +40,8 @@ class ServeConfig(BaseSettings):
     """Runtime weight format (weight-only quantization)."""
     group_size: Literal[GROUP_SIZES] = _ENGINE.group_size  # type: ignore[valid-type]
     """int4 quantization group along the input dimension."""
+    activations: Literal[ACTIVATION_FORMATS] = _ENGINE.activations  # type: ignore[valid-type]
+    """What int4 / int8 weights multiply: int8 (dynamic per token, VNNI dot products) or bf16 (exact)."""
     kv_cache: Literal[KV_CACHE_DTYPES] = _ENGINE.kv_cache  # type: ignore[valid-type]
     """KV cache element type; int8 keeps one fp32 scale per token and KV head."""
     kv_cache_gb: float = Field(_ENGINE.kv_cache_gb, gt=0)
@@ -146,7 +148,8 @@ class ServeConfig(BaseSettings):
 
     def engine_options(self) -> dict[str, Any]:
         """Keyword arguments of AsyncLLMEngine.from_config for one replica."""
-        return dict(model=self.model, weights=self.weights, group_size=self.group_size, kv_cache=self.kv_cache,
+        return dict(model=self.model, weights=self.weights, group_size=self.group_size,
+                    activations=self.activations, kv_cache=self.kv_cache,
                     kv_cache_gb=self.kv_cache_gb, block_size=self.block_size, max_num_seqs=self.max_num_seqs,
                     max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
                     enable_prefix_caching=self.enable_prefix_caching, num_threads=self.cpus_per_rank,

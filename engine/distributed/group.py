@@ -82,7 +82,8 @@ def start_group(config, max_model_len: int, vocab_size: int, transport: str | No
     transport = (transport or config.transport or os.environ.get("CPUSERVE_COMM")
                  or ("shm" if placement.same_host else "torch"))
     port = _free_port()
-    spec = dict(model=config.model, weights=config.weights, group_size=config.group_size, kv_cache=config.kv_cache,
+    spec = dict(model=config.model, weights=config.weights, group_size=config.group_size,
+                activations=config.activations, kv_cache=config.kv_cache,
                 num_blocks=config.num_blocks, block_size=config.block_size, max_model_len=max_model_len,
                 tp_mode=config.tp_mode, num_threads=config.num_threads, transport=transport,
                 log_level=logging.getLogger().level)

@@ -191,12 +191,12 @@ TP_MODES = ("exact", "reduce")
 
 
 def build_sharded_model(checkpoint, weights: str, group_size: int, comm: Communicator, tp_mode: str = "exact",
-                        show_progress: bool = False) -> ShardedLlamaModel:
+                        show_progress: bool = False, activations: str = "bf16") -> ShardedLlamaModel:
     """Build rank comm.rank's shard of the checkpoint's model (quantizing only its own slices)."""
     if tp_mode not in TP_MODES:
         raise ValueError(f"tp_mode={tp_mode!r} is not supported; use one of {TP_MODES}")
     plan = ShardPlan.make(checkpoint.args, comm.rank, comm.world_size, tp_mode == "exact")
-    model = build_model(ShardedCheckpoint(checkpoint, plan), weights, group_size, show_progress)
+    model = build_model(ShardedCheckpoint(checkpoint, plan), weights, group_size, show_progress, activations)
     model.__class__ = ShardedLlamaModel  # same modules and buffers; only forward and the o/down wrappers differ
     log.info("rank %d/%d shard (%s): q heads %s, kv heads %s, ffn %s, vocab %s", comm.rank, comm.world_size,
              tp_mode, plan.q_heads, plan.kv_heads, plan.ffn, plan.vocab)

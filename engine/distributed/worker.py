@@ -24,7 +24,8 @@ def build_rank(spec: dict, comm: Communicator):
 
     tune_allocator()
     checkpoint = load_checkpoint(spec["model"], show_progress=False)
-    model = build_sharded_model(checkpoint, spec["weights"], spec["group_size"], comm, spec["tp_mode"])
+    model = build_sharded_model(checkpoint, spec["weights"], spec["group_size"], comm, spec["tp_mode"],
+                                activations=spec["activations"])
     return ModelRunner(model, spec["kv_cache"], spec["num_blocks"], spec["block_size"], spec["max_model_len"])
 
 

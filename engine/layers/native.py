@@ -24,8 +24,9 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = [CSRC / name for name in ("decode_ops.cpp", "slim_attention.cpp", "int4_gemm.cpp", "int4_few_rows.cpp",
-                                     "int8_gemm.cpp")]
-HEADERS = [CSRC / "simd.h", CSRC / "tasks.h", CSRC / "int4_few_rows.h"]  # part of the build's cache key too
+                                     "int8_gemm.cpp", "vnni_gemm.cpp")]
+# headers are part of the build's cache key too
+HEADERS = [CSRC / name for name in ("simd.h", "tasks.h", "int4_few_rows.h", "act_quant.h")]
 # -fassociative-math lets GCC vectorize the reductions; with alignment peeling off, their summation order depends
 # only on the length, never on where a buffer happens to sit: results are reproducible across processes and
 # batch layouts (a replica group's ranks must match one rank bit for bit).
@@ -138,6 +139,12 @@ def int8_gemm_enabled() -> bool:
             log.warning("int8 GEMM kernel disagrees with torch's int8 kernel on this CPU; using torch's kernel")
             return False
     return True
+
+
+@functools.lru_cache(maxsize=1)
+def vnni_gemm_enabled() -> bool:
+    """The int8 dot-product GEMMs (vnni_gemm.cpp) are built for this CPU (AVX-512 VNNI)."""
+    return enabled() and bool(torch.ops.cpuserve.vnni_gemm_supported())
 
 
 @functools.lru_cache(maxsize=1)

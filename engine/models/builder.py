@@ -28,8 +28,10 @@ def lm_head_format(weights: str) -> str:
     return "int8" if weights == "int4" else weights
 
 
-def build_model(checkpoint, weights: str, group_size: int, show_progress: bool = True) -> LlamaModel:
-    """checkpoint: a loader Checkpoint (args + iter_weights of fp32 tensors in Hugging Face Llama naming)."""
+def build_model(checkpoint, weights: str, group_size: int, show_progress: bool = True,
+                activations: str = "bf16") -> LlamaModel:
+    """checkpoint: a loader Checkpoint (args + iter_weights of fp32 tensors in Hugging Face Llama naming);
+    activations: what int4 / int8 weights multiply (build_linear's)."""
     args = checkpoint.args
     dtype = activation_dtype(weights)
     pending: dict[int, dict[str, torch.Tensor]] = defaultdict(dict)
@@ -43,7 +45,7 @@ def build_model(checkpoint, weights: str, group_size: int, show_progress: bool =
         # the vocabulary-sized tensors are converted as they arrive, so their fp32 copies are never held together
         # with the layers' (a 1B model's embedding and lm_head are 262 MB each in fp32)
         if name == "lm_head.weight" or (name == "model.embed_tokens.weight" and args.tie_embeddings):
-            lm_head = build_linear(tensor, None, lm_head_format(weights), group_size)
+            lm_head = build_linear(tensor, None, lm_head_format(weights), group_size, activations=activations)
         if name == "model.embed_tokens.weight":
             tensor = tensor.to(dtype)
         elif name == "lm_head.weight":
@@ -54,7 +56,7 @@ def build_model(checkpoint, weights: str, group_size: int, show_progress: bool =
         index, part = int(match.group(1)), match.group(2)
         pending[index][part] = tensor
         if all(p in pending[index] for p in _LAYER_PARTS) and (not args.qkv_bias or _has_biases(pending[index])):
-            layers[index] = _build_block(args, pending.pop(index), weights, group_size, dtype)
+            layers[index] = _build_block(args, pending.pop(index), weights, group_size, dtype, activations)
     missing = [i for i in range(args.n_layers) if i not in layers]
     if missing:
         raise ValueError(f"checkpoint is missing tensors of layer(s) {missing[:5]}: expected {list(_LAYER_PARTS)}")
@@ -72,9 +74,10 @@ def _has_biases(parts: dict[str, torch.Tensor]) -> bool:
     return all(f"self_attn.{p}_proj.bias" in parts for p in "qkv")
 
 
-def _build_block(args, parts: dict[str, torch.Tensor], weights: str, group_size: int, dtype) -> TransformerBlock:
+def _build_block(args, parts: dict[str, torch.Tensor], weights: str, group_size: int, dtype,
+                 activations: str) -> TransformerBlock:
     def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> QuantLinear:
-        return build_linear(weight, bias, weights, group_size)
+        return build_linear(weight, bias, weights, group_size, activations=activations)
 
     qkv_weight = torch.cat([parts[f"self_attn.{p}_proj.weight"] for p in "qkv"])  # [(H + 2 Hkv) D, dim]
     qkv_bias = torch.cat([parts[f"self_attn.{p}_proj.bias"] for p in "qkv"]) if args.qkv_bias else None

@@ -1,21 +1,27 @@
 """build_linear: a float weight quantized into the class of its runtime format."""
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 from torch import Tensor
 
-from cpuserve.engine.config import GROUP_SIZES, WEIGHT_FORMATS
+from cpuserve.engine.config import ACTIVATION_FORMATS, GROUP_SIZES, WEIGHT_FORMATS
+from cpuserve.engine.layers.linear.act_int8 import W4A8Linear, W8A8Linear, vnni_available
 from cpuserve.engine.layers.linear.base import QuantLinear
 from cpuserve.engine.layers.linear.dense import DenseLinear
 from cpuserve.engine.layers.linear.int4 import Int4Linear
 from cpuserve.engine.layers.linear.int8 import Int8Linear
 
 _CLASSES = {"int4": Int4Linear, "int8": Int8Linear, "bf16": DenseLinear, "fp32": DenseLinear}
+_INT8_ACT_CLASSES = {"int4": W4A8Linear, "int8": W8A8Linear}  # activations="int8"
 assert tuple(_CLASSES) == WEIGHT_FORMATS, "every weight format needs a class"
+log = logging.getLogger(__name__)
 
 
 def build_linear(weight: Tensor, bias: Tensor | None, fmt: str, group_size: int = 32,
-                 use_fallback: bool = False) -> QuantLinear:
+                 use_fallback: bool = False, activations: str = "bf16") -> QuantLinear:
     """Quantize a float weight into the runtime format.
 
     Args:
@@ -24,20 +30,43 @@ def build_linear(weight: Tensor, bias: Tensor | None, fmt: str, group_size: int 
         fmt: one of WEIGHT_FORMATS.
         group_size: int4 group along K, one of GROUP_SIZES (validated for every fmt).
         use_fallback: force the plain-torch path even when the fast kernel fits (tests, debugging).
+        activations: "int8" multiplies int4 / int8 weights with dynamically quantized int8 activations (act_int8.py,
+            VNNI) where the kernels are built and the shape fits, else bf16 activations; "bf16" always keeps them
+            (torch's kernels' exact arithmetic). bf16 / fp32 weights always run dense.
     Raises:
-        ValueError: unknown fmt or group_size, or a weight that is not 2-D.
+        ValueError: unknown fmt, group_size or activations, or a weight that is not 2-D.
     """
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"fmt must be one of {WEIGHT_FORMATS}, got {fmt!r}")
     if group_size not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size!r}")
+    if activations not in ACTIVATION_FORMATS:
+        raise ValueError(f"activations must be one of {ACTIVATION_FORMATS}, got {activations!r}")
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
     n = weight.shape[0]
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
     with torch.no_grad():
-        linear = _CLASSES[fmt].from_float(weight.detach(), fmt, group_size, use_fallback)
+        if _int8_activations(weight, fmt, group_size, use_fallback, activations):
+            linear = _INT8_ACT_CLASSES[fmt].from_float(weight.detach(), fmt, group_size)
+        else:
+            linear = _CLASSES[fmt].from_float(weight.detach(), fmt, group_size, use_fallback)
         if bias is not None:
             linear.bias = bias.detach().to(linear.act_dtype).contiguous()
     return linear
+
+
+def _int8_activations(weight: Tensor, fmt: str, group_size: int, use_fallback: bool, activations: str) -> bool:
+    if activations != "int8" or fmt not in _INT8_ACT_CLASSES or use_fallback:
+        return False
+    if not vnni_available():
+        _warn_no_vnni()
+        return False
+    return not _INT8_ACT_CLASSES[fmt].misfit(*weight.shape, group_size)  # else bf16 activations (they fit more)
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_no_vnni() -> None:
+    log.warning("activations=int8 needs the AVX-512 VNNI kernels (engine/csrc/vnni_gemm.cpp), which are not built "
+                "here (CPUSERVE_KERNELS=torch, or a CPU without VNNI): using bf16 activations")

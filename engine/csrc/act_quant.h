@@ -1,0 +1,58 @@
+// Dynamic int8 activations for the int8 dot-product GEMMs (vnni_gemm.cpp).
+//
+// Each row of x is quantized on its own, symmetrically, one scale per `act_group` inputs (act_group = K: one per
+// row): s = absmax / 127, q = round-half-even(x * (127 / absmax)), so x ~= s * q with q in [-127, 127]. A row's
+// codes and scales depend on that row alone, never on the batch it shares or the thread that quantizes it.
+//
+// For the int4 GEMM each row also gets, per weight group g (the weights' groups along K, act_group a multiple of
+// them): ax[g], the scale of the activation group holding g, and axs[g] = ax[g] * sum of the row's codes in g (the
+// zero points' term). engine/layers/linear/act_int8.py's quantize_rows is the plain-torch reference.
+#pragma once
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+namespace cpuserve_act {
+
+// One row x[0, K) bf16 -> q[0, K) int8; scale[K / act_group] fp32. K and act_group are multiples of 16.
+inline void quantize_row(const c10::BFloat16* x, int64_t K, int64_t act_group, int8_t* q, float* scale) {
+  for (int64_t a0 = 0, a = 0; a0 < K; a0 += act_group, ++a) {
+    __m512 vmax = _mm512_setzero_ps();
+    for (int64_t k = a0; k < a0 + act_group; k += 16) {
+      const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + k)));
+      vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))));
+    }
+    const float absmax = _mm512_reduce_max_ps(vmax);
+    scale[a] = absmax / 127.f;
+    const __m512 inv = _mm512_set1_ps(absmax > 0.f ? 127.f / absmax : 0.f);
+    for (int64_t k = a0; k < a0 + act_group; k += 16) {
+      const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + k)));
+      const __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)), inv);
+      // vcvtps2dq rounds half to even (the default MXCSR mode), as torch.round does; |v| <= 127 so the
+      // saturating narrow never clips
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+    }
+  }
+}
+
+// The int4 GEMM's per-weight-group terms of one quantized row: ax[g], axs[g] for g in [0, K / group).
+inline void group_terms(const int8_t* q, const float* scale, int64_t K, int64_t act_group, int64_t group, float* ax,
+                        float* axs) {
+  for (int64_t g0 = 0, g = 0; g0 < K; g0 += group, ++g) {
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t k = g0; k < g0 + group; k += 16)
+      sum = _mm512_add_epi32(sum, _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k))));
+    ax[g] = scale[g0 / act_group];
+    axs[g] = ax[g] * static_cast<float>(_mm512_reduce_add_epi32(sum));
+  }
+}
+
+}  // namespace cpuserve_act
+
+#endif

@@ -1,0 +1,135 @@
+"""int4 / int8 weights x dynamic int8 activations (engine/csrc/vnni_gemm.cpp): against the plain-torch reference,
+against fp32, and independent of the batch, the tiling and the thread count."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cpuserve.engine.config import EngineConfig
+from cpuserve.engine.layers import native
+from cpuserve.engine.layers.linear import build_linear
+from cpuserve.engine.layers.linear.act_int8 import (W4A8Linear, W8A8Linear, pack_int4, pack_int8, quantize_rows,
+                                                    unpack_int4, unpack_int8)
+from cpuserve.engine.layers.linear.int4 import dequantize_int4, quantize_int4
+
+pytestmark = pytest.mark.skipif(not native.vnni_gemm_enabled(), reason="needs the AVX-512 VNNI kernels")
+ROWS = [1, 2, 3, 4, 5, 8, 17, 40]  # whole 4-row register blocks and every remainder
+
+
+def make_weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=gen) * 0.05 + torch.randn(n, 1, generator=gen) * 0.02  # zero points matter
+
+
+def make_x(m: int, k: int, seed: int = 1) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen)
+    x[:, 7] *= 20  # an outlier channel, as real hidden states have
+    return x.to(torch.bfloat16)
+
+
+def assert_matches_reference(y: torch.Tensor, ref: torch.Tensor) -> None:
+    # The integer sums are exact on both sides; what differs is the kernel's fp32 epilogue order and its bf16
+    # output rounding (2^-9 relative), so 2^-7 of the output's magnitude is a few roundings, while a wrong scale,
+    # zero point, code layout or row would be off by tens of percent.
+    tol = 2 ** -7 * ref.abs().max().item()
+    torch.testing.assert_close(y.float(), ref, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128, 256])
+@pytest.mark.parametrize("n,k", [(960, 1536), (576, 512), (80, 256)])  # K: whole groups of 256
+def test_w4a8_matches_the_plain_torch_reference(group, n, k):
+    m = build_linear(make_weight(n, k), None, "int4", group, activations="int8")
+    assert isinstance(m, W4A8Linear)
+    for rows in ROWS:
+        x = make_x(rows, k)
+        assert_matches_reference(m(x), m.reference(x))
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (80, 96), (49152 // 8, 576)])
+def test_w8a8_matches_the_plain_torch_reference(n, k):
+    m = build_linear(make_weight(n, k), None, "int8", activations="int8")
+    assert isinstance(m, W8A8Linear)
+    for rows in ROWS:
+        x = make_x(rows, k)
+        assert_matches_reference(m(x), m.reference(x))
+
+
+@pytest.mark.parametrize("fmt,act_group", [("int4", 32), ("int8", 1536)])
+def test_error_against_fp32_is_within_the_activation_rounding_bound(fmt, act_group):
+    """Independent of the reference above: F.linear in fp32 over the dequantized weight. Rounding each activation
+    to a step of absmax / 127 of its group moves it by at most half a step, so |y - y_fp32| <= 0.5 |W| @ step
+    (plus the bf16 output rounding)."""
+    w = make_weight(576, 1536)
+    m = build_linear(w, None, fmt, 32, activations="int8")
+    x = make_x(16, 1536).float()
+    ref = F.linear(x, m.dequantize())
+    step = x.reshape(16, -1, act_group).abs().amax(-1).repeat_interleave(act_group, dim=1) / 127  # [M, K]
+    bound = 0.5 * step @ m.dequantize().abs().t() + 2 ** -8 * ref.abs()
+    err = (m(x).float() - ref).abs()
+    assert (err <= bound * 1.001).all(), (err / bound).max()
+    assert (err / bound).max() > 0.01  # the activations are really rounded (not bf16 through another path)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_a_row_does_not_depend_on_the_batch_or_the_threads(fmt):
+    m = build_linear(make_weight(576, 576), torch.randn(576), fmt, 32, activations="int8")
+    x = make_x(37, 576)
+    batched = m(x)
+    alone = torch.cat([m(x[i:i + 1]) for i in range(37)])
+    assert torch.equal(batched, alone)
+    shuffled = torch.randperm(37, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(m(x[shuffled]), batched[shuffled])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = m(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one_thread, batched)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_out_gives_the_same_bits_in_place(fmt):
+    m = build_linear(make_weight(192, 576), torch.randn(192), fmt, 32, activations="int8")
+    x = make_x(6, 576)
+    out = torch.full((6, 192), float("nan"), dtype=torch.bfloat16)
+    assert m(x, out=out) is out and m.can_write_into(6)
+    assert torch.equal(out, m(x))
+
+
+def test_packing_round_trips_and_dequantize_is_the_int4_weight():
+    w = make_weight(64, 256)
+    codes, scale, zero = quantize_int4(w, 64)
+    assert torch.equal(unpack_int4(pack_int4(codes)), codes)
+    q = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
+    assert torch.equal(unpack_int8(pack_int8(q)), q)
+    m = build_linear(w, None, "int4", 64, activations="int8")
+    torch.testing.assert_close(m.dequantize(), dequantize_int4(codes, scale, zero, 64), rtol=0, atol=1e-6)
+
+
+def test_row_quantization_reference():
+    x = torch.tensor([[0.0, 1.0, -2.0, 0.5] * 8, [0.0] * 32])
+    q, s = quantize_rows(x, 32)
+    assert q[0, :4].tolist() == [0, 64, -127, 32] and s[0, 0].item() == pytest.approx(2 / 127)
+    assert q[1].abs().sum() == 0 and s[1, 0] == 0  # an all-zero row stays zero, no division by zero
+
+
+def test_shapes_the_kernel_refuses_keep_bf16_activations():
+    assert not isinstance(build_linear(make_weight(200, 576), None, "int4", 32, activations="int8"), W4A8Linear)
+    assert not isinstance(build_linear(make_weight(192, 40), None, "int8", activations="int8"), W8A8Linear)
+    assert isinstance(build_linear(make_weight(192, 576), None, "int4", 32, activations="bf16").packed, torch.Tensor)
+    assert not isinstance(build_linear(make_weight(192, 576), None, "int4", 32, activations="bf16"), W4A8Linear)
+
+
+def test_bad_activations_value_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match="activations='fp8'.*int8, bf16"):
+        EngineConfig(activations="fp8")
+    with pytest.raises(ValueError, match="activations must be one of"):
+        build_linear(make_weight(16, 32), None, "int4", 32, activations="int4")
+
+
+def test_engine_default_multiplies_int8_activations_in_every_linear(llm_int4):
+    model = llm_int4.engine.runner.model
+    layers = [m for m in model.modules() if hasattr(m, "fmt")]
+    assert layers and all(isinstance(m, (W4A8Linear, W8A8Linear)) for m in layers), layers[:3]
+    assert isinstance(model.lm_head, W8A8Linear)
