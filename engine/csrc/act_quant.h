@@ -4,9 +4,8 @@
 // row): s = absmax / 127, q = round-half-even(x * (127 / absmax)), so x ~= s * q with q in [-127, 127]. A row's
 // codes and scales depend on that row alone, never on the batch it shares or the thread that quantizes it.
 //
-// For the int4 GEMM each row also gets, per weight group g (the weights' groups along K, act_group a multiple of
-// them): ax[g], the scale of the activation group holding g, and axs[g] = ax[g] * sum of the row's codes in g (the
-// zero points' term). engine/layers/linear/act_int8.py's quantize_rows is the plain-torch reference.
+// Each group also gets axs = scale * the sum of its codes, for the weights' zero points (vnni_gemm.cpp).
+// engine/layers/linear/act_int8.py's quantize_rows is the plain-torch reference.
 #pragma once
 
 #if defined(__AVX512F__)
@@ -41,15 +40,13 @@ inline void quantize_row(const c10::BFloat16* x, int64_t K, int64_t act_group, i
   }
 }
 
-// The int4 GEMM's per-weight-group terms of one quantized row: ax[g], axs[g] for g in [0, K / group).
-inline void group_terms(const int8_t* q, const float* scale, int64_t K, int64_t act_group, int64_t group, float* ax,
-                        float* axs) {
-  for (int64_t g0 = 0, g = 0; g0 < K; g0 += group, ++g) {
+// axs[a] = scale[a] * (the sum of the row's codes in activation group a): the zero points' term of each group.
+inline void group_sums(const int8_t* q, const float* scale, int64_t K, int64_t act_group, float* axs) {
+  for (int64_t a0 = 0, a = 0; a0 < K; a0 += act_group, ++a) {
     __m512i sum = _mm512_setzero_si512();
-    for (int64_t k = g0; k < g0 + group; k += 16)
+    for (int64_t k = a0; k < a0 + act_group; k += 16)
       sum = _mm512_add_epi32(sum, _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k))));
-    ax[g] = scale[g0 / act_group];
-    axs[g] = ax[g] * static_cast<float>(_mm512_reduce_add_epi32(sum));
+    axs[a] = scale[a] * static_cast<float>(_mm512_reduce_add_epi32(sum));
   }
 }
 

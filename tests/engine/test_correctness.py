@@ -66,11 +66,13 @@ def english_ids(llm_fp32) -> list[int]:
     return ids[:8193]
 
 
-def test_int4_int8kv_perplexity_within_2_percent_of_fp32(llm_fp32, llm_int4, english_ids):
+def test_int4_int8act_int8kv_perplexity_within_1_percent_of_fp32(llm_fp32, llm_int4, english_ids):
+    """The engine's defaults: int4 weights x int8 activations, int8 KV cache (measured +0.59% on AMD EPYC Zen 4)."""
+    assert llm_int4.engine.config.activations == "int8"
     ppl_fp32 = perplexity(llm_fp32, english_ids, window=1024)
     ppl_int4 = perplexity(llm_int4, english_ids, window=1024)
-    print(f"perplexity over {len(english_ids) - 1} tokens: fp32 {ppl_fp32:.3f}, int4+int8kv {ppl_int4:.3f}")
-    assert ppl_int4 <= ppl_fp32 * 1.02
+    print(f"perplexity over {len(english_ids) - 1} tokens: fp32 {ppl_fp32:.3f}, int4+int8act+int8kv {ppl_int4:.3f}")
+    assert ppl_int4 <= ppl_fp32 * 1.01
 
 
 def test_int4_greedy_agrees_with_fp32_on_most_tokens(llm_fp32, llm_int4):

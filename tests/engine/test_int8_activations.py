@@ -54,13 +54,14 @@ def test_w8a8_matches_the_plain_torch_reference(n, k):
         assert_matches_reference(m(x), m.reference(x))
 
 
-@pytest.mark.parametrize("fmt,act_group", [("int4", 32), ("int8", 1536)])
-def test_error_against_fp32_is_within_the_activation_rounding_bound(fmt, act_group):
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_error_against_fp32_is_within_the_activation_rounding_bound(fmt):
     """Independent of the reference above: F.linear in fp32 over the dequantized weight. Rounding each activation
     to a step of absmax / 127 of its group moves it by at most half a step, so |y - y_fp32| <= 0.5 |W| @ step
     (plus the bf16 output rounding)."""
     w = make_weight(576, 1536)
     m = build_linear(w, None, fmt, 32, activations="int8")
+    act_group = m.act_group
     x = make_x(16, 1536).float()
     ref = F.linear(x, m.dequantize())
     step = x.reshape(16, -1, act_group).abs().amax(-1).repeat_interleave(act_group, dim=1) / 127  # [M, K]
@@ -101,7 +102,7 @@ def test_packing_round_trips_and_dequantize_is_the_int4_weight():
     w = make_weight(64, 256)
     codes, scale, zero = quantize_int4(w, 64)
     assert torch.equal(unpack_int4(pack_int4(codes)), codes)
-    q = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
+    q = torch.randint(0, 256, (32, 64), dtype=torch.int32)
     assert torch.equal(unpack_int8(pack_int8(q)), q)
     m = build_linear(w, None, "int4", 64, activations="int8")
     torch.testing.assert_close(m.dequantize(), dequantize_int4(codes, scale, zero, 64), rtol=0, atol=1e-6)
@@ -116,7 +117,7 @@ def test_row_quantization_reference():
 
 def test_shapes_the_kernel_refuses_keep_bf16_activations():
     assert not isinstance(build_linear(make_weight(200, 576), None, "int4", 32, activations="int8"), W4A8Linear)
-    assert not isinstance(build_linear(make_weight(192, 40), None, "int8", activations="int8"), W8A8Linear)
+    assert not isinstance(build_linear(make_weight(192, 48), None, "int8", activations="int8"), W8A8Linear)
     assert isinstance(build_linear(make_weight(192, 576), None, "int4", 32, activations="bf16").packed, torch.Tensor)
     assert not isinstance(build_linear(make_weight(192, 576), None, "int4", 32, activations="bf16"), W4A8Linear)
 
