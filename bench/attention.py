@@ -3,7 +3,9 @@
     python bench/attention.py [--quick] [--repeats 5]
 
 Prefill: SlimAttention vs torch SDPA (is_causal=True, enable_gqa=True: torch's CPU flash kernel) at 1024 and
-4096 tokens, bf16 and fp32; ratio = sdpa_ms / slim_ms (> 1: SlimAttention is faster).
+4096 tokens, bf16 and fp32; ratio = sdpa_ms / slim_ms (> 1: SlimAttention is faster). The two run interleaved, one
+call each per repetition, so drift from other load on the machine hits both alike. The case names the kernel:
+"native brgemm" / "native avx512_bf16" (engine/csrc/slim_attention.cpp) or "torch" (attention.slim_attention).
 Decode: paged_decode_attention with an int8 vs a bf16 cache at batch 1/8/32, context 512;
 ratio = bf16_ms / int8_ms. Then the fused C++ kernel (torch.ops.cpuserve.decode_attention) against that
 plain-torch kernel on the same int8 pool; ratio = torch_ms / native_ms.
@@ -37,22 +39,39 @@ def median_ms(fn, repeats: int, warmup: int = 1) -> float:
     return 1000 * statistics.median(times)
 
 
+def interleaved_median_ms(fns, repeats: int, warmup: int = 1) -> list[float]:
+    """Median ms of each of fns, timed one call each in turn per repetition."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return [1000 * statistics.median(ts) for ts in times]
+
+
 def bench_prefill(seq_len: int, dtype: torch.dtype, repeats: int, block_rows: int | None = None) -> dict:
-    """SlimAttention as the engine runs it (the C++ kernel for bf16 when built) against SDPA."""
-    fused = dtype == torch.bfloat16 and native.available()
+    """SlimAttention as the engine runs it (the C++ kernel for bf16 when it runs on this CPU) against SDPA."""
+    fused = dtype == torch.bfloat16 and native.slim_attention_native_enabled()
     block_rows = block_rows or (NATIVE_SLIM_BLOCK_ROWS if fused else SLIM_BLOCK_ROWS)
     q = torch.randn(seq_len, HEADS, HEAD_DIM).to(dtype)
     k = torch.randn(seq_len, KV_HEADS, HEAD_DIM).to(dtype)
     v = torch.randn(seq_len, KV_HEADS, HEAD_DIM).to(dtype)
     scale = HEAD_DIM ** -0.5
     qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, L, D]: SDPA's layout
-    sdpa = median_ms(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
-                                                            enable_gqa=True), repeats)
-    if fused:
-        slim = median_ms(lambda: torch.ops.cpuserve.slim_attention(q, k, v, 0, scale, block_rows), repeats)
-    else:
-        slim = median_ms(lambda: slim_attention(q, k, v, 0, scale, block_rows=block_rows), repeats)
-    kind = "native" if fused else "torch"
+    def sdpa_fn():
+        return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+
+    def slim_fn():
+        if fused:
+            return torch.ops.cpuserve.slim_attention(q, k, v, 0, scale, block_rows)
+        return slim_attention(q, k, v, 0, scale, block_rows=block_rows)
+
+    sdpa, slim = interleaved_median_ms([sdpa_fn, slim_fn], repeats)
+    kind = f"native {torch.ops.cpuserve.slim_attention_kernel()}" if fused else "torch"
     return {"bench": "prefill", "case": f"L={seq_len} {str(dtype)[6:]} {kind} rows={block_rows}",
             "base_ms": round(sdpa, 2), "ours_ms": round(slim, 2), "ratio": round(sdpa / slim, 2),
             "vs": "sdpa/slim"}
@@ -102,9 +121,12 @@ def bench_native_decode(batch: int, context: int, repeats: int) -> dict:
 
 @torch.inference_mode()
 def run(prefill_lens=(1024, 4096), dtypes=(torch.bfloat16, torch.float32), batches=(1, 8, 32), context=512,
-        repeats: int = 5, block_rows: int | None = None, chunk_tokens: int = DECODE_CHUNK_TOKENS) -> list[dict]:
+        repeats: int = 5, block_rows: int | None = None, chunk_tokens: int = DECODE_CHUNK_TOKENS,
+        prefill_only: bool = False) -> list[dict]:
     """Rows of {bench, case, base_ms, ours_ms, ratio, vs}; medians of `repeats` runs."""
     rows = [bench_prefill(n, dt, repeats, block_rows) for n in prefill_lens for dt in dtypes]
+    if prefill_only:
+        return rows
     rows += [bench_decode(b, context, max(repeats, 20), chunk_tokens) for b in batches]
     if native.available():
         rows += [bench_native_decode(b, context, max(repeats, 20)) for b in batches]
@@ -123,6 +145,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="1024-token prefill only")
+    ap.add_argument("--prefill", action="store_true", help="bf16 prefill only (the SlimAttention ratio table)")
     ap.add_argument("--block-rows", type=int, default=None, help="SlimAttention row block (default: the engine's)")
     ap.add_argument("--chunk-tokens", type=int, default=DECODE_CHUNK_TOKENS)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
@@ -133,4 +156,6 @@ if __name__ == "__main__":
     tuned = not a.no_malloc_tuning and tune_malloc()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, malloc tuned: {tuned}")
     lens = (1024,) if a.quick else (1024, 4096)
-    print_table(run(prefill_lens=lens, repeats=a.repeats, block_rows=a.block_rows, chunk_tokens=a.chunk_tokens))
+    dtypes = (torch.bfloat16,) if a.prefill else (torch.bfloat16, torch.float32)
+    print_table(run(prefill_lens=lens, dtypes=dtypes, repeats=a.repeats, block_rows=a.block_rows,
+                    chunk_tokens=a.chunk_tokens, prefill_only=a.prefill))

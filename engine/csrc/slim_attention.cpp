@@ -1,22 +1,29 @@
 // SlimAttention for bf16 prefill (xFasterTransformer): causal attention split along query rows only.
 //
 // A task is one kv head and one block of query rows (with the head's g query heads, M = rows * g rows of A).
-// It computes the block's full score rows against every key it can see with one bf16 x bf16 -> fp32 brgemm
+// It computes the block's full score rows against every key it can see with one bf16 x bf16 -> fp32 product
 // per key block (taking each row's max while the block is still in cache), a plain fp32 softmax over each whole
-// row (no online rescaling: the row is complete), and P x V with one brgemm over all those keys. K^T and V are
-// packed once per call into the VNNI pairs brgemm reads. Key blocks of 256 keep one block's scores (96 rows
+// row (no online rescaling: the row is complete), and P x V over all those keys. K^T and V are packed once per
+// call into VNNI pairs, the layout both product kernels read. Key blocks of 256 keep one block's scores (96 rows
 // for SmolLM2) in L2 and waste fewer keys past the diagonal than 512 (1.2x faster at 4096 tokens).
 // Same contract as engine/layers/attention.py's slim_attention.
 //
-// Every brgemm covers whole key blocks (masked keys get P = 0, which adds exact zeros), so a query row's result
-// does not depend on which other rows share its block or where the chunk started: a prompt prefilled in one
-// piece, in chunks, or after a prefix-cache hit gives bit-identical rows.
+// The products run on one of two kernels, chosen once per process (product_kernel()):
+//   brgemm       oneDNN's bf16 brgemm, where torch offers it (AMX: Intel Sapphire Rapids and later)
+//   avx512_bf16  our vdpbf16ps micro-kernels of bf16_dot.h (AMD Zen 4, and Intel CPUs without AMX)
+// On a CPU with neither the op refuses to run and engine/layers/native.py keeps the plain-torch path.
+//
+// Every product covers whole key blocks from key 0 (masked keys get P = 0, which adds exact zeros; the
+// avx512_bf16 kernel stops at the row block's last key instead, and what it skips no row reads), so a query
+// row's result does not depend on which other rows share its block or where the chunk started: a prompt
+// prefilled in one piece, in chunks, or after a prefix-cache hit gives bit-identical rows.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
+#include "bf16_dot.h"
 #include "simd.h"
 #include "tasks.h"
 
@@ -24,6 +31,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 namespace {
@@ -33,7 +41,8 @@ using cpuserve_simd::exp512;
 using cpuserve_simd::to_bf16;
 #endif
 
-constexpr int64_t kKeyBlock = 256;  // keys per packed block (brgemm's N for Q K^T, its K for P V)
+constexpr int64_t kKeyBlock = 256;  // keys per packed block (N of one Q K^T product)
+constexpr int64_t kValueChunk = 256;  // keys per avx512_bf16 P V pass: its strip of V stays in L1
 
 using bf16 = at::BFloat16;
 
@@ -83,8 +92,59 @@ float softmax_row(const float* s, int64_t valid, int64_t n, float mx, float scal
   return 1.f / sum;
 }
 
-// oneDNN's bf16 brgemm with VNNI-packed B runs on this CPU (engine/layers/native.py asks before using it)
-bool bf16_brgemm_supported() { return at::native::cpublas::could_pack(at::kBFloat16); }
+enum class Products { kNone, kBrgemm, kAvx512Bf16 };
+
+// AMX's peak bf16 rate (brgemm) is 8x that of vdpbf16ps on the same core: prefer it wherever torch offers it
+// (not measured against bf16_dot.h on an AMX machine; on Zen 4 the two are within 10%, see bf16_dot.h)
+Products product_kernel() {
+  static const Products kernel = [] {
+    if (at::native::cpublas::could_pack(at::kBFloat16)) return Products::kBrgemm;
+#if defined(__AVX512BF16__)
+    if (__builtin_cpu_supports("avx512bf16")) return Products::kAvx512Bf16;
+#endif
+    return Products::kNone;
+  }();
+  return kernel;
+}
+
+// which kernel runs slim_attention's products on this CPU: "brgemm", "avx512_bf16", or "" (the op refuses)
+std::string slim_attention_kernel() {
+  switch (product_kernel()) {
+    case Products::kBrgemm: return "brgemm";
+    case Products::kAvx512Bf16: return "avx512_bf16";
+    default: return "";
+  }
+}
+
+// s[m][kb * 256 ...] = a[m][D] . K^T for key block kb (kblock: [D/2][256][2]); only the first `seen` keys
+// of the block are needed (brgemm computes all 256)
+void score_block(Products kernel, int64_t m, int64_t D, const bf16* a, const bf16* kblock, float* s, int64_t ld,
+                 int64_t seen) {
+#if defined(__AVX512BF16__)
+  if (kernel == Products::kAvx512Bf16) {
+    cpuserve_bf16dot::gemm(m, seen, D / 2, a, D, kblock, kKeyBlock, s, ld, false);
+    return;
+  }
+#endif
+  at::native::cpublas::brgemm(m, kKeyBlock, D, D, kKeyBlock, ld, false, a, kblock, s, true);
+}
+
+// o[m][D] = p[m][keys] . V (vh: the head's packed V, [keys / 2][D][2]); keys even, p zero past each row's last
+// key, so the keys past it add exact zeros
+void weigh_values(Products kernel, int64_t m, int64_t D, int64_t keys, const bf16* p, int64_t ld, const bf16* vh,
+                  float* o) {
+#if defined(__AVX512BF16__)
+  if (kernel == Products::kAvx512Bf16) {
+    for (int64_t c0 = 0; c0 < keys; c0 += kValueChunk) {  // chunks start at key 0: the same sums for any block
+      const int64_t pairs = std::min(kValueChunk, keys - c0) / 2;
+      cpuserve_bf16dot::gemm(m, D, pairs, p + c0, ld, vh + c0 * D, D, o, D, c0 > 0);
+    }
+    return;
+  }
+#endif
+  // one call over all keys: the accumulators stay in AMX tiles instead of being stored and reloaded per block
+  at::native::cpublas::brgemm(m, D, keys, ld, D, D, false, p, vh, o, true);
+}
 
 at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t q_start,
                           double sm_scale, int64_t block_rows) {
@@ -95,6 +155,8 @@ at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes() && k.dim() == 3,
               "k and v must be contiguous [T, Hkv, D]");
   TORCH_CHECK(block_rows > 0, "block_rows must be positive, got ", block_rows);
+  const Products kernel = product_kernel();
+  TORCH_CHECK(kernel != Products::kNone, "slim_attention needs AMX or AVX512-BF16 (see slim_attention_kernel())");
   const int64_t L = q.size(0), H = q.size(1), D = q.size(2), T = k.size(0), Hkv = k.size(1);
   TORCH_CHECK(T == q_start + L, "k/v length ", T, " must equal q_start + L = ", q_start + L);
   TORCH_CHECK(k.size(2) == D && D % 2 == 0 && H % Hkv == 0, "head_dim must match and be even; Hkv must divide H");
@@ -149,8 +211,8 @@ at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
       const int64_t blocks = (end_key + kKeyBlock - 1) / kKeyBlock;
       std::fill(mx.begin(), mx.begin() + m, -INFINITY);
       for (int64_t kb = 0; kb < blocks; ++kb) {
-        at::native::cpublas::brgemm(m, kKeyBlock, D, D, kKeyBlock, ld, false, a.data(),
-                                    kpd + (h * nkb + kb) * block_elems, s.data() + kb * kKeyBlock, true);
+        score_block(kernel, m, D, a.data(), kpd + (h * nkb + kb) * block_elems, s.data() + kb * kKeyBlock, ld,
+                    std::min(kKeyBlock, end_key - kb * kKeyBlock));
         for (int64_t i = 0; i < m; ++i) {  // row maxima while the block's scores are still in cache
           const int64_t valid = std::min(q_start + start + i / g + 1 - kb * kKeyBlock, kKeyBlock);
           if (valid > 0) mx[i] = row_max(s.data() + i * ld + kb * kKeyBlock, valid, mx[i]);
@@ -160,11 +222,11 @@ at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
         const int64_t valid = q_start + start + i / g + 1;
         inv_sum[i] = softmax_row(s.data() + i * ld, valid, blocks * kKeyBlock, mx[i], scale, p.data() + i * ld);
       }
-      // P V over all the row block's keys in one call: the packed V blocks of a head are consecutive, so they
-      // read as one [keys / 2][D][2] matrix, and the accumulators stay in AMX tiles instead of being stored and
-      // reloaded once per key block
-      at::native::cpublas::brgemm(m, D, blocks * kKeyBlock, ld, D, D, false, p.data(), vpd + h * nkb * block_elems,
-                                  o.data(), true);
+      // P V over all the row block's keys: the packed V blocks of a head are consecutive, so they read as one
+      // [keys / 2][D][2] matrix (avx512_bf16 stops at the first pair past the block's last key, brgemm runs on to
+      // the end of its key block)
+      const int64_t keys = kernel == Products::kBrgemm ? blocks * kKeyBlock : (end_key + 1) / 2 * 2;
+      weigh_values(kernel, m, D, keys, p.data(), ld, vpd + h * nkb * block_elems, o.data());
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t j = 0; j < g; ++j) {
           bf16* dst = od + ((start + r) * H + h * g + j) * D;
@@ -173,7 +235,7 @@ at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
           for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<bf16>(src[d] * inv);
         }
     }
-    at::native::cpublas::brgemm_release(true);
+    if (kernel == Products::kBrgemm) at::native::cpublas::brgemm_release(true);
   });
   return out;
 }
@@ -182,9 +244,9 @@ at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
 
 TORCH_LIBRARY_FRAGMENT(cpuserve, m) {
   m.def("slim_attention(Tensor q, Tensor k, Tensor v, int q_start, float sm_scale, int block_rows) -> Tensor");
-  m.def("bf16_brgemm_supported() -> bool");
+  m.def("slim_attention_kernel() -> str");
 }
 
 TORCH_LIBRARY_IMPL(cpuserve, CPU, m) { m.impl("slim_attention", &slim_attention); }
 
-TORCH_LIBRARY_IMPL(cpuserve, CompositeExplicitAutograd, m) { m.impl("bf16_brgemm_supported", &bf16_brgemm_supported); }
+TORCH_LIBRARY_IMPL(cpuserve, CompositeExplicitAutograd, m) { m.impl("slim_attention_kernel", &slim_attention_kernel); }

@@ -26,7 +26,7 @@ CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = [CSRC / name for name in ("decode_ops.cpp", "slim_attention.cpp", "int4_gemm.cpp", "int4_few_rows.cpp",
                                      "int8_gemm.cpp", "vnni_gemm.cpp")]
 # headers are part of the build's cache key too
-HEADERS = [CSRC / name for name in ("simd.h", "tasks.h", "int4_few_rows.h", "act_quant.h")]
+HEADERS = [CSRC / name for name in ("simd.h", "tasks.h", "int4_few_rows.h", "bf16_dot.h", "act_quant.h")]
 # -fassociative-math lets GCC vectorize the reductions; with alignment peeling off, their summation order depends
 # only on the length, never on where a buffer happens to sit: results are reproducible across processes and
 # batch layouts (a replica group's ranks must match one rank bit for bit).
@@ -96,9 +96,10 @@ def enabled() -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-def brgemm_enabled() -> bool:
-    """The bf16 brgemm kernels (SlimAttention) can run: oneDNN packs bf16 for this CPU."""
-    return enabled() and bool(torch.ops.cpuserve.bf16_brgemm_supported())
+def slim_attention_native_enabled() -> bool:
+    """The C++ SlimAttention can run: its bf16 products have a kernel on this CPU (oneDNN's brgemm with AMX, or
+    our AVX512-BF16 one; torch.ops.cpuserve.slim_attention_kernel() names it)."""
+    return enabled() and bool(torch.ops.cpuserve.slim_attention_kernel())
 
 
 @functools.lru_cache(maxsize=1)

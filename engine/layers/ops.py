@@ -6,7 +6,7 @@ torch.ops.cpuserve.*) and its plain-torch reference, which the tests compare the
     silu_mul           cpuserve.silu_mul.out                      F.silu(gate) * up
     rope_write_kv      cpuserve.rope_write_kv                     models/rope.py apply_rope + kv_quant.write_kv_fused
     decode_attention   cpuserve.decode_attention.out              attention.paged_decode_attention
-    prefill_attention  cpuserve.slim_attention (bf16 brgemm)      attention.slim_attention
+    prefill_attention  cpuserve.slim_attention (bf16: AMX/AVX512) attention.slim_attention
 
 Model code (engine/models, engine/distributed/sharding.py) calls these and never asks native.py itself. The
 weight formats' matmuls choose their GEMM in engine/layers/linear/.
@@ -86,9 +86,10 @@ def prepare_decode_mask(context_lens: Tensor, block_size: int) -> Tensor | None:
 
 
 def prefill_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, scale: float) -> Tensor:
-    """SlimAttention as the engine runs it: the C++ kernel (engine/csrc/slim_attention.cpp: bf16 brgemm for
-    Q K^T and P V, fp32 softmax) for bf16 when it is built, else attention.slim_attention. Same arguments."""
-    if q.dtype == torch.bfloat16 and native.brgemm_enabled():
+    """SlimAttention as the engine runs it: the C++ kernel (engine/csrc/slim_attention.cpp: bf16 products on AMX
+    or AVX512-BF16, fp32 softmax) for bf16 when it is built and the CPU has either, else
+    attention.slim_attention. Same arguments."""
+    if q.dtype == torch.bfloat16 and native.slim_attention_native_enabled():
         return torch.ops.cpuserve.slim_attention(q, k.contiguous(), v.contiguous(), q_start, scale,
                                                  NATIVE_SLIM_BLOCK_ROWS)
     return slim_attention(q, k, v, q_start, scale)

@@ -9,8 +9,8 @@ from cpuserve.engine.layers.attention import (gather_kv, paged_decode_attention,
 
 def native_slim(q, k, v, q_start, scale, block_rows):
     assert native.available(), "the fused kernels must build here (gcc and ninja are installed by the project)"
-    if not native.brgemm_enabled():  # the engine then runs slim_attention (tested above) for bf16 too
-        pytest.skip("oneDNN's bf16 brgemm does not run on this CPU, so the C++ SlimAttention is not used here")
+    if not native.slim_attention_native_enabled():  # the engine then runs slim_attention (tested above) for bf16 too
+        pytest.skip("this CPU has neither AMX nor AVX512-BF16, so the C++ SlimAttention is not used here")
     return torch.ops.cpuserve.slim_attention(q, k, v, q_start, scale, block_rows)
 
 # fp32: same math, different summation order. bf16: the result is rounded to bf16 (2^-9 relative of values
