@@ -151,8 +151,9 @@ class VllmSession:
 
         max_seqs = max(cfg["batches"], default=1)
         self.cfg = cfg
-        self.llm = LLM(model=answer["folder"], dtype="bfloat16", max_model_len=max(
-            cfg.get("prefill_len", 0) + 1, cfg["prompt_len"] + cfg["gen_tokens"]), max_num_seqs=max_seqs,
+        # vLLM's own start-up checks run a prompt of a few dozen tokens: 256 at least
+        max_len = max(cfg.get("prefill_len", 0) + 1, cfg["prompt_len"] + cfg["gen_tokens"], 256)
+        self.llm = LLM(model=answer["folder"], dtype="bfloat16", max_model_len=max_len, max_num_seqs=max_seqs,
             max_num_batched_tokens=max(cfg.get("prefill_len", 0), max_seqs * cfg["prompt_len"], 2048),
             kv_cache_memory_bytes=kv_cache_bytes(answer["folder"], cfg), seed=0, enable_prefix_caching=False)
         self.next_id = 0

@@ -117,3 +117,41 @@ def test_tp_decode_and_topk_measures_run_and_report_sane_figures():
     assert r["tok_s"] > 0 and r["ops_per_step"] >= 4 * 30  # 4 all-gathers per SmolLM2 layer
     assert r["copied_per_token"] == 0 and 0 < r["comm_frac"] < 1
     assert t["topk_step_ms"] > 0 and t["full_step_ms"] > 0
+
+
+def _require_peer(bench, name: str) -> None:
+    if not bench.peer_envs.is_installed(name):
+        pytest.skip(f"the {name} peer venv does not exist ({bench.peer_envs.venv_dir(name)}): `make bench-peers` "
+                    "installs it (minutes); tests never install it")
+
+
+@pytest.mark.parametrize("peer", ["vllm", "openvino"])
+def test_venv_peer_runs_in_its_own_python_and_measures(bench, model_path, peer):
+    _require_peer(bench, peer)
+    engines = bench.peer_engines([peer], dict(SIZES, model=model_path))
+    name = bench.PEERS[peer][0]
+    answer = bench.compare({name: engines[name]}, llama_measures(name), reps=1)[name]
+    assert "error" not in answer, answer
+    assert answer["prefill"]["median"] > 0
+    assert sorted(answer["decode"], key=int) == ["1", "8", "32"]
+    assert all(d["median"] > 0 for d in answer["decode"].values())
+    assert answer["peak_rss_mb"] > 50
+
+
+def test_w8a8_checkpoint_is_int8_per_channel_with_exact_scales():
+    sys.path.insert(0, BENCH)
+    try:
+        import torch
+
+        from peer_vllm import quantize_w8a8, w8a8_quantization_config
+    finally:
+        sys.path.remove(BENCH)
+    w = torch.tensor([[0.5, -1.0, 0.25], [2.0, 1.0, -0.5]])  # w: [out=2, in=3]
+    q = quantize_w8a8({"model.layers.0.mlp.up_proj.weight": w, "model.norm.weight": torch.ones(3)})
+    assert q["model.layers.0.mlp.up_proj.weight"].dtype == torch.int8
+    assert q["model.layers.0.mlp.up_proj.weight"].tolist() == [[64, -127, 32], [127, 64, -32]]
+    assert torch.allclose(q["model.layers.0.mlp.up_proj.weight_scale"], torch.tensor([[1 / 127], [2 / 127]]))
+    assert torch.equal(q["model.norm.weight"], torch.ones(3))  # not a Linear: unchanged
+    group = w8a8_quantization_config()["config_groups"]["group_0"]
+    assert (group["weights"]["strategy"], group["weights"]["dynamic"]) == ("channel", False)
+    assert (group["input_activations"]["strategy"], group["input_activations"]["dynamic"]) == ("token", True)
