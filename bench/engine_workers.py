@@ -127,16 +127,20 @@ def measure_kv_bytes(cfg: dict) -> dict:
     return {"kv_bytes": {dtype: kv_bytes_per_token(args, dtype) for dtype in ("int8", "bf16")}}
 
 
-def _peer(name: str):
-    import peers
+def _peer(module: str, name: str):
+    """Peers import lazily: a peer's venv (peer_envs.py) has its own packages and not cpuserve's."""
+    import importlib
 
-    return getattr(peers, name)
+    return getattr(importlib.import_module(module), name)
 
 
-ONE_SHOT = {"profile": profile_cpuserve, "attention": measure_attention, "kv_bytes": measure_kv_bytes}
+ONE_SHOT = {"profile": profile_cpuserve, "attention": measure_attention, "kv_bytes": measure_kv_bytes,
+            "vllm_prepare": lambda cfg: _peer("peer_vllm", "prepare_checkpoint")(cfg)}
 SESSIONS = {"cpuserve": CpuserveSession,
-            "llama_cpp": lambda cfg: _peer("LlamaCppSession")(cfg),
-            "hf": lambda cfg: _peer("HFSession")(cfg)}
+            "llama_cpp": lambda cfg: _peer("peers", "LlamaCppSession")(cfg),
+            "hf": lambda cfg: _peer("peers", "HFSession")(cfg),
+            "vllm": lambda cfg: _peer("peer_vllm", "VllmSession")(cfg),
+            "openvino": lambda cfg: _peer("peer_openvino", "OpenVINOSession")(cfg)}
 
 
 def _error(e: BaseException) -> str:
@@ -146,13 +150,14 @@ def _error(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e)[:200]}"
 
 
-def run_worker(task: str, cfg: dict, timeout: float | None = None) -> dict:
+def run_worker(task: str, cfg: dict, timeout: float | None = None, python: str | None = None) -> dict:
     """Run a one-shot TASK in a fresh Python process; returns its numbers, or {"error": why} if it failed.
 
-    The child's stderr (progress, tracebacks) goes straight to ours; its answer is the last JSON line of stdout.
+    python: the interpreter (a peer's venv, see peer_envs.py); default ours. The child's stderr (progress,
+    tracebacks) goes straight to ours; its answer is the last JSON line of stdout.
     """
     try:
-        proc = subprocess.run([sys.executable, os.path.join(HERE, "engine_workers.py"), task],
+        proc = subprocess.run([python or sys.executable, os.path.join(HERE, "engine_workers.py"), task],
                               input=json.dumps(cfg), stdout=subprocess.PIPE, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
@@ -165,13 +170,16 @@ def run_worker(task: str, cfg: dict, timeout: float | None = None) -> dict:
 class Worker:
     """The parent's handle on a session process: call(op, *args) -> float, close() -> peak RSS in MB.
 
-    After a failure `error` says why and the worker answers nothing more.
+    After a failure `error` says why and the worker answers nothing more. python: the session's interpreter
+    (a peer's venv, see peer_envs.py), default ours; env: variables the process must start with (LD_PRELOAD,
+    thread binding). The protocol is JSON lines either way.
     """
 
-    def __init__(self, engine: str, cfg: dict):
+    def __init__(self, engine: str, cfg: dict, python: str | None = None, env: dict | None = None):
         self.engine, self.error = engine, None
-        self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "engine_workers.py"), "--serve", engine],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen([python or sys.executable, os.path.join(HERE, "engine_workers.py"), "--serve",
+                                      engine], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, **env} if env else None)
         self._send(cfg)
 
     def _send(self, message: dict) -> dict:

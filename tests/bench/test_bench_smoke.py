@@ -15,10 +15,10 @@ pytestmark = pytest.mark.slow  # loads the real model (in a child process)
 BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
 # tiny sizes: every code path (prefill, decode at 1/8/32, attention, KV bytes), in seconds
 SIZES = dict(reps=1, prefill_len=32, prompt_len=8, gen_tokens=3, attn_lens=[128], threads=2, batches=[1, 8, 32])
-CPUSERVE_ROWS = ["prefill vs llama.cpp", "decode b1 vs llama.cpp", "decode b8 vs llama.cpp",
-                 "decode b32 vs llama.cpp", "peak RSS vs llama.cpp", "prefill vs HF fp32", "decode b1 vs HF fp32",
-                 "decode b8 vs HF fp32", "peak RSS vs HF fp32", "SlimAttention vs SDPA L=128",
-                 "kv bytes/token int8 vs bf16"]
+PEER_ROWS = ["prefill vs {}", "decode b1 vs {}", "decode b8 vs {}", "decode b32 vs {}", "peak RSS vs {}"]
+CPUSERVE_ROWS = ([r.format("llama.cpp") for r in PEER_ROWS] + [r.format("HF fp32") for r in PEER_ROWS if "b32" not in r]
+                 + [r.format("vLLM-CPU W8A8") for r in PEER_ROWS] + [r.format("OpenVINO GenAI") for r in PEER_ROWS]
+                 + ["SlimAttention vs SDPA L=128", "kv bytes/token int8 vs bf16"])
 
 
 def load_bench():
@@ -42,7 +42,7 @@ def model_path() -> str:
 
 
 def test_cpuserve_side_fills_every_row(bench, model_path):
-    raw = bench.collect(SIZES, model_path, skip_hf=True, skip_1b=True, skip_llama_cpp=True)
+    raw = bench.collect(SIZES, model_path, peers=[], skip_1b=True)  # never installs vLLM or OpenVINO
     for name in ("cpuserve", "attention", "kv_bytes"):
         assert "error" not in raw[name], raw[name]
     rows = {r["measure"]: r for r in bench.build_rows(raw)}
@@ -117,3 +117,41 @@ def test_tp_decode_and_topk_measures_run_and_report_sane_figures():
     assert r["tok_s"] > 0 and r["ops_per_step"] >= 4 * 30  # 4 all-gathers per SmolLM2 layer
     assert r["copied_per_token"] == 0 and 0 < r["comm_frac"] < 1
     assert t["topk_step_ms"] > 0 and t["full_step_ms"] > 0
+
+
+def _require_peer(bench, name: str) -> None:
+    if not bench.peer_envs.is_installed(name):
+        pytest.skip(f"the {name} peer venv does not exist ({bench.peer_envs.venv_dir(name)}): `make bench-peers` "
+                    "installs it (minutes); tests never install it")
+
+
+@pytest.mark.parametrize("peer", ["vllm", "openvino"])
+def test_venv_peer_runs_in_its_own_python_and_measures(bench, model_path, peer):
+    _require_peer(bench, peer)
+    engines = bench.peer_engines([peer], dict(SIZES, model=model_path))
+    name = bench.PEERS[peer][0]
+    answer = bench.compare({name: engines[name]}, llama_measures(name), reps=1)[name]
+    assert "error" not in answer, answer
+    assert answer["prefill"]["median"] > 0
+    assert sorted(answer["decode"], key=int) == ["1", "8", "32"]
+    assert all(d["median"] > 0 for d in answer["decode"].values())
+    assert answer["peak_rss_mb"] > 50
+
+
+def test_w8a8_checkpoint_is_int8_per_channel_with_exact_scales():
+    sys.path.insert(0, BENCH)
+    try:
+        import torch
+
+        from peer_vllm import quantize_w8a8, w8a8_quantization_config
+    finally:
+        sys.path.remove(BENCH)
+    w = torch.tensor([[0.5, -1.0, 0.25], [2.0, 1.0, -0.5]])  # w: [out=2, in=3]
+    q = quantize_w8a8({"model.layers.0.mlp.up_proj.weight": w, "model.norm.weight": torch.ones(3)})
+    assert q["model.layers.0.mlp.up_proj.weight"].dtype == torch.int8
+    assert q["model.layers.0.mlp.up_proj.weight"].tolist() == [[64, -127, 32], [127, 64, -32]]
+    assert torch.allclose(q["model.layers.0.mlp.up_proj.weight_scale"], torch.tensor([[1 / 127], [2 / 127]]))
+    assert torch.equal(q["model.norm.weight"], torch.ones(3))  # not a Linear: unchanged
+    group = w8a8_quantization_config()["config_groups"]["group_0"]
+    assert (group["weights"]["strategy"], group["weights"]["dynamic"]) == ("channel", False)
+    assert (group["input_activations"]["strategy"], group["input_activations"]["dynamic"]) == ("token", True)
