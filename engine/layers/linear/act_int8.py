@@ -24,8 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cpuserve.engine.layers import native
-from cpuserve.engine.layers.linear.base import QuantLinear
+from cpuserve.engine.layers.linear.base import PackedLinear
 from cpuserve.engine.layers.linear.int4 import quantize_int4
 from cpuserve.engine.layers.linear.int8 import quantize_int8
 
@@ -97,14 +96,26 @@ def _unblocked(t: Tensor) -> Tensor:
     return t.transpose(1, 2).reshape(nb * BLOCK_N, g)
 
 
-class Int8ActLinear(QuantLinear):
-    """Buffers: packed codes (pack_int4 / pack_int8), scales and zoffs [N/16, S, 16] fp32."""
+class Int8ActLinear(PackedLinear):
+    """Buffers: packed codes (pack_int4 / pack_int8), scales and zoffs [N/16, S, 16] fp32. Built only where the
+    kernel is (build_linear checks), so PackedLinear's own-kernel path is the only one."""
 
     bits: int
     act_group: int
 
-    def can_write_into(self, rows: int) -> bool:
-        return True
+    @classmethod
+    def misfit(cls, n: int, k: int, group_size: int) -> str:
+        """Why the kernel cannot take an [N, K] weight, or "" when it can."""
+        k_align = cls.k_align(group_size)
+        if n % BLOCK_N:
+            return f"N={n} is not a multiple of {BLOCK_N}"
+        if k % k_align:
+            return f"K={k} is not a multiple of {k_align}"
+        return ""
+
+    @staticmethod
+    def k_align(group_size: int) -> int:
+        raise NotImplementedError
 
     def codes(self) -> Tensor:
         return unpack_int4(self.packed) if self.bits == 4 else unpack_int8(self.packed)
@@ -116,17 +127,14 @@ class Int8ActLinear(QuantLinear):
     def reference(self, x2: Tensor) -> Tensor:
         return int8_act_reference(x2, self.codes(), _unblocked(self.scales), _unblocked(self.zoffs), self.act_group)
 
-    def _forward(self, x: Tensor) -> Tensor:
-        y = torch.ops.cpuserve.vnni_gemm(self._rows(x), self.packed, self.scales, self.zoffs, self.bits,
-                                         self.act_group)
-        if self.bias is not None:
-            y += self.bias
-        return y.view(*x.shape[:-1], self.out_features)
+    def _own_kernel(self) -> bool:
+        return True
 
-    def _forward_into(self, x2: Tensor, y: Tensor) -> None:
+    def _gemm(self, x2: Tensor, own: bool) -> Tensor:
+        return torch.ops.cpuserve.vnni_gemm(x2, self.packed, self.scales, self.zoffs, self.bits, self.act_group)
+
+    def _gemm_into(self, x2: Tensor, y: Tensor) -> None:
         torch.ops.cpuserve.vnni_gemm.out(x2, self.packed, self.scales, self.zoffs, self.bits, self.act_group, out=y)
-        if self.bias is not None:
-            y += self.bias
 
 
 class W4A8Linear(Int8ActLinear):
@@ -144,12 +152,8 @@ class W4A8Linear(Int8ActLinear):
         return self
 
     @staticmethod
-    def misfit(n: int, k: int, group_size: int) -> str:
-        if n % BLOCK_N:
-            return f"N={n} is not a multiple of {BLOCK_N}"
-        if k % group_size:
-            return f"K={k} is not a multiple of group_size={group_size}"
-        return ""
+    def k_align(group_size: int) -> int:
+        return group_size  # activation groups are the weight groups
 
 
 class W8A8Linear(Int8ActLinear):
@@ -167,13 +171,5 @@ class W8A8Linear(Int8ActLinear):
         return self
 
     @staticmethod
-    def misfit(n: int, k: int, group_size: int) -> str:
-        if n % BLOCK_N:
-            return f"N={n} is not a multiple of {BLOCK_N}"
-        if k % W8A8_ACT_GROUP:
-            return f"K={k} is not a multiple of {W8A8_ACT_GROUP}"
-        return ""
-
-
-def vnni_available() -> bool:
-    return native.vnni_gemm_enabled()
+    def k_align(group_size: int) -> int:
+        return W8A8_ACT_GROUP

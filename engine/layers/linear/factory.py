@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from cpuserve.engine.config import ACTIVATION_FORMATS, GROUP_SIZES, WEIGHT_FORMATS
-from cpuserve.engine.layers.linear.act_int8 import W4A8Linear, W8A8Linear, vnni_available
+from cpuserve.engine.layers import native
+from cpuserve.engine.layers.linear.act_int8 import W4A8Linear, W8A8Linear
 from cpuserve.engine.layers.linear.base import QuantLinear
 from cpuserve.engine.layers.linear.dense import DenseLinear
 from cpuserve.engine.layers.linear.int4 import Int4Linear
@@ -60,7 +61,7 @@ def build_linear(weight: Tensor, bias: Tensor | None, fmt: str, group_size: int 
 def _int8_activations(weight: Tensor, fmt: str, group_size: int, use_fallback: bool, activations: str) -> bool:
     if activations != "int8" or fmt not in _INT8_ACT_CLASSES or use_fallback:
         return False
-    if not vnni_available():
+    if not native.vnni_gemm_enabled():
         _warn_no_vnni()
         return False
     return not _INT8_ACT_CLASSES[fmt].misfit(*weight.shape, group_size)  # else bf16 activations (they fit more)
