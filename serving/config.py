@@ -37,7 +37,7 @@ class ServeConfig(BaseSettings):
     served_model_name: str | None = None
     """Name clients pass as `model`; default: the model file's stem (or SmolLM2-135M-Instruct)."""
     weights: Literal[WEIGHT_FORMATS] = _ENGINE.weights  # type: ignore[valid-type]
-    """Runtime weight format (weight-only quantization)."""
+    """Runtime weight format."""
     group_size: Literal[GROUP_SIZES] = _ENGINE.group_size  # type: ignore[valid-type]
     """int4 quantization group along the input dimension."""
     activations: Literal[ACTIVATION_FORMATS] = _ENGINE.activations  # type: ignore[valid-type]
