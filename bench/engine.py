@@ -6,7 +6,8 @@
     python bench/engine.py --profile          # torch.profiler over cpuserve decode at batch 1 and 32
 
 Every engine runs the same model with the same threads, each in its own process (its peak RSS is its own);
-cpuserve with its defaults (int4 weights, int8 KV cache). llama.cpp and OpenVINO GenAI load the GGUF itself; vLLM
+cpuserve with its defaults (int4 weights, int8 activations and KV cache) and, as the `cpuserve` command runs,
+Intel's OpenMP preloaded. llama.cpp and OpenVINO GenAI load the GGUF itself; vLLM
 gets a Hugging Face folder made from it, W8A8 by default (peer_vllm.py). vLLM and OpenVINO run with the python
 of their own venvs (peer_envs.py: $CPUSERVE_BENCH_PEERS_DIR, default ~/.cache/cpuserve-bench/peers), installed
 on first use if `make bench-peers` did not. Numbers are medians of --reps repetitions after a warm-up,
@@ -255,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     model = a.model or default_model_path()
     cfg = sizes(a.quick, a.reps, a.threads)
     if a.profile:
-        answer = run_worker("profile", dict(cfg, model=model, batches=[1, 32]))
+        answer = run_worker("profile", dict(cfg, model=model, batches=[1, 32]), env=peer_envs.launch("cpuserve", 1)[1])
         for batch, prof in answer.get("profile", {}).items():
             print(f"\n== cpuserve decode, batch {batch}: {prof['tok_s_under_profiler']:.1f} tok/s under the profiler")
             print(prof["table"])

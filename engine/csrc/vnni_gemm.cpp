@@ -15,6 +15,11 @@
 //
 // Per activation group g (act_group inputs; x ~= ax[g] * q, axs[g] = ax[g] * sum of q over g):
 //     y += float(sum code * q) * scale * ax[g] + zoff * axs[g]
+// With one scale per output channel (int8) the weights' terms come out of the sum: per group only
+//     y' += float(sum code * q) * ax[g],   then once   y = y' * scale + zoff * (sum over g of axs[g]).
+// vpdpbusd and the fp32 multiplies share Zen 4's two 512-bit pipes (measured: 8 vpdpbusd + 4 FMAs take 12 cycles),
+// so every epilogue instruction saved per group is a dot product gained: the per-group form costs 3 of them per 8
+// vpdpbusd (int4, groups of 32), the per-channel form 1.
 // Packing happens once at load (engine/layers/linear/act_int8.py, with the plain-torch reference). Integer sums
 // are exact and each output element's epilogue runs in the same order (groups in k order) whatever the register
 // block, task or thread that computes it: a row's result depends neither on the batch, the tiling nor the threads.
@@ -60,6 +65,7 @@ template <int Bits>
 struct Gemm {
   const int8_t* q;            // [M, K] activation codes
   const float *ax, *axs;      // [M, K / act_group]
+  const float* axt;           // [M]: sum of the row's axs (the per-channel form's zero term)
   const uint8_t* w;           // packed
   const float *sc, *zo;       // [N/16, S, 16]
   int64_t K, act_group, S, N;
@@ -70,6 +76,7 @@ struct Gemm {
     const int64_t A = K / act_group, wstride = K * 2 * Bits;  // packed bytes per column block
     const int8_t* qm = q + m * K;
     const __m512i low = _mm512_set1_epi8(0x0F);
+    const bool per_channel = S == 1;
     __m512 y[R][C];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) y[r][c] = _mm512_setzero_ps();
@@ -99,15 +106,28 @@ struct Gemm {
           }
         }
       }
-      const int64_t s = S == 1 ? 0 : g;  // per channel, or the weights' group (act_group = group)
-      for (int c = 0; c < C; ++c) {
-        const __m512 sv = _mm512_loadu_ps(sc + ((b + c) * S + s) * 16);
-        const __m512 zv = _mm512_loadu_ps(zo + ((b + c) * S + s) * 16);
+      if (per_channel) {
+        for (int r = 0; r < R; ++r) {
+          const __m512 a = _mm512_set1_ps(ax[(m + r) * A + g]);
+          for (int c = 0; c < C; ++c) y[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), a, y[r][c]);
+        }
+        continue;
+      }
+      for (int c = 0; c < C; ++c) {  // the weights' group g (act_group = group)
+        const __m512 sv = _mm512_loadu_ps(sc + ((b + c) * S + g) * 16);
+        const __m512 zv = _mm512_loadu_ps(zo + ((b + c) * S + g) * 16);
         for (int r = 0; r < R; ++r) {
           const __m512 t = _mm512_mul_ps(sv, _mm512_set1_ps(ax[(m + r) * A + g]));
           y[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), t, y[r][c]);
           y[r][c] = _mm512_fmadd_ps(zv, _mm512_set1_ps(axs[(m + r) * A + g]), y[r][c]);
         }
+      }
+    }
+    if (per_channel) {
+      for (int c = 0; c < C; ++c) {
+        const __m512 sv = _mm512_loadu_ps(sc + (b + c) * 16), zv = _mm512_loadu_ps(zo + (b + c) * 16);
+        for (int r = 0; r < R; ++r)
+          y[r][c] = _mm512_fmadd_ps(y[r][c], sv, _mm512_mul_ps(zv, _mm512_set1_ps(axt[m + r])));
       }
     }
     for (int r = 0; r < R; ++r)
@@ -142,13 +162,17 @@ struct Gemm {
   }
 };
 
-// x [M, K] bf16 -> q [M, K] int8, ax and axs per act_group; rows shared between threads when there are many
-void quantize_rows(const bf16* x, int64_t M, int64_t K, int64_t act_group, int8_t* q, float* ax, float* axs) {
+// x [M, K] bf16 -> q [M, K] int8, ax and axs per act_group, axt per row; rows shared between threads when there
+// are many
+void quantize_rows(const bf16* x, int64_t M, int64_t K, int64_t act_group, int8_t* q, float* ax, float* axs,
+                   float* axt) {
   const int64_t A = K / act_group;
   const auto rows = [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       cpuserve_act::quantize_row(x + m * K, K, act_group, q + m * K, ax + m * A);
       cpuserve_act::group_sums(q + m * K, ax + m * A, K, act_group, axs + m * A);
+      axt[m] = 0.f;
+      for (int64_t a = 0; a < A; ++a) axt[m] += axs[m * A + a];
     }
   };
   if (M < 2 * kQuantRowsPerTask) return rows(0, M);
@@ -180,11 +204,12 @@ at::Tensor& vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const a
               "out must be contiguous bf16 [", M, ", ", N, "], got ", out.scalar_type(), " ", out.sizes());
 #if defined(CPUSERVE_VNNI)
   auto q = at::empty({M, K}, x.options().dtype(at::kChar));
-  auto terms = at::empty({2, M, K / act_group}, x.options().dtype(at::kFloat));  // ax, axs
-  float *ax = terms[0].data_ptr<float>(), *axs = terms[1].data_ptr<float>();
-  quantize_rows(x.data_ptr<bf16>(), M, K, act_group, q.data_ptr<int8_t>(), ax, axs);
+  const int64_t A = K / act_group;
+  auto terms = at::empty({M * (2 * A + 1)}, x.options().dtype(at::kFloat));  // ax, axs [M, A]; axt [M]
+  float *ax = terms.data_ptr<float>(), *axs = ax + M * A, *axt = axs + M * A;
+  quantize_rows(x.data_ptr<bf16>(), M, K, act_group, q.data_ptr<int8_t>(), ax, axs, axt);
   const auto args = [&](auto gemm) {
-    gemm.q = q.data_ptr<int8_t>(), gemm.ax = ax, gemm.axs = axs, gemm.w = packed.data_ptr<uint8_t>();
+    gemm.q = q.data_ptr<int8_t>(), gemm.ax = ax, gemm.axs = axs, gemm.axt = axt, gemm.w = packed.data_ptr<uint8_t>();
     gemm.sc = scales.data_ptr<float>(), gemm.zo = zoffs.data_ptr<float>();
     gemm.K = K, gemm.act_group = act_group, gemm.S = S, gemm.N = N, gemm.out = out.data_ptr<bf16>();
     return gemm;
