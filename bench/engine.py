@@ -250,11 +250,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", help="GGUF to compare on (default: SmolLM2-135M-Instruct Q4_1)")
     ap.add_argument("--json", help="save every raw number (all repetitions) to this file")
     ap.add_argument("--profile", action="store_true", help="profile cpuserve decode at batch 1 and 32 instead")
+    ap.add_argument("--weights", default="int4", choices=("int4", "int8"),
+                    help="cpuserve's weight format (int8: per-channel, as vLLM's W8A8 peer)")
     a = ap.parse_args(argv)
     from cpuserve.engine.loader import default_model_path
 
     model = a.model or default_model_path()
-    cfg = sizes(a.quick, a.reps, a.threads)
+    cfg = dict(sizes(a.quick, a.reps, a.threads), weights=a.weights)
     if a.profile:
         answer = run_worker("profile", dict(cfg, model=model, batches=[1, 32]), env=peer_envs.launch("cpuserve", 1)[1])
         for batch, prof in answer.get("profile", {}).items():
@@ -274,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     raw = collect(cfg, model, peers, a.skip_1b, save=save)
     errors = {k: v["error"] for k, v in raw.items() if isinstance(v, dict) and v.get("error", "skipped") != "skipped"}
     print(f"cpuserve / peer, {cfg['threads']} threads, medians of {cfg['reps']} runs after a warm-up; "
-          f"model {os.path.basename(model)}; decode: {cfg['prompt_len']}-token prompts, {cfg['gen_tokens']} "
+          f"model {os.path.basename(model)}, cpuserve weights {a.weights}; decode: {cfg['prompt_len']}-token prompts, {cfg['gen_tokens']} "
           f"new tokens each; {tree_state()}")
     print(format_table(build_rows(raw), errors))
 

@@ -73,8 +73,9 @@ def load_cpuserve(cfg: dict):
     args = load_checkpoint(cfg["model"], show_progress=False).args
     tokens = kv_tokens(cfg) + 16 * max(cfg["batches"], default=1)
     kv_gb = tokens * kv_bytes_per_token(args, "int8") / (1 << 30)
-    # otherwise the engine's defaults: int4 weights, int8 KV cache
-    return LLM(model=cfg["model"], num_threads=cfg["threads"], kv_cache_gb=kv_gb, show_progress=False)
+    # otherwise the engine's defaults: int8 activations and KV cache; weights int4 unless the bench asks for int8
+    return LLM(model=cfg["model"], num_threads=cfg["threads"], kv_cache_gb=kv_gb, show_progress=False,
+               weights=cfg.get("weights", "int4"))
 
 
 class CpuserveSession:

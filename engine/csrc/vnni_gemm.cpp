@@ -11,7 +11,8 @@
 //           one load gives two operands); codes 0..15, zoff = zero - 8 * scale, one scale per group along K.
 //   bits 8  packed [N/16][K/4][64]: byte 4c + j = code(c, k0 + j) = w + 128; zoff = -128 * scale, one scale per
 //           output channel.
-//   scales, zoffs [N/16][S][16] fp32, S = K / group (per group) or 1 (per channel).
+//   scales, zoffs [N/16][S][16] fp32 or fp16 (both the same), S = K / group (per group) or 1 (per channel). At
+//           decode the kernel streams codes and scales from memory: fp16 makes 32 int4 weights 20 bytes, not 24.
 //
 // Per activation group g (act_group inputs; x ~= ax[g] * q, axs[g] = ax[g] * sum of q over g):
 //     y += float(sum code * q) * scale * ax[g] + zoff * axs[g]
@@ -39,6 +40,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 namespace {
 
@@ -56,18 +58,19 @@ bool vnni_gemm_supported() {
 }
 
 #if defined(CPUSERVE_VNNI)
+using cpuserve_simd::load16;
 using cpuserve_simd::to_bf16;
 
 inline __m512i bcast4(const int8_t* p) { return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p)); }
 
 // One GEMM's operands; block<R, C>(m, b) computes rows m..m+R-1 of column blocks b..b+C-1.
-template <int Bits>
+template <int Bits, typename Scale>
 struct Gemm {
   const int8_t* q;            // [M, K] activation codes
   const float *ax, *axs;      // [M, K / act_group]
   const float* axt;           // [M]: sum of the row's axs (the per-channel form's zero term)
   const uint8_t* w;           // packed
-  const float *sc, *zo;       // [N/16, S, 16]
+  const Scale *sc, *zo;       // [N/16, S, 16] float or at::Half
   int64_t K, act_group, S, N;
   bf16* out;
 
@@ -114,8 +117,7 @@ struct Gemm {
         continue;
       }
       for (int c = 0; c < C; ++c) {  // the weights' group g (act_group = group)
-        const __m512 sv = _mm512_loadu_ps(sc + ((b + c) * S + g) * 16);
-        const __m512 zv = _mm512_loadu_ps(zo + ((b + c) * S + g) * 16);
+        const __m512 sv = load16(sc + ((b + c) * S + g) * 16), zv = load16(zo + ((b + c) * S + g) * 16);
         for (int r = 0; r < R; ++r) {
           const __m512 t = _mm512_mul_ps(sv, _mm512_set1_ps(ax[(m + r) * A + g]));
           y[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), t, y[r][c]);
@@ -125,7 +127,7 @@ struct Gemm {
     }
     if (per_channel) {
       for (int c = 0; c < C; ++c) {
-        const __m512 sv = _mm512_loadu_ps(sc + (b + c) * 16), zv = _mm512_loadu_ps(zo + (b + c) * 16);
+        const __m512 sv = load16(sc + (b + c) * 16), zv = load16(zo + (b + c) * 16);
         for (int r = 0; r < R; ++r)
           y[r][c] = _mm512_fmadd_ps(y[r][c], sv, _mm512_mul_ps(zv, _mm512_set1_ps(axt[m + r])));
       }
@@ -182,7 +184,7 @@ void quantize_rows(const bf16* x, int64_t M, int64_t K, int64_t act_group, int8_
 }
 #endif
 
-// x [M, K] bf16; packed [N/16, K*bits/32, 64] uint8; scales, zoffs [N/16, S, 16] fp32 -> out [M, N] bf16
+// x [M, K] bf16; packed [N/16, K*bits/32, 64] uint8; scales, zoffs [N/16, S, 16] fp32 or fp16 -> out [M, N] bf16
 at::Tensor& vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                           const at::Tensor& zoffs, int64_t bits, int64_t act_group, at::Tensor& out) {
   TORCH_CHECK(vnni_gemm_supported(), "the int8 dot-product GEMMs need AVX-512 VNNI (this CPU's build has none)");
@@ -195,8 +197,11 @@ at::Tensor& vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const a
   TORCH_CHECK(S == 1 || S == K / act_group, "scales must have 1 (per channel) or K/act_group=", K / act_group,
               " groups, got ", S);
   for (const auto* t : {&scales, &zoffs})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->sizes() == at::IntArrayRef({N / 16, S, 16}),
-                "scales and zoffs must be contiguous fp32 [N/16, S, 16]");
+    TORCH_CHECK((t->scalar_type() == at::kFloat || t->scalar_type() == at::kHalf) &&
+                    t->scalar_type() == scales.scalar_type() && t->is_contiguous() &&
+                    t->sizes() == at::IntArrayRef({N / 16, S, 16}),
+                "scales and zoffs must be contiguous [N/16, S, 16], both fp32 or both fp16; got ",
+                scales.scalar_type(), " ", scales.sizes(), " and ", zoffs.scalar_type(), " ", zoffs.sizes());
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous() && x.size(1) == K,
               "x must be contiguous bf16 [M, ", K, "], got ", x.scalar_type(), " ", x.sizes());
   const int64_t M = x.size(0);
@@ -209,12 +214,16 @@ at::Tensor& vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const a
   float *ax = terms.data_ptr<float>(), *axs = ax + M * A, *axt = axs + M * A;
   quantize_rows(x.data_ptr<bf16>(), M, K, act_group, q.data_ptr<int8_t>(), ax, axs, axt);
   const auto args = [&](auto gemm) {
+    using Scale = std::remove_const_t<std::remove_pointer_t<decltype(gemm.sc)>>;
     gemm.q = q.data_ptr<int8_t>(), gemm.ax = ax, gemm.axs = axs, gemm.axt = axt, gemm.w = packed.data_ptr<uint8_t>();
-    gemm.sc = scales.data_ptr<float>(), gemm.zo = zoffs.data_ptr<float>();
+    gemm.sc = scales.data_ptr<Scale>(), gemm.zo = zoffs.data_ptr<Scale>();
     gemm.K = K, gemm.act_group = act_group, gemm.S = S, gemm.N = N, gemm.out = out.data_ptr<bf16>();
     return gemm;
   };
-  bits == 4 ? args(Gemm<4>{}).run(M) : args(Gemm<8>{}).run(M);
+  if (scales.scalar_type() == at::kHalf)
+    bits == 4 ? args(Gemm<4, at::Half>{}).run(M) : args(Gemm<8, at::Half>{}).run(M);
+  else
+    bits == 4 ? args(Gemm<4, float>{}).run(M) : args(Gemm<8, float>{}).run(M);
 #endif
   return out;
 }
