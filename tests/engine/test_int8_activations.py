@@ -12,7 +12,8 @@ from cpuserve.engine.layers.linear.act_int8 import (W4A8Linear, W8A8Linear, _unb
 from cpuserve.engine.layers.linear.int4 import dequantize_int4, quantize_int4
 
 pytestmark = pytest.mark.skipif(not native.vnni_gemm_enabled(), reason="needs the AVX-512 VNNI kernels")
-ROWS = [1, 2, 3, 4, 5, 8, 17, 40]  # whole 4-row register blocks and every remainder
+# decode (<= 16 rows: 8-row register blocks and every remainder) and beyond (4-row blocks, every remainder)
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 17, 18, 19, 40]
 
 
 def make_weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
