@@ -26,13 +26,34 @@ FAILING_WAIT_REASONS = frozenset({"CrashLoopBackOff", "ImagePullBackOff", "ErrIm
 
 
 @dataclass(frozen=True, slots=True)
+class ChildError:
+    """A create, patch or delete of one child that the API server refused (its Status reason and message)."""
+
+    verb: str
+    kind: str
+    name: str
+    reason: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.verb} {self.kind} {self.name}: {self.message}"
+
+
+@dataclass(frozen=True, slots=True)
 class Observed:
-    """What the operator saw of the pods, plus what this pass changed."""
+    """What the operator saw of the pods, plus what this pass changed and which child writes failed."""
 
     head_ready: bool = False
     ready_groups: int = 0
     failing: tuple[str, ...] = ()
     changes: int = 0
+    child_errors: tuple[ChildError, ...] = ()
+
+
+def describe_child_errors(errors: tuple[ChildError, ...]) -> str:
+    """The first refused write in full (the API's own message), then how many more there were."""
+    more = f" (and {len(errors) - 1} more refused child writes)" if len(errors) > 1 else ""
+    return f"{errors[0]}{more}"
 
 
 def is_pod_ready(pod: dict[str, Any]) -> bool:
@@ -48,7 +69,8 @@ def is_pod_failing(pod: dict[str, Any]) -> bool:
     return any(((s.get("state") or {}).get("waiting") or {}).get("reason") in FAILING_WAIT_REASONS for s in statuses)
 
 
-def observe_pods(name: str, spec: LLMServiceSpec, pods: list[dict[str, Any]], changes: int = 0) -> Observed:
+def observe_pods(name: str, spec: LLMServiceSpec, pods: list[dict[str, Any]], changes: int = 0,
+                 child_errors: tuple[ChildError, ...] = ()) -> Observed:
     """Summarise the pods of LLMService `name` (already filtered by its labels)."""
     by_name = {p["metadata"]["name"]: p for p in pods}
     head = by_name.get(naming.head_name(name))
@@ -56,12 +78,22 @@ def observe_pods(name: str, spec: LLMServiceSpec, pods: list[dict[str, Any]], ch
         all(is_pod_ready(by_name.get(naming.rank_name(name, g, r), {})) for r in range(spec.ranks_per_replica))
         for g in range(spec.replicas))
     failing = tuple(sorted(n for n, p in by_name.items() if is_pod_failing(p)))
-    return Observed(head is not None and is_pod_ready(head), ready_groups, failing, changes)
+    return Observed(head is not None and is_pod_ready(head), ready_groups, failing, changes, child_errors)
 
 
 def _condition(ctype: str, ok: bool, reason: str, message: str, generation: int) -> dict[str, Any]:
     return {"type": ctype, "status": "True" if ok else "False", "reason": reason, "message": message,
             "observedGeneration": generation}
+
+
+def _degraded(observed: Observed, generation: int) -> dict[str, Any]:
+    """Refused child writes first (the API's reason and message), then failing pods."""
+    failing = ("failing pods: " + ", ".join(observed.failing)) if observed.failing else ""
+    if observed.child_errors:
+        message = "; ".join(filter(None, (describe_child_errors(observed.child_errors), failing)))
+        return _condition(DEGRADED, True, observed.child_errors[0].reason, message, generation)
+    return _condition(DEGRADED, bool(observed.failing), REASON_PODS_FAILING if observed.failing else REASON_NO_FAILURES,
+                      failing, generation)
 
 
 def calculate_conditions(generation: int, replicas: int, observed: Observed, findings: list[Finding],
@@ -81,14 +113,17 @@ def calculate_conditions(generation: int, replicas: int, observed: Observed, fin
         else:
             ready_c = _condition(READY, False, REASON_REPLICAS_NOT_READY,
                                  f"{observed.ready_groups}/{replicas} replica groups ready", generation)
-        busy = observed.changes > 0 or not ready
-        progress_c = _condition(PROGRESSING, busy, REASON_RECONCILING if busy else REASON_COMPLETE,
-                                f"{observed.changes} children changed" if observed.changes else
-                                ("waiting for pods to become ready" if busy else "all children up to date"),
-                                generation)
-    degraded_c = _condition(DEGRADED, bool(observed.failing),
-                            REASON_PODS_FAILING if observed.failing else REASON_NO_FAILURES,
-                            ("failing pods: " + ", ".join(observed.failing)) if observed.failing else "", generation)
+        busy = observed.changes > 0 or not ready or bool(observed.child_errors)
+        if observed.child_errors:  # the API's reason, e.g. Forbidden; retried with backoff
+            progress_c = _condition(PROGRESSING, True, observed.child_errors[0].reason,
+                                    "retrying with backoff: " + describe_child_errors(observed.child_errors),
+                                    generation)
+        else:
+            progress_c = _condition(PROGRESSING, busy, REASON_RECONCILING if busy else REASON_COMPLETE,
+                                    f"{observed.changes} children changed" if observed.changes else
+                                    ("waiting for pods to become ready" if busy else "all children up to date"),
+                                    generation)
+    degraded_c = _degraded(observed, generation)
     invalid_c = _condition(VALIDATION_FAILED, invalid, REASON_INVALID_SPEC if invalid else REASON_SPEC_VALID,
                            "; ".join(str(f) for f in findings), generation)
     before = {c.get("type"): c for c in previous}

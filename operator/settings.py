@@ -20,6 +20,10 @@ class OperatorSettings(BaseSettings):
     """Port of the operator's own Prometheus endpoint; 0 disables it."""
     resync_seconds: float = Field(60.0, gt=0, le=3600)
     """Interval of the drift-correcting timer."""
+    retry_base_seconds: float = Field(5.0, gt=0, le=600)
+    """First delay after the API server refused a child write; it doubles on each refusal in a row."""
+    retry_max_seconds: float = Field(300.0, gt=0, le=3600)
+    """Longest delay between retries of refused child writes."""
     max_ranks_per_replica: int = Field(8, ge=1, le=64)
     """Most sockets a replica group may span in this cluster."""
     numa_node_label: str = Field("cpuserve.dev/numa-pinning", min_length=1)

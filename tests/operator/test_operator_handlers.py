@@ -17,8 +17,10 @@ from fake_apiserver import FakeApiServer
 
 ROOT = Path(__file__).resolve().parents[2]
 NS = "serving"
+FRESH = "fresh"  # a namespace whose "default" ServiceAccount does not exist yet
 LLMS = "llmservices"
 RESYNC_SECONDS = 1.5
+RETRY_BASE_SECONDS = 0.4
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -42,6 +44,7 @@ def cluster(tmp_path_factory):
     """(fake API server, operator metrics port, liveness port); the operator runs for the whole module."""
     tmp = tmp_path_factory.mktemp("operator")
     api = FakeApiServer().start()
+    api.create("serviceaccounts", NS, {"metadata": {"name": "default"}})  # what the controller manager makes
     kubeconfig = tmp / "kubeconfig"
     kubeconfig.write_text(
         "apiVersion: v1\nkind: Config\ncurrent-context: fake\n"
@@ -51,9 +54,11 @@ def cluster(tmp_path_factory):
     metrics_port, liveness_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBERNETES_", "CPUSERVE_OPERATOR_"))}
     env.update(KUBECONFIG=str(kubeconfig), CPUSERVE_OPERATOR_RESYNC_SECONDS=str(RESYNC_SECONDS),
-               CPUSERVE_OPERATOR_METRICS_PORT=str(metrics_port), CPUSERVE_OPERATOR_IMAGE="cpuserve:test")
+               CPUSERVE_OPERATOR_METRICS_PORT=str(metrics_port), CPUSERVE_OPERATOR_IMAGE="cpuserve:test",
+               CPUSERVE_OPERATOR_RETRY_BASE_SECONDS=str(RETRY_BASE_SECONDS), CPUSERVE_OPERATOR_RETRY_MAX_SECONDS="5")
     log = open(tmp / "operator.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "cpuserve.operator", "--standalone", "--namespace", NS,
+                             "--namespace", FRESH,
                              f"--liveness=http://127.0.0.1:{liveness_port}/healthz"],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -78,17 +83,17 @@ def llmservice(name: str, **spec) -> dict:
     return {"apiVersion": "cpuserve.dev/v1alpha1", "kind": "LLMService", "metadata": {"name": name}, "spec": spec}
 
 
-def children(api: FakeApiServer, name: str) -> dict[str, list[str]]:
+def children(api: FakeApiServer, name: str, ns: str = NS) -> dict[str, list[str]]:
     out = {}
     for plural in ("pods", "services", "poddisruptionbudgets", "servicemonitors"):
-        objs = [api.get(plural, NS, n) for n in api.names(plural, NS)]
+        objs = [api.get(plural, ns, n) for n in api.names(plural, ns)]
         out[plural] = [o["metadata"]["name"] for o in objs
                        if o and (o["metadata"].get("labels") or {}).get("cpuserve.dev/llmservice") == name]
     return out
 
 
-def condition(api: FakeApiServer, name: str, ctype: str) -> dict:
-    obj = api.get(LLMS, NS, name) or {}
+def condition(api: FakeApiServer, name: str, ctype: str, ns: str = NS) -> dict:
+    obj = api.get(LLMS, ns, name) or {}
     return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == ctype), {})
 
 
@@ -179,20 +184,48 @@ def test_invalid_spec_condition_event_and_no_retry_storm(cluster):
     assert cond["reason"] == "InvalidSpec" and "spec.resources.kvCacheGb" in cond["message"]
     assert condition(api, "zeta", "Ready")["status"] == "False"
 
-    def events():
-        objs = [api.get("events", NS, n) for n in api.names("events", NS)]
-        return [e for e in objs if e and e["involvedObject"].get("name") == "zeta" and e["reason"] == "ValidationFailed"]
-
-    wait_for("the Event", events)
+    wait_for("the Event", lambda: events(api, NS, "zeta", "ValidationFailed"))
     patches = lambda: sum(m == "PATCH" and "/llmservices/zeta" in p for m, p, _ in api.requests)  # noqa: E731
     settled = patches()
     time.sleep(RESYNC_SECONDS * 3)  # at least two timer passes
-    assert len(events()) == 1, "one Event per invalid generation"
+    assert len(events(api, NS, "zeta", "ValidationFailed")) == 1, "one Event per invalid generation"
     assert patches() - settled <= 1, "the status is not rewritten on every pass"
     assert children(api, "zeta")["pods"] == []
     api.patch(LLMS, NS, "zeta", {"spec": {"resources": {"memoryPerRankGb": 80}}})  # fixed
     wait_for("valid again", lambda: condition(api, "zeta", "ValidationFailed").get("status") == "False")
     wait_for("pods after the fix", lambda: children(api, "zeta")["pods"] == ["zeta-g0-r0", "zeta-head"])
+
+
+def events(api: FakeApiServer, ns: str, name: str, reason: str) -> list[dict]:
+    objs = [api.get("events", ns, n) for n in api.names("events", ns)]
+    return [e for e in objs if e and e["involvedObject"].get("name") == name and e["reason"] == reason]
+
+
+def test_refused_children_show_in_the_status_with_one_event_and_backoff(cluster):
+    """What the real server did: pods refused (403) while the namespace's service account did not exist."""
+    api, *_ = cluster
+    api.create(LLMS, FRESH, llmservice("eta"))
+    degraded = wait_for("Degraded", lambda: (c := condition(api, "eta", "Degraded", FRESH)).get("status") == "True" and c)
+    assert degraded["reason"] == "Forbidden"  # the API's own reason and message
+    assert degraded["message"].startswith('create Pod eta-head: pods "eta-head" is forbidden: error looking up '
+                                          f'service account {FRESH}/default: serviceaccount "default" not found')
+    assert "(and 1 more refused child writes)" in degraded["message"]  # eta-g0-r0
+    progressing = condition(api, "eta", "Progressing", FRESH)
+    assert (progressing["status"], progressing["reason"]) == ("True", "Forbidden")
+    assert condition(api, "eta", "Ready", FRESH)["status"] == "False"
+    assert children(api, "eta", FRESH)["services"] == ["eta", "eta-headless", "eta-metrics"], "the rest goes on"
+    posts = lambda: [t for (m, p, _), t in zip(api.requests, api.request_times)  # noqa: E731
+                     if m == "POST" and p.endswith(f"/namespaces/{FRESH}/pods")]
+    wait_for("three retries", lambda: len(posts()) >= 2 * 4, timeout=30)  # two pods per pass
+    tries = posts()[::2]
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert all(later > 1.5 * earlier for earlier, later in zip(gaps, gaps[1:])), f"no backoff: gaps {gaps}"
+    assert gaps[0] >= RETRY_BASE_SECONDS * 0.9, gaps
+    assert len(events(api, FRESH, "eta", "Forbidden")) == 1, "one Event per distinct refusal, not one per retry"
+    api.create("serviceaccounts", FRESH, {"metadata": {"name": "default"}})
+    wait_for("pods once the service account exists", lambda: children(api, "eta", FRESH)["pods"] == ["eta-g0-r0",
+                                                                                                    "eta-head"])
+    wait_for("Degraded cleared", lambda: condition(api, "eta", "Degraded", FRESH).get("status") == "False")
 
 
 def test_operator_metrics_and_liveness(cluster):
