@@ -15,6 +15,7 @@ from typing import Any
 
 from cpuserve.operator import naming
 from cpuserve.operator.memory import GIB, MIB, MemoryPlan, download_size_limit
+from cpuserve.operator.security import DASHBOARD_PORT, ray_auth_env
 from cpuserve.operator.settings import OperatorSettings
 from cpuserve.operator.spec import LLMServiceSpec
 from cpuserve.serving.cli import config_to_args
@@ -25,7 +26,6 @@ UID = 10001
 MODEL_DIR = "/models"
 TLS_DIR = "/etc/cpuserve/tls"
 API_KEYS_DIR = "/etc/cpuserve/api-keys"
-DASHBOARD_PORT = 8265
 AGENT_PORT = 52365
 OBJECT_STORE_BYTES = 256 * MIB
 HEAD_SCRIPT = ('ray start --head --port={gcs} --num-cpus={cpus} --dashboard-host=0.0.0.0 '
@@ -80,10 +80,7 @@ def _env(name: str, spec: LLMServiceSpec) -> list[dict[str, Any]]:
     env = [{"name": "HOME", "value": "/tmp"}, *({"name": k, "value": v} for k, v in RAY_ENV.items()),
            {"name": "CPUSERVE_LLMSERVICE", "value": name},
            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
-    if spec.security.ray_auth_token_secret:
-        return env + [{"name": "RAY_AUTH_MODE", "value": "token"}, {"name": "RAY_AUTH_TOKEN", "valueFrom": {
-            "secretKeyRef": {"name": spec.security.ray_auth_token_secret, "key": "token"}}}]
-    return env + [{"name": "RAY_AUTH_MODE", "value": "disabled"}]
+    return env + ray_auth_env(name, spec)
 
 
 def _volumes(spec: LLMServiceSpec, head: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

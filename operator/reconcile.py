@@ -3,6 +3,7 @@ it compares what exists with what the CR asks for, never what changed."""
 from __future__ import annotations
 
 import datetime
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +13,7 @@ from cpuserve.operator.conditions import (DEGRADED, ChildError, Observed, build_
                                           status_changed)
 from cpuserve.operator.kube import Kube, KubeError
 from cpuserve.operator.memory import plan_memory
+from cpuserve.operator.security import build_ray_token_secret
 from cpuserve.operator.settings import OperatorSettings
 from cpuserve.operator.validation import Finding, validate
 
@@ -54,18 +56,22 @@ class _Writes:
         self.changes += verb != "create" or out is not None
 
 
-def apply_children(kube: Kube, body: dict[str, Any], desired: list[dict[str, Any]],
-                   kinds: list[str]) -> tuple[int, tuple[ChildError, ...]]:
+def apply_children(kube: Kube, body: dict[str, Any], desired: list[dict[str, Any]], kinds: list[str],
+                   create_only: list[dict[str, Any]] = ()) -> tuple[int, tuple[ChildError, ...]]:
     """Make the children of `body` equal `desired`; returns how many were created, changed or deleted, and
     the writes the API server refused (the others still happen: one refused pod does not stop the Services).
 
-    A pod whose spec hash differs is deleted and recreated on a later pass (pods are immutable and a
-    deleted pod keeps its name while it terminates); other kinds are merge-patched in place.
+    `create_only` children (the generated Ray token Secret) are created first when missing and never read,
+    compared or patched: the operator needs no right to read Secrets. A pod whose spec hash differs is deleted
+    and recreated on a later pass (pods are immutable and a deleted pod keeps its name while it terminates);
+    other kinds are merge-patched in place.
     """
     ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
     selector = f"{naming.LABEL_SERVICE}={name}"
-    existing = {(kind, obj["metadata"]["name"]): obj for kind in kinds for obj in kube.list(kind, ns, selector)}
     writes = _Writes()
+    for manifest in create_only:  # 409 (exists) is no change
+        writes.do("create", manifest["kind"], manifest["metadata"]["name"], kube.create, manifest)
+    existing = {(kind, obj["metadata"]["name"]): obj for kind in kinds for obj in kube.list(kind, ns, selector)}
     for manifest in desired:
         kind, child = key = (manifest["kind"], manifest["metadata"]["name"])
         current = existing.pop(key, None)
@@ -108,8 +114,11 @@ def reconcile(body: dict[str, Any], kube: Kube, settings: OperatorSettings, with
             (new["status"], new["message"], new["observedGeneration"])
         return Outcome(status, status_changed(old_status, status), findings, 0, is_new)
     assert spec is not None
-    kinds = ["Service", "Pod", "PodDisruptionBudget"] + (["ServiceMonitor"] if with_service_monitor else [])
-    changes, errors = apply_children(kube, body, build_children(body, spec, settings, with_service_monitor), kinds)
+    kinds = ["Service", "Pod", "PodDisruptionBudget", "NetworkPolicy"] + (["ServiceMonitor"] if with_service_monitor else [])
+    create_only = [] if spec.security.ray_auth_token_secret else \
+        [naming.finish(build_ray_token_secret(name, secrets.token_urlsafe(32)), body)]
+    changes, errors = apply_children(kube, body, build_children(body, spec, settings, with_service_monitor), kinds,
+                                     create_only)
     if changes:
         pods = kube.list("Pod", ns, f"{naming.LABEL_SERVICE}={name}")
     status = build_status(body, spec, plan_memory(spec), observe_pods(name, spec, pods, changes, errors), [], now)

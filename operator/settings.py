@@ -31,6 +31,17 @@ class OperatorSettings(BaseSettings):
     service_monitors: str = Field("auto", pattern=r"^(auto|always|never)$")
     """Emit ServiceMonitors: auto (when the CRD exists), always, never."""
 
+    pod_namespace: str = ""
+    """The operator's own namespace (the chart sets it from the pod): NetworkPolicies let only it reach Ray's
+    dashboard port. Empty: pods with the operator's labels in any namespace."""
+    pod_labels: str = "app.kubernetes.io/name=cpuserve,app.kubernetes.io/component=operator"
+    """The operator pods' labels, `k=v,k=v` (the chart sets its selector labels)."""
+
+    def operator_pod_labels(self) -> dict[str, str]:
+        """pod_labels as a matchLabels dict."""
+        pairs = (item.split("=", 1) for item in self.pod_labels.split(",") if item.strip())
+        return {k.strip(): v.strip() for k, v in pairs}
+
     def namespace_list(self) -> list[str]:
         """The watched namespaces, or [] for cluster-wide."""
         return [ns.strip() for ns in self.namespaces.split(",") if ns.strip()]

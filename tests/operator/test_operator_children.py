@@ -51,7 +51,7 @@ def test_pods_per_replica_group_and_rank(spec, ranks):
         g, r = labels[naming.LABEL_GROUP], labels[naming.LABEL_RANK]
         assert pod["metadata"]["name"] == f"chat-g{g}-r{r}"
         assert labels[naming.LABEL_COMPONENT] == "rank" and labels[naming.LABEL_SERVICE] == "chat"
-    assert [m["kind"] for m in manifests] == ["Service"] * 3 + ["Pod"] * len(pods) + ["PodDisruptionBudget",
+    assert [m["kind"] for m in manifests] == ["Service"] * 3 + ["Pod"] * len(pods) + ["PodDisruptionBudget", "NetworkPolicy",
                                                                                      "ServiceMonitor"]
 
 

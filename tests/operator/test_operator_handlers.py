@@ -2,6 +2,7 @@
 create, scale, model change, drift repair, delete, invalid spec; then its metrics endpoint."""
 from __future__ import annotations
 
+import base64
 import os
 import socket
 import subprocess
@@ -118,6 +119,10 @@ def test_create_then_ready(cluster):
     for pod in pods:
         (owner,) = api.get("pods", NS, pod)["metadata"]["ownerReferences"]
         assert owner["uid"] == cr["metadata"]["uid"] and owner["controller"] is True
+    secret, policy = api.get("secrets", NS, "alpha-ray-token"), api.get("networkpolicies", NS, "alpha-ray")
+    assert len(base64.b64decode(secret["data"]["token"])) >= 32, "a generated Ray token, created before the pods"
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == cr["metadata"]["uid"]
+    assert policy["spec"]["podSelector"] == {"matchLabels": {"cpuserve.dev/llmservice": "alpha"}}
     assert wait_for("Ready=False", lambda: condition(api, "alpha", "Ready").get("reason") == "HeadNotReady")
     status = api.get(LLMS, NS, "alpha")["status"]
     assert status["observedGeneration"] == 1 and status["memoryPerRank"].endswith("Mi")
@@ -148,12 +153,14 @@ def test_model_change_recreates_pods(cluster):
     api.create(LLMS, NS, llmservice("gamma"))
     before = wait_for("pods", lambda: pod_hash(api, "gamma-head"))
     rank_before = pod_hash(api, "gamma-g0-r0")
+    token = api.get("secrets", NS, "gamma-ray-token")["data"]
     api.patch(LLMS, NS, "gamma", {"spec": {"quantization": {"weights": "int8"}}})
     wait_for("new head", lambda: pod_hash(api, "gamma-head") not in (None, before))
     wait_for("new rank", lambda: pod_hash(api, "gamma-g0-r0") not in (None, rank_before))
     args = api.get("pods", NS, "gamma-head")["spec"]["containers"][0]["args"]
     assert args[args.index("--weights") + 1] == "int8"
     wait_for("observedGeneration 2", lambda: api.get(LLMS, NS, "gamma")["status"]["observedGeneration"] == 2)
+    assert api.get("secrets", NS, "gamma-ray-token")["data"] == token, "the token outlives pod restarts"
 
 
 def test_drift_repair(cluster):
