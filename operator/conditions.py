@@ -20,6 +20,10 @@ REASON_COMPLETE = "ReconcileComplete"
 REASON_PODS_FAILING = "PodsFailing"
 REASON_NO_FAILURES = "NoFailures"
 REASON_INVALID_SPEC = "InvalidSpec"
+REASON_SERVE_PENDING = "ServeConfigPending"
+REASON_SERVE_UPDATING = "ServeUpdating"
+REASON_SERVE_FAILED = "ServeDeployFailed"
+SERVE_RUNNING, SERVE_FAILED = "RUNNING", "DEPLOY_FAILED"
 REASON_SPEC_VALID = "SpecValid"
 FAILING_WAIT_REASONS = frozenset({"CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
                                   "CreateContainerConfigError", "CreateContainerError"})
@@ -48,6 +52,8 @@ class Observed:
     failing: tuple[str, ...] = ()
     changes: int = 0
     child_errors: tuple[ChildError, ...] = ()
+    serve: Any = None
+    """serve_api.ServeState of the head's Serve application, None while no head runs."""
 
 
 def describe_child_errors(errors: tuple[ChildError, ...]) -> str:
@@ -70,7 +76,7 @@ def is_pod_failing(pod: dict[str, Any]) -> bool:
 
 
 def observe_pods(name: str, spec: LLMServiceSpec, pods: list[dict[str, Any]], changes: int = 0,
-                 child_errors: tuple[ChildError, ...] = ()) -> Observed:
+                 child_errors: tuple[ChildError, ...] = (), serve: Any = None) -> Observed:
     """Summarise the pods of LLMService `name` (already filtered by its labels)."""
     by_name = {p["metadata"]["name"]: p for p in pods}
     head = by_name.get(naming.head_name(name))
@@ -78,7 +84,7 @@ def observe_pods(name: str, spec: LLMServiceSpec, pods: list[dict[str, Any]], ch
         all(is_pod_ready(by_name.get(naming.rank_name(name, g, r), {})) for r in range(spec.ranks_per_replica))
         for g in range(spec.replicas))
     failing = tuple(sorted(n for n, p in by_name.items() if is_pod_failing(p)))
-    return Observed(head is not None and is_pod_ready(head), ready_groups, failing, changes, child_errors)
+    return Observed(head is not None and is_pod_ready(head), ready_groups, failing, changes, child_errors, serve)
 
 
 def _condition(ctype: str, ok: bool, reason: str, message: str, generation: int) -> dict[str, Any]:
@@ -86,12 +92,28 @@ def _condition(ctype: str, ok: bool, reason: str, message: str, generation: int)
             "observedGeneration": generation}
 
 
+def _serve_progress(serve: Any) -> tuple[str, str] | None:
+    """(reason, message) while the head's Serve application is not yet as the spec says, else None."""
+    if serve is None:
+        return None
+    if serve.error:
+        return REASON_SERVE_PENDING, f"applying the Serve config through the head's REST API: {serve.error}"
+    if serve.applied:
+        return REASON_SERVE_UPDATING, "applied a new Serve config in place"
+    if serve.status not in (SERVE_RUNNING, SERVE_FAILED):
+        return REASON_SERVE_UPDATING, f"Serve application {serve.status}: {serve.message}".rstrip(": ")
+    return None
+
+
 def _degraded(observed: Observed, generation: int) -> dict[str, Any]:
-    """Refused child writes first (the API's reason and message), then failing pods."""
+    """Refused child writes first (the API's reason and message), then a failed Serve deploy, then failing pods."""
     failing = ("failing pods: " + ", ".join(observed.failing)) if observed.failing else ""
     if observed.child_errors:
         message = "; ".join(filter(None, (describe_child_errors(observed.child_errors), failing)))
         return _condition(DEGRADED, True, observed.child_errors[0].reason, message, generation)
+    if observed.serve is not None and observed.serve.status == SERVE_FAILED:
+        message = "; ".join(filter(None, (f"Serve deploy failed: {observed.serve.message}", failing)))
+        return _condition(DEGRADED, True, REASON_SERVE_FAILED, message, generation)
     return _condition(DEGRADED, bool(observed.failing), REASON_PODS_FAILING if observed.failing else REASON_NO_FAILURES,
                       failing, generation)
 
@@ -118,6 +140,8 @@ def calculate_conditions(generation: int, replicas: int, observed: Observed, fin
             progress_c = _condition(PROGRESSING, True, observed.child_errors[0].reason,
                                     "retrying with backoff: " + describe_child_errors(observed.child_errors),
                                     generation)
+        elif (serving := _serve_progress(observed.serve)) is not None:
+            progress_c = _condition(PROGRESSING, True, serving[0], serving[1], generation)
         else:
             progress_c = _condition(PROGRESSING, busy, REASON_RECONCILING if busy else REASON_COMPLETE,
                                     f"{observed.changes} children changed" if observed.changes else

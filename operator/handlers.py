@@ -101,6 +101,8 @@ def on_change(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> 
     if delay := _note_refusals(outcome, body, memo):
         raise kopf.TemporaryError("the API server refused child writes: "
                                   + describe_child_errors(outcome.child_errors), delay=delay)
+    if outcome.serve_error:  # the head runs but its dashboard is not up yet: look again soon, no backoff window
+        raise kopf.TemporaryError(outcome.serve_error, delay=memo.settings.retry_base_seconds)
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=SETTINGS.resync_seconds, initial_delay=SETTINGS.resync_seconds)

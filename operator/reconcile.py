@@ -13,7 +13,9 @@ from cpuserve.operator.conditions import (DEGRADED, ChildError, Observed, build_
                                           status_changed)
 from cpuserve.operator.kube import Kube, KubeError
 from cpuserve.operator.memory import plan_memory
-from cpuserve.operator.security import build_ray_token_secret
+from cpuserve.operator.rollout import pods_to_delete
+from cpuserve.operator.security import build_ray_token_secret, ray_token_secret_name
+from cpuserve.operator.serve_api import ServeApi, ServeState, build_serve_document, dashboard_url, read_token, sync
 from cpuserve.operator.settings import OperatorSettings
 from cpuserve.operator.validation import Finding, validate
 
@@ -30,6 +32,8 @@ class Outcome:
     """Child writes the API server refused this pass: the caller retries with backoff."""
     new_child_errors: bool = False
     """The refusal differs from what the status already said: post an Event."""
+    serve_error: str = ""
+    """The head runs but its Serve REST API could not be used (it is starting): retry soon."""
 
     @property
     def result(self) -> str:
@@ -61,10 +65,10 @@ def apply_children(kube: Kube, body: dict[str, Any], desired: list[dict[str, Any
     """Make the children of `body` equal `desired`; returns how many were created, changed or deleted, and
     the writes the API server refused (the others still happen: one refused pod does not stop the Services).
 
-    `create_only` children (the generated Ray token Secret) are created first when missing and never read,
-    compared or patched: the operator needs no right to read Secrets. A pod whose spec hash differs is deleted
-    and recreated on a later pass (pods are immutable and a deleted pod keeps its name while it terminates);
-    other kinds are merge-patched in place.
+    `create_only` children (the generated Ray token Secret) are created first when missing and never compared
+    or patched. A pod whose spec hash differs is deleted and recreated on a later pass (pods are immutable and a
+    deleted pod keeps its name while it terminates), rank pods one replica group at a time (rollout.py); other
+    kinds are merge-patched in place.
     """
     ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
     selector = f"{naming.LABEL_SERVICE}={name}"
@@ -72,6 +76,8 @@ def apply_children(kube: Kube, body: dict[str, Any], desired: list[dict[str, Any
     for manifest in create_only:  # 409 (exists) is no change
         writes.do("create", manifest["kind"], manifest["metadata"]["name"], kube.create, manifest)
     existing = {(kind, obj["metadata"]["name"]): obj for kind in kinds for obj in kube.list(kind, ns, selector)}
+    pods = {n: obj for (kind, n), obj in existing.items() if kind == "Pod"}
+    outdated: list[str] = []
     for manifest in desired:
         kind, child = key = (manifest["kind"], manifest["metadata"]["name"])
         current = existing.pop(key, None)
@@ -85,10 +91,16 @@ def apply_children(kube: Kube, body: dict[str, Any], desired: list[dict[str, Any
                 manifest["metadata"]["annotations"][naming.ANNOTATION_HASH]:
             continue
         if kind == "Pod":
-            writes.do("delete", kind, child, kube.delete, "Pod", ns, child)
+            outdated.append(child)
         else:
             meta = {k: manifest["metadata"][k] for k in ("labels", "annotations", "ownerReferences")}
             writes.do("patch", kind, child, kube.merge_patch, kind, ns, child, {"metadata": meta, "spec": manifest["spec"]})
+    go = pods_to_delete(outdated, [m for m in desired if m["kind"] == "Pod"], pods)
+    for child in outdated:
+        if child in go:
+            writes.do("delete", "Pod", child, kube.delete, "Pod", ns, child)
+        else:
+            writes.changes += 1  # waits for the groups before it: still a change in progress
     uid = body["metadata"]["uid"]
     for (kind, child), obj in existing.items():  # e.g. rank pods after a scale-down
         owners = obj["metadata"].get("ownerReferences") or []
@@ -121,9 +133,28 @@ def reconcile(body: dict[str, Any], kube: Kube, settings: OperatorSettings, with
                                      create_only)
     if changes:
         pods = kube.list("Pod", ns, f"{naming.LABEL_SERVICE}={name}")
-    status = build_status(body, spec, plan_memory(spec), observe_pods(name, spec, pods, changes, errors), [], now)
+    serve = _sync_serve(kube, body, spec, settings, pods)
+    observed = observe_pods(name, spec, pods, changes, errors, serve)
+    status = build_status(body, spec, plan_memory(spec), observed, [], now)
     return Outcome(status, status_changed(old_status, status), [], changes, child_errors=errors,
-                   new_child_errors=bool(errors) and _said(old_status, DEGRADED) != _said(status, DEGRADED))
+                   new_child_errors=bool(errors) and _said(old_status, DEGRADED) != _said(status, DEGRADED),
+                   serve_error=serve.error if serve is not None else "")
+
+
+def _sync_serve(kube: Kube, body: dict[str, Any], spec: Any, settings: OperatorSettings,
+                pods: list[dict[str, Any]]) -> ServeState | None:
+    """Apply the Serve config to a running head through Ray Serve's REST API; None while no head runs."""
+    ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    head = next((p for p in pods if p["metadata"]["name"] == naming.head_name(name)), None)
+    if head is None or head["metadata"].get("deletionTimestamp") or (head.get("status") or {}).get("phase") != "Running":
+        return None
+    try:
+        token = read_token(kube, ns, name, spec)
+    except KubeError as err:
+        return ServeState(error=f"reading the Ray token Secret: {err.message}")
+    if token is None:
+        return ServeState(error=f"the Ray token Secret {ray_token_secret_name(name, spec)} has no key token yet")
+    return sync(ServeApi(dashboard_url(settings, name, ns), token), build_serve_document(spec))
 
 
 def _said(status: dict[str, Any], ctype: str) -> tuple[Any, ...]:

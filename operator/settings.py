@@ -31,6 +31,9 @@ class OperatorSettings(BaseSettings):
     service_monitors: str = Field("auto", pattern=r"^(auto|always|never)$")
     """Emit ServiceMonitors: auto (when the CRD exists), always, never."""
 
+    dashboard_url: str = Field("http://{head}.{headless}.{namespace}.svc:{port}", min_length=1)
+    """Where the operator reaches an LLMService's Ray dashboard (Serve REST API); fields {head}, {headless},
+    {namespace}, {port}, {name}."""
     pod_namespace: str = ""
     """The operator's own namespace (the chart sets it from the pod): NetworkPolicies let only it reach Ray's
     dashboard port. Empty: pods with the operator's labels in any namespace."""

@@ -65,8 +65,8 @@ def test_rbac_is_least_privilege():
                for v in rule["verbs"]}
     assert not any("*" in item for item in granted)
     assert not any(r in ("nodes", "namespaces", "customresourcedefinitions") for _, r, _ in granted)
-    # Secrets: only create (the generated Ray token); reading any Secret is not granted
-    assert {v for _, r, v in granted if r == "secrets"} == {"create"}
+    # Secrets: create the generated Ray token, get it by name for the Serve REST API; never list or watch them
+    assert {v for _, r, v in granted if r == "secrets"} == {"create", "get"}
     assert ("", "events", "create") in granted and ("", "events", "list") not in granted
     assert ("cpuserve.dev", "llmservices/status", "patch") in granted and ("", "pods", "patch") not in granted
     assert ("cpuserve.dev", "llmservices", "delete") not in granted and ("cpuserve.dev", "llmservices", "create") not in granted

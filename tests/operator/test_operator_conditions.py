@@ -8,6 +8,7 @@ from cpuserve.operator.conditions import (ChildError, Observed, build_status, ca
 from cpuserve.operator.memory import plan_memory
 from cpuserve.operator.settings import OperatorSettings
 from cpuserve.operator.validation import Finding, validate
+from cpuserve.operator.serve_api import ServeState
 from llmservice_factory import make_body
 
 T0, T1 = "2025-01-01T00:00:00Z", "2025-01-01T00:01:00Z"
@@ -47,6 +48,18 @@ CASES = [  # (replicas, observed, findings, expected {type: (status, reason)})
     (1, Observed(True, 1, ("chat-g0-r0",), child_errors=REFUSED[1:]), [], {
         "Ready": ("True", "AllReplicasReady"), "Progressing": ("True", "Forbidden"), "Degraded": ("True", "Forbidden"),
         "ValidationFailed": ("False", "SpecValid")}),
+    (1, Observed(True, 1, serve=ServeState("RUNNING")), [], {
+        "Ready": ("True", "AllReplicasReady"), "Progressing": ("False", "ReconcileComplete"),
+        "Degraded": ("False", "NoFailures"), "ValidationFailed": ("False", "SpecValid")}),
+    (1, Observed(False, 1, serve=ServeState(error="connection refused")), [], {
+        "Ready": ("False", "HeadNotReady"), "Progressing": ("True", "ServeConfigPending"),
+        "Degraded": ("False", "NoFailures"), "ValidationFailed": ("False", "SpecValid")}),
+    (1, Observed(True, 1, serve=ServeState("RUNNING", applied=True)), [], {
+        "Ready": ("True", "AllReplicasReady"), "Progressing": ("True", "ServeUpdating"),
+        "Degraded": ("False", "NoFailures"), "ValidationFailed": ("False", "SpecValid")}),
+    (1, Observed(True, 1, serve=ServeState("DEPLOY_FAILED", "the model file is missing")), [], {
+        "Ready": ("True", "AllReplicasReady"), "Progressing": ("False", "ReconcileComplete"),
+        "Degraded": ("True", "ServeDeployFailed"), "ValidationFailed": ("False", "SpecValid")}),
     (1, Observed(True, 1), BAD, {"Ready": ("False", "InvalidSpec"), "Progressing": ("False", "InvalidSpec"),
                                  "Degraded": ("False", "NoFailures"), "ValidationFailed": ("True", "InvalidSpec")}),
 ]

@@ -56,7 +56,10 @@ def cluster(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBERNETES_", "CPUSERVE_OPERATOR_"))}
     env.update(KUBECONFIG=str(kubeconfig), CPUSERVE_OPERATOR_RESYNC_SECONDS=str(RESYNC_SECONDS),
                CPUSERVE_OPERATOR_METRICS_PORT=str(metrics_port), CPUSERVE_OPERATOR_IMAGE="cpuserve:test",
-               CPUSERVE_OPERATOR_RETRY_BASE_SECONDS=str(RETRY_BASE_SECONDS), CPUSERVE_OPERATOR_RETRY_MAX_SECONDS="5")
+               CPUSERVE_OPERATOR_RETRY_BASE_SECONDS=str(RETRY_BASE_SECONDS), CPUSERVE_OPERATOR_RETRY_MAX_SECONDS="5",
+               # no Ray runs in this fake cluster: the heads' dashboards are a port nobody listens on (the Serve
+               # REST API against a real Ray head: test_serve_inplace.py)
+               CPUSERVE_OPERATOR_DASHBOARD_URL=f"http://127.0.0.1:{free_port()}")
     log = open(tmp / "operator.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "cpuserve.operator", "--standalone", "--namespace", NS,
                              "--namespace", FRESH,
@@ -134,31 +137,55 @@ def test_create_then_ready(cluster):
     assert api.get(LLMS, NS, "alpha")["status"]["readyReplicas"] == 1
 
 
+def uid(api, pod):
+    return api.get("pods", NS, pod)["metadata"]["uid"]
+
+
 def test_scale_up_and_down(cluster):
     api, *_ = cluster
     api.create(LLMS, NS, llmservice("beta"))
     wait_for("one rank", lambda: children(api, "beta")["pods"] == ["beta-g0-r0", "beta-head"])
-    first_rank_uid = api.get("pods", NS, "beta-g0-r0")["metadata"]["uid"]
-    api.patch(LLMS, NS, "beta", {"spec": {"replicas": 3}})
+    first_rank_uid, head_uid = uid(api, "beta-g0-r0"), uid(api, "beta-head")
+    api.patch(LLMS, NS, "beta", {"spec": {"replicas": 3}}, sub="scale")  # kubectl scale
     wait_for("three ranks", lambda: children(api, "beta")["pods"] == ["beta-g0-r0", "beta-g1-r0", "beta-g2-r0",
                                                                       "beta-head"])
     api.patch(LLMS, NS, "beta", {"spec": {"replicas": 1}})
     wait_for("back to one", lambda: children(api, "beta")["pods"] == ["beta-g0-r0", "beta-head"])
     wait_for("status.replicas", lambda: api.get(LLMS, NS, "beta")["status"]["replicas"] == 1)
-    assert api.get("pods", NS, "beta-g0-r0")["metadata"]["uid"] == first_rank_uid, "a surviving group is not touched"
+    assert uid(api, "beta-g0-r0") == first_rank_uid, "a surviving group is not touched"
+    assert uid(api, "beta-head") == head_uid, "the head (the Ray cluster) stays: the Serve config changes in place"
 
 
-def test_model_change_recreates_pods(cluster):
+def test_batching_change_restarts_no_pod(cluster):
     api, *_ = cluster
-    api.create(LLMS, NS, llmservice("gamma"))
-    before = wait_for("pods", lambda: pod_hash(api, "gamma-head"))
-    rank_before = pod_hash(api, "gamma-g0-r0")
+    api.create(LLMS, NS, llmservice("theta", replicas=2))
+    wait_for("pods", lambda: children(api, "theta")["pods"] == ["theta-g0-r0", "theta-g1-r0", "theta-head"])
+    set_ready(api, "theta-head")  # a running head: the operator turns to its Serve REST API
+    uids = {p: uid(api, p) for p in children(api, "theta")["pods"]}
+    api.patch(LLMS, NS, "theta", {"spec": {"batching": {"maxNumSeqs": 8}}})
+    cond = wait_for("the Serve config pending", lambda: (c := condition(api, "theta", "Progressing")).get(
+        "reason") == "ServeConfigPending" and c["observedGeneration"] == 2 and c)
+    assert "/api/serve/applications/" in cond["message"]  # what it tries: Ray Serve's REST API on the head
+    assert {p: uid(api, p) for p in children(api, "theta")["pods"]} == uids
+
+
+def test_model_change_rolls_one_replica_group_at_a_time(cluster):
+    api, *_ = cluster
+    api.create(LLMS, NS, llmservice("gamma", replicas=2))
+    pods = ["gamma-g0-r0", "gamma-g1-r0", "gamma-head"]
+    wait_for("pods", lambda: children(api, "gamma")["pods"] == pods)
+    for pod in pods:
+        set_ready(api, pod)
+    before = {p: pod_hash(api, p) for p in pods}
+    head_uid, g1_uid = uid(api, "gamma-head"), uid(api, "gamma-g1-r0")
     token = api.get("secrets", NS, "gamma-ray-token")["data"]
-    api.patch(LLMS, NS, "gamma", {"spec": {"quantization": {"weights": "int8"}}})
-    wait_for("new head", lambda: pod_hash(api, "gamma-head") not in (None, before))
-    wait_for("new rank", lambda: pod_hash(api, "gamma-g0-r0") not in (None, rank_before))
-    args = api.get("pods", NS, "gamma-head")["spec"]["containers"][0]["args"]
-    assert args[args.index("--weights") + 1] == "int8"
+    api.patch(LLMS, NS, "gamma", {"spec": {"quantization": {"weights": "int8"}}})  # rank memory changes
+    wait_for("group 0 replaced", lambda: pod_hash(api, "gamma-g0-r0") not in (None, before["gamma-g0-r0"]))
+    time.sleep(RESYNC_SECONDS * 1.5)  # a timer pass or more: group 1 waits for group 0 to be ready
+    assert uid(api, "gamma-g1-r0") == g1_uid, "one replica group at a time"
+    set_ready(api, "gamma-g0-r0")
+    wait_for("group 1 replaced", lambda: pod_hash(api, "gamma-g1-r0") not in (None, before["gamma-g1-r0"]))
+    assert uid(api, "gamma-head") == head_uid, "the head is not part of a model change"
     wait_for("observedGeneration 2", lambda: api.get(LLMS, NS, "gamma")["status"]["observedGeneration"] == 2)
     assert api.get("secrets", NS, "gamma-ray-token")["data"] == token, "the token outlives pod restarts"
 
