@@ -11,11 +11,13 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kubernetes import client, config
 
@@ -40,6 +42,16 @@ def wait_for(what: str, predicate, timeout: float = 30.0, interval: float = 0.1)
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 15) -> None:
+    """SIGTERM, then SIGKILL after `timeout` seconds (`ray start --block` stops what it started on SIGTERM)."""
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
 
 
 def assets_missing() -> str | None:
@@ -158,11 +170,7 @@ class RealControlPlane:
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_process(proc)
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
@@ -172,3 +180,22 @@ def kubectl(server: ApiServer, *args: str, stdin: str | None = None) -> subproce
     return subprocess.run([str(exe), f"--kubeconfig={server.kubeconfig}", *args], input=stdin,
                           capture_output=True, text=True, timeout=60)
 
+
+
+class OperatorProcess:
+    """The real operator (`python -m cpuserve.operator`) on a kubeconfig; `settings` become CPUSERVE_OPERATOR_*."""
+
+    def __init__(self, kubeconfig: Path, namespaces: list[str], log: Path, liveness_port: int, **settings: Any):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBERNETES_", "CPUSERVE_OPERATOR_"))}
+        env.update(KUBECONFIG=str(kubeconfig), **{f"CPUSERVE_OPERATOR_{k.upper()}": str(v) for k, v in settings.items()})
+        self.log = open(log, "w")
+        args = [f"--namespace={ns}" for ns in namespaces]
+        self.proc = subprocess.Popen([sys.executable, "-m", "cpuserve.operator", "--standalone", *args,
+                                      f"--liveness=http://127.0.0.1:{liveness_port}/healthz"],
+                                     env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def stop(self, show_log: bool = False) -> None:
+        stop_process(self.proc)
+        self.log.close()
+        if show_log or os.environ.get("CPUSERVE_TEST_SHOW_LOG"):
+            print(Path(self.log.name).read_text()[-5000:])

@@ -12,7 +12,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from control_plane import free_port, wait_for
+from control_plane import free_port, stop_process, wait_for
 from cpuserve.operator.naming import SOCKET_RESOURCE
 from cpuserve.serving.ray_env import RAY_ENV
 
@@ -51,11 +51,6 @@ class RayHead:
         wait_for("the Ray head's dashboard", up, timeout=timeout, interval=0.5)
 
     def stop(self) -> None:
-        self.proc.terminate()  # ray start --block stops the processes it started on SIGTERM
-        try:
-            self.proc.wait(90)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        stop_process(self.proc, 90)
         self.log.close()
         time.sleep(1)

@@ -3,10 +3,7 @@ create, scale, model change, drift repair, delete, invalid spec; then its metric
 from __future__ import annotations
 
 import base64
-import os
-import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -14,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from control_plane import OperatorProcess, free_port, wait_for, write_kubeconfig
 from fake_apiserver import FakeApiServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,61 +23,29 @@ RETRY_BASE_SECONDS = 0.4
 pytestmark = pytest.mark.timeout(120)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(what: str, predicate, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """(fake API server, operator metrics port, liveness port); the operator runs for the whole module."""
     tmp = tmp_path_factory.mktemp("operator")
     api = FakeApiServer().start()
     api.create("serviceaccounts", NS, {"metadata": {"name": "default"}})  # what the controller manager makes
-    kubeconfig = tmp / "kubeconfig"
-    kubeconfig.write_text(
-        "apiVersion: v1\nkind: Config\ncurrent-context: fake\n"
-        f"clusters: [{{name: fake, cluster: {{server: 'http://127.0.0.1:{api.port}'}}}}]\n"
-        "users: [{name: fake, user: {token: fake-token}}]\n"
-        f"contexts: [{{name: fake, context: {{cluster: fake, user: fake, namespace: {NS}}}}}]\n")
+    kubeconfig = write_kubeconfig(tmp / "kubeconfig", f"http://127.0.0.1:{api.port}", NS)
     metrics_port, liveness_port = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBERNETES_", "CPUSERVE_OPERATOR_"))}
-    env.update(KUBECONFIG=str(kubeconfig), CPUSERVE_OPERATOR_RESYNC_SECONDS=str(RESYNC_SECONDS),
-               CPUSERVE_OPERATOR_METRICS_PORT=str(metrics_port), CPUSERVE_OPERATOR_IMAGE="cpuserve:test",
-               CPUSERVE_OPERATOR_RETRY_BASE_SECONDS=str(RETRY_BASE_SECONDS), CPUSERVE_OPERATOR_RETRY_MAX_SECONDS="5",
-               # no Ray runs in this fake cluster: the heads' dashboards are a port nobody listens on (the Serve
-               # REST API against a real Ray head: test_serve_inplace.py)
-               CPUSERVE_OPERATOR_DASHBOARD_URL=f"http://127.0.0.1:{free_port()}")
-    log = open(tmp / "operator.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "cpuserve.operator", "--standalone", "--namespace", NS,
-                             "--namespace", FRESH,
-                             f"--liveness=http://127.0.0.1:{liveness_port}/healthz"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    operator = OperatorProcess(kubeconfig, [NS, FRESH], tmp / "operator.log", liveness_port,
+                               resync_seconds=RESYNC_SECONDS, metrics_port=metrics_port, image="cpuserve:test",
+                               retry_base_seconds=RETRY_BASE_SECONDS, retry_max_seconds=5,
+                               # no Ray runs in this fake cluster: the heads' dashboards are a port nobody listens
+                               # on (the Serve REST API on a real Ray head: test_serve_inplace.py, test_e2e_local.py)
+                               dashboard_url=f"http://127.0.0.1:{free_port()}")
+    failed = True
     try:
         wait_for("the operator to watch LLMServices",
                  lambda: any(m == "GET" and p.endswith(f"/namespaces/{NS}/{LLMS}") for m, p, _ in api.requests), 30)
         yield api, metrics_port, liveness_port
+        failed = False
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        operator.stop(show_log=failed)
         api.stop()
-        log.close()
-        if sys.exc_info()[0] is not None or os.environ.get("CPUSERVE_TEST_SHOW_LOG"):
-            print(Path(log.name).read_text()[-5000:])
 
 
 def llmservice(name: str, **spec) -> dict:
