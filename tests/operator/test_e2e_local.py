@@ -11,7 +11,8 @@ import grpc
 import pytest
 import yaml
 
-from control_plane import OperatorProcess, free_port, start_fake, wait_for
+from control_plane import (OperatorProcess, RealControlPlane, assets_missing, free_port, kubectl, start_fake,
+                           wait_for)
 from cpuserve.operator.serve_api import ServeApi, read_token
 from cpuserve.operator.validation import validate
 from cpuserve.operator.settings import OperatorSettings
@@ -25,10 +26,14 @@ NS, NAME, NUM_TOKENS = "ml", "smollm2", 64
 EXAMPLE = CHART_CRDS.parent / "examples" / "llmservice-smollm2.yaml"
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+@pytest.fixture(scope="module", params=["fake", "real"])
+def cluster(request, tmp_path_factory):
+    """The API server (the fake, or a real control plane from KUBEBUILDER_ASSETS), the kubelet, the operator."""
+    if request.param == "real" and (why := assets_missing()):
+        pytest.skip(f"real control plane: {why}")
     tmp = tmp_path_factory.mktemp("e2e")
-    server = start_fake(tmp)
+    plane = RealControlPlane() if request.param == "real" else None
+    server = plane.start() if plane else start_fake(tmp)
     server.create_namespace(NS)
     kubelet = LocalKubelet(server.kube, NS, NAME, tmp)
     operator = OperatorProcess(server.kubeconfig, [NS], tmp / "operator.log", free_port(), metrics_port=0,
@@ -42,7 +47,7 @@ def cluster(tmp_path_factory):
     finally:
         operator.stop(show_log=failed)
         kubelet.stop()
-        server.fake.stop()
+        plane.stop() if plane else server.fake.stop()
 
 
 def the_example(ports: dict[str, int]) -> dict:
@@ -76,7 +81,11 @@ def test_kubectl_apply_to_tokens_then_scale(cluster):
     ports = {"grpc": free_port(), "http": free_port(), "metrics": free_port()}
     body = the_example(ports)
     assert validate({**body, "metadata": {**body["metadata"], "uid": "x"}}, OperatorSettings())[1] == []
-    server.kube.create(body)  # what `kubectl apply` sends (kubectl validates strictly too)
+    if server.name == "real":
+        result = kubectl(server, "apply", "-f", "-", stdin=yaml.safe_dump(body))
+        assert result.returncode == 0, result.stderr
+    else:
+        server.kube.create(body)  # what `kubectl apply` sends (kubectl validates strictly too)
     wait_for("Ready", lambda: condition(server, "Ready").get("status") == "True", timeout=480, interval=1)
     assert set(kubelet.ready) == {f"{NAME}-head", f"{NAME}-g0-r0"} and not kubelet.exited
 
@@ -91,7 +100,11 @@ def test_kubectl_apply_to_tokens_then_scale(cluster):
     for t in streams:
         t.start()
     scaled_at = time.monotonic()
-    server.kube.merge_patch("LLMService", NS, NAME, {"spec": {"replicas": 2}}, sub="scale")  # kubectl scale
+    if server.name == "real":
+        result = kubectl(server, "scale", "llmservice", NAME, "-n", NS, "--replicas=2")
+        assert result.returncode == 0, result.stderr
+    else:
+        server.kube.merge_patch("LLMService", NS, NAME, {"spec": {"replicas": 2}}, sub="scale")  # kubectl scale
     wait_for("the second group's pod", lambda: f"{NAME}-g1-r0" in kubelet.ready, timeout=120, interval=1)
     token = read_token(server.kube, NS, NAME, validate(server.kube.get("LLMService", NS, NAME), OperatorSettings())[0])
     api = ServeApi(f"http://127.0.0.1:{kubelet.head_ports[8265]}", token)
