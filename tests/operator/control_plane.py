@@ -54,6 +54,13 @@ def stop_process(proc: subprocess.Popen, timeout: float = 15) -> None:
         proc.wait(10)
 
 
+def private_ray_tmpdir() -> str:
+    """A Ray temp dir of a test's own (RAY_TMPDIR), short enough for Ray's Unix sockets. A head started in the
+    shared /tmp/ray would leave /tmp/ray/ray_current_cluster behind, and every later `ray.init()` on the machine
+    would try to join that cluster."""
+    return tempfile.mkdtemp(prefix="cpk8s-", dir="/tmp")
+
+
 def assets_missing() -> str | None:
     """Why the real control plane cannot run here, or None when it can."""
     folder = os.environ.get(ASSETS_ENV)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -21,7 +22,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from control_plane import free_port, stop_process
+from control_plane import free_port, private_ray_tmpdir, stop_process
 from cpuserve.operator.kube import Kube
 from cpuserve.operator.naming import LABEL_SERVICE
 
@@ -40,12 +41,14 @@ class LocalKubelet(threading.Thread):
         self.exited: dict[str, int] = {}
         self.errors: list[str] = []
         self._halt = threading.Event()
+        self.tmp = private_ray_tmpdir()
 
     # ---- what a container sees ----
     def _env(self, pod: dict[str, Any], container: dict[str, Any]) -> dict[str, str]:
         env = {"PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}", "LANG": "C.UTF-8",
-               # the node's, not the pod's: a test's Ray stops at once instead of draining for 30 s
-               "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+               # the node's, not the pod's: a test's Ray stops at once instead of draining for 30 s, and keeps its
+               # files (and its address file) out of the machine's shared /tmp/ray
+               "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", "RAY_TMPDIR": self.tmp}
         for item in container.get("env") or []:
             source = item.get("valueFrom") or {}
             if "secretKeyRef" in source:
@@ -136,3 +139,4 @@ class LocalKubelet(threading.Thread):
         for name in sorted(self.procs, key=lambda n: n.endswith("-head")):  # ranks first, the head last
             self._kill(name)
         time.sleep(1)
+        shutil.rmtree(self.tmp, ignore_errors=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import time
@@ -12,7 +13,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from control_plane import free_port, stop_process, wait_for
+from control_plane import free_port, private_ray_tmpdir, stop_process, wait_for
 from cpuserve.operator.naming import SOCKET_RESOURCE
 from cpuserve.serving.ray_env import RAY_ENV
 
@@ -25,7 +26,9 @@ class RayHead:
     def __init__(self, log: Path, num_cpus: int = 4, sockets: int = 2):
         self.token = secrets.token_hex(16)
         self.gcs_port, self.dashboard_port = free_port(), free_port()
+        self.tmp = private_ray_tmpdir()
         self.env = {**os.environ, **RAY_ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token,
+                    "RAY_TMPDIR": self.tmp,
                     "RAY_SERVE_ENABLE_ACCESS_LOG": "0",
                     "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}  # a test head stops at once (a pod drains 30 s)
         cmd = [str(RAY), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={self.gcs_port}",
@@ -53,4 +56,5 @@ class RayHead:
     def stop(self) -> None:
         stop_process(self.proc, 90)
         self.log.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
         time.sleep(1)
