@@ -84,3 +84,19 @@ def test_is_deployed_compares_what_the_head_reports():
     assert not is_deployed(details, scaled)
     assert not is_deployed({"applications": {}}, doc)  # a new head: nothing deployed yet
     assert not is_deployed({**details, "http_options": {"port": 8001}}, doc)
+
+
+def test_the_ingress_admission_limit_follows_the_replicas_in_place():
+    """Ray Serve calls reconfigure(user_config) on a lightweight update: replicas x max_num_seqs + queue."""
+    from cpuserve.serving.ingress import IngressCore
+    from cpuserve.serving.scalable_ingress import ScalableIngress
+
+    config = ServeConfig(metrics_port=0, max_num_seqs=4, max_queued_requests=3)
+    ingress = IngressCore(config.model_dump(), llm_server=None)
+    assert ingress.max_in_flight == 1 * 4 + 3
+    ScalableIngress.reconfigure(ingress, {"replicas": 3})
+    assert ingress.max_in_flight == 3 * 4 + 3
+    ScalableIngress.reconfigure(ingress, {"replicas": 0})  # no rank pods: the one waiting replica still admits
+    assert ingress.max_in_flight == 1 * 4 + 3
+    with pytest.raises(ValueError, match="user_config.replicas=-1"):
+        ScalableIngress.reconfigure(ingress, {"replicas": -1})
