@@ -74,12 +74,16 @@ def _key(body: Any) -> str:
     return f"{body['metadata']['namespace']}/{body['metadata']['name']}"
 
 
+def _generation(body: Any) -> int:
+    return int(body["metadata"].get("generation") or 1)
+
+
 def _note_refusals(outcome: Outcome, body: Any, memo: kopf.Memo) -> float:
     """After a pass: the backoff delay when the API server refused child writes (the status says so by now), else 0."""
     if not outcome.child_errors:
         memo.backoff.succeeded(_key(body))
         return 0.0
-    return memo.backoff.refused(_key(body), time.monotonic())
+    return memo.backoff.refused(_key(body), time.monotonic(), _generation(body))
 
 
 def _write(patch: kopf.Patch, outcome: Outcome) -> None:
@@ -92,7 +96,7 @@ def _write(patch: kopf.Patch, outcome: Outcome) -> None:
 @kopf.on.update(GROUP, VERSION, PLURAL)
 def on_change(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
     """Reconcile on every spec change; an invalid spec fails permanently (no retries until the next change)."""
-    if wait := memo.backoff.remaining(_key(body), time.monotonic()):
+    if wait := memo.backoff.remaining(_key(body), time.monotonic(), _generation(body)):
         raise kopf.TemporaryError("backing off after refused child writes", delay=wait)
     outcome = _run(body, memo)
     _write(patch, outcome)
@@ -108,7 +112,7 @@ def on_change(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=SETTINGS.resync_seconds, initial_delay=SETTINGS.resync_seconds)
 def resync(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
     """Drift correction: the same reconcile, quietly (an invalid spec posts no new Event)."""
-    if body.metadata.get("deletionTimestamp") or memo.backoff.remaining(_key(body), time.monotonic()):
+    if body.metadata.get("deletionTimestamp") or memo.backoff.remaining(_key(body), time.monotonic(), _generation(body)):
         return
     outcome = _run(body, memo)
     _write(patch, outcome)
@@ -130,7 +134,7 @@ def on_pod_event(event: dict[str, Any], body: kopf.Body, memo: kopf.Memo, **_: A
         raise kopf.TemporaryError(f"reading {KIND} {ns}/{owner['name']}: {err}", delay=RETRY_DELAY_SECONDS)
     if parent is None or parent["metadata"].get("uid") != owner.get("uid") or parent["metadata"].get("deletionTimestamp"):
         return
-    if memo.backoff.remaining(_key(parent), time.monotonic()):
+    if memo.backoff.remaining(_key(parent), time.monotonic(), _generation(parent)):
         return  # the pending retry sees this pod too
     outcome = _run(parent, memo)
     if outcome.status_changed:

@@ -24,6 +24,15 @@ def test_one_window_per_service_until_a_pass_succeeds():
     assert b.refused("ns/a", 200.0) == 1.0, "the count restarts after a successful pass"
 
 
+def test_a_new_generation_runs_at_once_and_counts_again():
+    b = Backoff(1.0, 8.0)
+    for now in (0.0, 1.0, 3.0):
+        b.refused("ns/a", now, generation=4)
+    assert b.remaining("ns/a", 3.5, generation=4) == 3.5  # 4 s after the third refusal
+    assert b.remaining("ns/a", 3.5, generation=5) == 0.0, "a spec change may be the fix: no wait"
+    assert b.refused("ns/a", 3.5, generation=5) == 1.0
+
+
 STATUS_403 = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "reason": "Forbidden",
               "message": 'pods "x" is forbidden: error looking up service account ns/default', "code": 403}
 
