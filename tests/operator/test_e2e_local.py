@@ -114,6 +114,9 @@ def test_kubectl_apply_to_tokens_then_scale(cluster):
         reps = (app.get("deployments") or {}).get("LLMServer", {}).get("replicas", [])
         return app.get("status") == "RUNNING" and [r["state"] for r in reps] == ["RUNNING", "RUNNING"]
     wait_for("2 LLMServer replicas", two_replicas, timeout=420, interval=1)
+    with grpc.insecure_channel(f"127.0.0.1:{ports['grpc']}") as channel:  # the ingress was told, not restarted
+        (model,) = pbg.InferenceStub(channel).ListModels(pb.ListModelsRequest(), timeout=30).models
+    assert model.replicas == 2
     for t in streams:
         t.join(600)
     for i in range(1, 5):

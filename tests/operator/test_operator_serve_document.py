@@ -100,3 +100,26 @@ def test_the_ingress_admission_limit_follows_the_replicas_in_place():
     assert ingress.max_in_flight == 1 * 4 + 3
     with pytest.raises(ValueError, match="user_config.replicas=-1"):
         ScalableIngress.reconfigure(ingress, {"replicas": -1})
+
+
+def test_the_ingress_reports_the_replicas_applied_in_place():
+    import asyncio
+
+    from cpuserve.serving.ingress import IngressCore
+    from cpuserve.serving.scalable_ingress import ScalableIngress
+
+    class Ingress(IngressCore):  # the core with ScalableIngress's two methods, outside Ray Serve's wrapper
+        reconfigure = ScalableIngress.reconfigure
+        _model_info = ScalableIngress._model_info
+        _replicas = None
+
+    class Server:  # what LLMServer.info answers: its args carry no replicas under a Serve config
+        class info:  # noqa: N801 (a DeploymentHandle method: .remote())
+            @staticmethod
+            async def remote():
+                return {"name": "m", "max_model_len": 8, "weights": "int4", "kv_cache": "int8", "replicas": 1}
+
+    ingress = Ingress(ServeConfig(metrics_port=0).model_dump(), llm_server=Server())
+    assert asyncio.run(ingress._model_info())["replicas"] == 1
+    ingress.reconfigure({"replicas": 3})
+    assert asyncio.run(ingress._model_info())["replicas"] == 3
