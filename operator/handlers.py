@@ -36,6 +36,7 @@ def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Any, **_: 
     memo.kube = Kube.from_environment()
     memo.locks = {}
     memo.backoff = Backoff(SETTINGS.retry_base_seconds, SETTINGS.retry_max_seconds)
+    memo.change_retries = set()  # LLMServices whose change handler retries refused child writes itself
     mode = SETTINGS.service_monitors
     memo.with_service_monitor = mode == "always" or (mode == "auto" and memo.kube.has_api("monitoring.coreos.com/v1"))
     memo.metrics = build_operator_metrics()
@@ -74,6 +75,13 @@ def _key(body: Any) -> str:
     return f"{body['metadata']['namespace']}/{body['metadata']['name']}"
 
 
+def _held_back(body: Any, memo: kopf.Memo) -> bool:
+    """The timer and pod events skip a pass inside the backoff window, or while the change handler's own retry
+    is pending (two passes at the window's end would double the backoff)."""
+    key = _key(body)
+    return key in memo.change_retries or bool(memo.backoff.remaining(key, time.monotonic(), _generation(body)))
+
+
 def _generation(body: Any) -> int:
     return int(body["metadata"].get("generation") or 1)
 
@@ -98,11 +106,13 @@ def on_change(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> 
     """Reconcile on every spec change; an invalid spec fails permanently (no retries until the next change)."""
     if wait := memo.backoff.remaining(_key(body), time.monotonic(), _generation(body)):
         raise kopf.TemporaryError("backing off after refused child writes", delay=wait)
+    memo.change_retries.discard(_key(body))
     outcome = _run(body, memo)
     _write(patch, outcome)
     if outcome.findings:
         raise kopf.PermanentError("invalid spec: " + "; ".join(str(f) for f in outcome.findings))
     if delay := _note_refusals(outcome, body, memo):
+        memo.change_retries.add(_key(body))  # this handler's retry is the next pass: the timer waits for it
         raise kopf.TemporaryError("the API server refused child writes: "
                                   + describe_child_errors(outcome.child_errors), delay=delay)
     if outcome.serve_error:  # the head runs but its dashboard is not up yet: look again soon, no backoff window
@@ -112,7 +122,7 @@ def on_change(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=SETTINGS.resync_seconds, initial_delay=SETTINGS.resync_seconds)
 def resync(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
     """Drift correction: the same reconcile, quietly (an invalid spec posts no new Event)."""
-    if body.metadata.get("deletionTimestamp") or memo.backoff.remaining(_key(body), time.monotonic(), _generation(body)):
+    if body.metadata.get("deletionTimestamp") or _held_back(body, memo):
         return
     outcome = _run(body, memo)
     _write(patch, outcome)
@@ -134,7 +144,7 @@ def on_pod_event(event: dict[str, Any], body: kopf.Body, memo: kopf.Memo, **_: A
         raise kopf.TemporaryError(f"reading {KIND} {ns}/{owner['name']}: {err}", delay=RETRY_DELAY_SECONDS)
     if parent is None or parent["metadata"].get("uid") != owner.get("uid") or parent["metadata"].get("deletionTimestamp"):
         return
-    if memo.backoff.remaining(_key(parent), time.monotonic(), _generation(parent)):
+    if _held_back(parent, memo):
         return  # the pending retry sees this pod too
     outcome = _run(parent, memo)
     if outcome.status_changed:

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from control_plane import free_port, wait_for
-from cpuserve.operator.serve_api import ServeApi, build_serve_document, sync
+from cpuserve.operator.serve_api import ServeApi, ServeState, build_serve_document, is_deployed, sync
 from cpuserve.operator.settings import OperatorSettings
 from cpuserve.operator.validation import validate
 from cpuserve.v1 import inference_pb2 as pb
@@ -81,6 +81,13 @@ class Stream(threading.Thread):
         self.done_at = time.monotonic()
 
 
+def apply(api: ServeApi, doc: dict) -> ServeState:
+    """sync() until the head answers (a loaded head may time out one call: the operator retries the same way)."""
+    state = wait_for("the head's Serve REST API", lambda: (st := sync(api, doc)).error == "" and st, timeout=120)
+    assert is_deployed(api.details(), doc)
+    return state
+
+
 def start_streams(port: int, first: int) -> list[Stream]:
     streams = [Stream(port, first + i) for i in range(NUM_STREAMS)]
     for s in streams:
@@ -96,20 +103,20 @@ def test_scaling_in_place_keeps_every_stream(head):
         urllib.request.urlopen(f"{head.dashboard}/api/serve/applications/", timeout=10)
     assert info.value.code == 401
 
-    assert sync(api, document(1, ports)).applied
+    assert apply(api, document(1, ports)).applied
     (first,) = wait_for("1 replica running", lambda: running(api, 1), timeout=420, interval=1)
     (ingress,) = [r for r, _ in replicas(api)["Ingress"]]
-    assert not sync(api, document(1, ports)).applied, "an unchanged spec is not applied again"
+    assert not apply(api, document(1, ports)).applied, "an unchanged spec is not applied again"
 
     phase_a = start_streams(ports["grpc"], 0)
     scaled_up_at = time.monotonic()
-    assert sync(api, document(2, ports)).applied  # 1 -> 2 while phase A streams
+    assert apply(api, document(2, ports)).applied  # 1 -> 2 while phase A streams
     two = wait_for("2 replicas running", lambda: running(api, 2), timeout=420, interval=1)
     assert first in two, "scaling up adds a replica; the running one stays"
 
     phase_b = start_streams(ports["grpc"], NUM_STREAMS)
     scaled_down_at = time.monotonic()
-    assert sync(api, document(1, ports)).applied  # 2 -> 1 while phase B streams: the removed replica drains
+    assert apply(api, document(1, ports)).applied  # 2 -> 1 while phase B streams: the removed replica drains
     wait_for("back to 1 replica", lambda: running(api, 1), timeout=420, interval=1)
     for s in phase_a + phase_b:
         s.join(600)
