@@ -6,6 +6,7 @@ from typing import Any
 from cpuserve.operator import naming
 from cpuserve.operator.memory import MemoryPlan, plan_memory
 from cpuserve.operator.pods import build_head_pod, build_rank_pod
+from cpuserve.operator.security import build_network_policy
 from cpuserve.operator.services import build_pdb, build_service_monitor, build_services
 from cpuserve.operator.settings import OperatorSettings
 from cpuserve.operator.spec import LLMServiceSpec
@@ -13,7 +14,9 @@ from cpuserve.operator.spec import LLMServiceSpec
 
 def build_children(body: dict[str, Any], spec: LLMServiceSpec, settings: OperatorSettings,
                    with_service_monitor: bool) -> list[dict[str, Any]]:
-    """Services, head pod, rank pods (group-major), PDB and optionally a ServiceMonitor.
+    """Services, head pod, rank pods (group-major), PDB, the Ray NetworkPolicy and optionally a ServiceMonitor.
+
+    The generated Ray token Secret is not here: it is created once, never compared or patched (reconcile.py).
 
     Args:
         body: the LLMService as read from the API (apiVersion, kind, metadata.name/namespace/uid).
@@ -29,7 +32,7 @@ def build_children(body: dict[str, Any], spec: LLMServiceSpec, settings: Operato
     manifests = build_services(name, spec) + [build_head_pod(name, spec, settings)]
     manifests += [build_rank_pod(name, g, r, spec, settings, plan)
                   for g in range(spec.replicas) for r in range(spec.ranks_per_replica)]
-    manifests.append(build_pdb(name))
+    manifests += [build_pdb(name), build_network_policy(name, spec, settings)]
     if with_service_monitor:
         manifests.append(build_service_monitor(name))
     return [naming.finish(m, body) for m in manifests]

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from typing import Any
 
 import kopf
 from prometheus_client import start_http_server
 
+from cpuserve.operator.backoff import Backoff
+from cpuserve.operator.conditions import describe_child_errors
 from cpuserve.operator.crd import GROUP, KIND, PLURAL, VERSION
 from cpuserve.operator.kube import Kube, KubeError
 from cpuserve.operator.metrics import OperatorMetrics, build_operator_metrics
@@ -16,7 +19,7 @@ from cpuserve.operator.reconcile import Outcome, reconcile
 from cpuserve.operator.settings import OperatorSettings
 
 SETTINGS = OperatorSettings()  # read once: the timer's interval is fixed at registration
-RETRY_DELAY_SECONDS = 10.0
+RETRY_DELAY_SECONDS = 10.0  # after a failed read (list, get): the API server itself is in trouble
 
 
 @kopf.on.startup()
@@ -32,6 +35,8 @@ def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Any, **_: 
     memo.settings = SETTINGS
     memo.kube = Kube.from_environment()
     memo.locks = {}
+    memo.backoff = Backoff(SETTINGS.retry_base_seconds, SETTINGS.retry_max_seconds)
+    memo.change_retries = set()  # LLMServices whose change handler retries refused child writes itself
     mode = SETTINGS.service_monitors
     memo.with_service_monitor = mode == "always" or (mode == "auto" and memo.kube.has_api("monitoring.coreos.com/v1"))
     memo.metrics = build_operator_metrics()
@@ -61,7 +66,32 @@ def _run(body: Any, memo: kopf.Memo) -> Outcome:
     metrics.set_conditions(key, outcome.status["conditions"])
     if outcome.new_findings:
         kopf.warn(raw, reason="ValidationFailed", message="; ".join(str(f) for f in outcome.findings))
+    if outcome.new_child_errors:
+        kopf.warn(raw, reason=outcome.child_errors[0].reason, message=describe_child_errors(outcome.child_errors))
     return outcome
+
+
+def _key(body: Any) -> str:
+    return f"{body['metadata']['namespace']}/{body['metadata']['name']}"
+
+
+def _held_back(body: Any, memo: kopf.Memo) -> bool:
+    """The timer and pod events skip a pass inside the backoff window, or while the change handler's own retry
+    is pending (two passes at the window's end would double the backoff)."""
+    key = _key(body)
+    return key in memo.change_retries or bool(memo.backoff.remaining(key, time.monotonic(), _generation(body)))
+
+
+def _generation(body: Any) -> int:
+    return int(body["metadata"].get("generation") or 1)
+
+
+def _note_refusals(outcome: Outcome, body: Any, memo: kopf.Memo) -> float:
+    """After a pass: the backoff delay when the API server refused child writes (the status says so by now), else 0."""
+    if not outcome.child_errors:
+        memo.backoff.succeeded(_key(body))
+        return 0.0
+    return memo.backoff.refused(_key(body), time.monotonic(), _generation(body))
 
 
 def _write(patch: kopf.Patch, outcome: Outcome) -> None:
@@ -74,18 +104,29 @@ def _write(patch: kopf.Patch, outcome: Outcome) -> None:
 @kopf.on.update(GROUP, VERSION, PLURAL)
 def on_change(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
     """Reconcile on every spec change; an invalid spec fails permanently (no retries until the next change)."""
+    if wait := memo.backoff.remaining(_key(body), time.monotonic(), _generation(body)):
+        raise kopf.TemporaryError("backing off after refused child writes", delay=wait)
+    memo.change_retries.discard(_key(body))
     outcome = _run(body, memo)
     _write(patch, outcome)
     if outcome.findings:
         raise kopf.PermanentError("invalid spec: " + "; ".join(str(f) for f in outcome.findings))
+    if delay := _note_refusals(outcome, body, memo):
+        memo.change_retries.add(_key(body))  # this handler's retry is the next pass: the timer waits for it
+        raise kopf.TemporaryError("the API server refused child writes: "
+                                  + describe_child_errors(outcome.child_errors), delay=delay)
+    if outcome.serve_error:  # the head runs but its dashboard is not up yet: look again soon, no backoff window
+        raise kopf.TemporaryError(outcome.serve_error, delay=memo.settings.retry_base_seconds)
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=SETTINGS.resync_seconds, initial_delay=SETTINGS.resync_seconds)
 def resync(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
     """Drift correction: the same reconcile, quietly (an invalid spec posts no new Event)."""
-    if body.metadata.get("deletionTimestamp"):
+    if body.metadata.get("deletionTimestamp") or _held_back(body, memo):
         return
-    _write(patch, _run(body, memo))
+    outcome = _run(body, memo)
+    _write(patch, outcome)
+    _note_refusals(outcome, body, memo)
 
 
 @kopf.on.event("", "v1", "pods", labels={"app.kubernetes.io/managed-by": "cpuserve-operator"})
@@ -103,9 +144,12 @@ def on_pod_event(event: dict[str, Any], body: kopf.Body, memo: kopf.Memo, **_: A
         raise kopf.TemporaryError(f"reading {KIND} {ns}/{owner['name']}: {err}", delay=RETRY_DELAY_SECONDS)
     if parent is None or parent["metadata"].get("uid") != owner.get("uid") or parent["metadata"].get("deletionTimestamp"):
         return
+    if _held_back(parent, memo):
+        return  # the pending retry sees this pod too
     outcome = _run(parent, memo)
     if outcome.status_changed:
         memo.kube.merge_patch(KIND, ns, owner["name"], {"status": outcome.status}, sub="status")
+    _note_refusals(outcome, parent, memo)  # event handlers are not retried: the timer (or a change) retries
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)

@@ -15,9 +15,9 @@ from typing import Any
 
 from cpuserve.operator import naming
 from cpuserve.operator.memory import GIB, MIB, MemoryPlan, download_size_limit
+from cpuserve.operator.security import DASHBOARD_PORT, ray_auth_env
 from cpuserve.operator.settings import OperatorSettings
 from cpuserve.operator.spec import LLMServiceSpec
-from cpuserve.serving.cli import config_to_args
 from cpuserve.serving.config import ServeConfig
 from cpuserve.serving.ray_env import RAY_ENV
 
@@ -25,12 +25,8 @@ UID = 10001
 MODEL_DIR = "/models"
 TLS_DIR = "/etc/cpuserve/tls"
 API_KEYS_DIR = "/etc/cpuserve/api-keys"
-DASHBOARD_PORT = 8265
 AGENT_PORT = 52365
 OBJECT_STORE_BYTES = 256 * MIB
-HEAD_SCRIPT = ('ray start --head --port={gcs} --num-cpus={cpus} --dashboard-host=0.0.0.0 '
-               '--dashboard-agent-listen-port={agent} --object-store-memory={store} --disable-usage-stats '
-               '&& exec "$@"')
 
 
 def model_path(spec: LLMServiceSpec) -> str | None:
@@ -65,11 +61,6 @@ def serve_config(spec: LLMServiceSpec) -> ServeConfig:
     return ServeConfig.for_another_host(**fields)  # the paths are the pod's
 
 
-def serve_args(spec: LLMServiceSpec) -> list[str]:
-    """`cpuserve serve` command line of the head pod: the flags of serve_config's fields."""
-    return ["cpuserve", "serve", *config_to_args(serve_config(spec))]
-
-
 def _container_security() -> dict[str, Any]:
     return {"runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID, "privileged": False,
             "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
@@ -80,10 +71,7 @@ def _env(name: str, spec: LLMServiceSpec) -> list[dict[str, Any]]:
     env = [{"name": "HOME", "value": "/tmp"}, *({"name": k, "value": v} for k, v in RAY_ENV.items()),
            {"name": "CPUSERVE_LLMSERVICE", "value": name},
            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
-    if spec.security.ray_auth_token_secret:
-        return env + [{"name": "RAY_AUTH_MODE", "value": "token"}, {"name": "RAY_AUTH_TOKEN", "valueFrom": {
-            "secretKeyRef": {"name": spec.security.ray_auth_token_secret, "key": "token"}}}]
-    return env + [{"name": "RAY_AUTH_MODE", "value": "disabled"}]
+    return env + ray_auth_env(name, spec)
 
 
 def _volumes(spec: LLMServiceSpec, head: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -145,12 +133,16 @@ def _resources(cpus: int, memory: str) -> dict[str, Any]:
 
 
 def build_head_pod(name: str, spec: LLMServiceSpec, settings: OperatorSettings) -> dict[str, Any]:
-    """The Ray head pod: starts the head node, then execs the Serve app with the LLMService's settings."""
+    """The Ray head pod: the head node only. The operator applies the Serve app to it through Ray Serve's REST API
+    (serve_api.py), so replicas, batching and quantization never change this pod."""
     p, r = spec.ports, spec.resources
-    script = HEAD_SCRIPT.format(gcs=naming.RAY_GCS_PORT, cpus=r.head_cpus, agent=AGENT_PORT, store=OBJECT_STORE_BYTES)
     scheme = "HTTPS" if spec.security.tls_secret_name else "HTTP"
     container = {
-        "name": "serve", "command": ["/bin/sh", "-c", script, "cpuserve-head"], "args": serve_args(spec),
+        "name": "serve",
+        "command": ["ray", "start", "--head", f"--port={naming.RAY_GCS_PORT}", f"--num-cpus={r.head_cpus}",
+                    "--dashboard-host=0.0.0.0", f"--dashboard-port={DASHBOARD_PORT}",
+                    f"--dashboard-agent-listen-port={AGENT_PORT}", f"--object-store-memory={OBJECT_STORE_BYTES}",
+                    "--disable-usage-stats", "--block"],
         "ports": [{"name": "grpc", "containerPort": p.grpc}, {"name": "http", "containerPort": p.http},
                   {"name": "metrics", "containerPort": p.metrics},
                   {"name": "gcs", "containerPort": naming.RAY_GCS_PORT},

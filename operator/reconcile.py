@@ -3,14 +3,19 @@ it compares what exists with what the CR asks for, never what changed."""
 from __future__ import annotations
 
 import datetime
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
 from cpuserve.operator import naming
 from cpuserve.operator.children import build_children
-from cpuserve.operator.conditions import Observed, build_status, is_pod_failing, observe_pods, status_changed
-from cpuserve.operator.kube import Kube
+from cpuserve.operator.conditions import (DEGRADED, ChildError, Observed, build_status, is_pod_failing, observe_pods,
+                                          status_changed)
+from cpuserve.operator.kube import Kube, KubeError
 from cpuserve.operator.memory import plan_memory
+from cpuserve.operator.rollout import pods_to_delete
+from cpuserve.operator.security import build_ray_token_secret, ray_token_secret_name
+from cpuserve.operator.serve_api import ServeApi, ServeState, build_serve_document, dashboard_url, read_token, sync
 from cpuserve.operator.settings import OperatorSettings
 from cpuserve.operator.validation import Finding, validate
 
@@ -23,51 +28,85 @@ class Outcome:
     changes: int = 0
     new_findings: bool = False
     """The spec is invalid and the status did not say so yet for this generation: post an Event."""
+    child_errors: tuple[ChildError, ...] = ()
+    """Child writes the API server refused this pass: the caller retries with backoff."""
+    new_child_errors: bool = False
+    """The refusal differs from what the status already said: post an Event."""
+    serve_error: str = ""
+    """The head runs but its Serve REST API could not be used (it is starting): retry soon."""
 
     @property
     def result(self) -> str:
-        return "invalid" if self.findings else "success"
+        return "invalid" if self.findings else "retry" if self.child_errors else "success"
 
 
 def now_iso() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def apply_children(kube: Kube, body: dict[str, Any], desired: list[dict[str, Any]], kinds: list[str]) -> int:
-    """Make the children of `body` equal `desired`; returns how many were created, changed or deleted.
+class _Writes:
+    """Child writes of one pass: each refusal is kept (with the API's reason) and the pass goes on."""
 
-    A pod whose spec hash differs is deleted and recreated on a later pass (pods are immutable and a
-    deleted pod keeps its name while it terminates); other kinds are merge-patched in place.
+    def __init__(self) -> None:
+        self.changes, self.errors = 0, []
+
+    def do(self, verb: str, kind: str, name: str, call, *args: Any) -> None:
+        """One write; a create that finds the child already there (another pass got there first) is no change."""
+        try:
+            out = call(*args)
+        except KubeError as err:
+            self.errors.append(ChildError(verb, kind, name, err.reason, err.message))
+            return
+        self.changes += verb != "create" or out is not None
+
+
+def apply_children(kube: Kube, body: dict[str, Any], desired: list[dict[str, Any]], kinds: list[str],
+                   create_only: list[dict[str, Any]] = ()) -> tuple[int, tuple[ChildError, ...]]:
+    """Make the children of `body` equal `desired`; returns how many were created, changed or deleted, and
+    the writes the API server refused (the others still happen: one refused pod does not stop the Services).
+
+    `create_only` children (the generated Ray token Secret) are created first when missing and never compared
+    or patched. A pod whose spec hash differs is deleted and recreated on a later pass (pods are immutable and a
+    deleted pod keeps its name while it terminates), rank pods one replica group at a time (rollout.py); other
+    kinds are merge-patched in place.
     """
     ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
     selector = f"{naming.LABEL_SERVICE}={name}"
+    writes = _Writes()
+    for manifest in create_only:  # 409 (exists) is no change
+        writes.do("create", manifest["kind"], manifest["metadata"]["name"], kube.create, manifest)
     existing = {(kind, obj["metadata"]["name"]): obj for kind in kinds for obj in kube.list(kind, ns, selector)}
-    changes = 0
+    pods = {n: obj for (kind, n), obj in existing.items() if kind == "Pod"}
+    outdated: list[str] = []
     for manifest in desired:
-        key = (manifest["kind"], manifest["metadata"]["name"])
+        kind, child = key = (manifest["kind"], manifest["metadata"]["name"])
         current = existing.pop(key, None)
         if current is None:
-            changes += kube.create(manifest) is not None
+            writes.do("create", kind, child, kube.create, manifest)
             continue
         if current["metadata"].get("deletionTimestamp"):
-            changes += 1  # still terminating: recreate when it is gone
+            writes.changes += 1  # still terminating: recreate when it is gone
             continue
         if (current["metadata"].get("annotations") or {}).get(naming.ANNOTATION_HASH) == \
                 manifest["metadata"]["annotations"][naming.ANNOTATION_HASH]:
             continue
-        changes += 1
-        if manifest["kind"] == "Pod":
-            kube.delete("Pod", ns, key[1])
+        if kind == "Pod":
+            outdated.append(child)
         else:
             meta = {k: manifest["metadata"][k] for k in ("labels", "annotations", "ownerReferences")}
-            kube.merge_patch(manifest["kind"], ns, key[1], {"metadata": meta, "spec": manifest["spec"]})
+            writes.do("patch", kind, child, kube.merge_patch, kind, ns, child, {"metadata": meta, "spec": manifest["spec"]})
+    go = pods_to_delete(outdated, [m for m in desired if m["kind"] == "Pod"], pods)
+    for child in outdated:
+        if child in go:
+            writes.do("delete", "Pod", child, kube.delete, "Pod", ns, child)
+        else:
+            writes.changes += 1  # waits for the groups before it: still a change in progress
     uid = body["metadata"]["uid"]
     for (kind, child), obj in existing.items():  # e.g. rank pods after a scale-down
         owners = obj["metadata"].get("ownerReferences") or []
         if any(o.get("uid") == uid for o in owners) and not obj["metadata"].get("deletionTimestamp"):
-            kube.delete(kind, ns, child)
-            changes += 1
-    return changes
+            writes.do("delete", kind, child, kube.delete, kind, ns, child)
+    return writes.changes, tuple(writes.errors)
 
 
 def reconcile(body: dict[str, Any], kube: Kube, settings: OperatorSettings, with_service_monitor: bool,
@@ -87,9 +126,38 @@ def reconcile(body: dict[str, Any], kube: Kube, settings: OperatorSettings, with
             (new["status"], new["message"], new["observedGeneration"])
         return Outcome(status, status_changed(old_status, status), findings, 0, is_new)
     assert spec is not None
-    kinds = ["Service", "Pod", "PodDisruptionBudget"] + (["ServiceMonitor"] if with_service_monitor else [])
-    changes = apply_children(kube, body, build_children(body, spec, settings, with_service_monitor), kinds)
+    kinds = ["Service", "Pod", "PodDisruptionBudget", "NetworkPolicy"] + (["ServiceMonitor"] if with_service_monitor else [])
+    create_only = [] if spec.security.ray_auth_token_secret else \
+        [naming.finish(build_ray_token_secret(name, secrets.token_urlsafe(32)), body)]
+    changes, errors = apply_children(kube, body, build_children(body, spec, settings, with_service_monitor), kinds,
+                                     create_only)
     if changes:
         pods = kube.list("Pod", ns, f"{naming.LABEL_SERVICE}={name}")
-    status = build_status(body, spec, plan_memory(spec), observe_pods(name, spec, pods, changes), [], now)
-    return Outcome(status, status_changed(old_status, status), [], changes)
+    serve = _sync_serve(kube, body, spec, settings, pods)
+    observed = observe_pods(name, spec, pods, changes, errors, serve)
+    status = build_status(body, spec, plan_memory(spec), observed, [], now)
+    return Outcome(status, status_changed(old_status, status), [], changes, child_errors=errors,
+                   new_child_errors=bool(errors) and _said(old_status, DEGRADED) != _said(status, DEGRADED),
+                   serve_error=serve.error if serve is not None else "")
+
+
+def _sync_serve(kube: Kube, body: dict[str, Any], spec: Any, settings: OperatorSettings,
+                pods: list[dict[str, Any]]) -> ServeState | None:
+    """Apply the Serve config to a running head through Ray Serve's REST API; None while no head runs."""
+    ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    head = next((p for p in pods if p["metadata"]["name"] == naming.head_name(name)), None)
+    if head is None or head["metadata"].get("deletionTimestamp") or (head.get("status") or {}).get("phase") != "Running":
+        return None
+    try:
+        token = read_token(kube, ns, name, spec)
+    except KubeError as err:
+        return ServeState(error=f"reading the Ray token Secret: {err.message}")
+    if token is None:
+        return ServeState(error=f"the Ray token Secret {ray_token_secret_name(name, spec)} has no key token yet")
+    return sync(ServeApi(dashboard_url(settings, name, ns), token), build_serve_document(spec))
+
+
+def _said(status: dict[str, Any], ctype: str) -> tuple[Any, ...]:
+    """(status, reason, message) of one condition: whether a refusal is news (one Event per distinct one)."""
+    cond = next((c for c in status.get("conditions") or [] if c.get("type") == ctype), {})
+    return cond.get("status"), cond.get("reason"), cond.get("message")

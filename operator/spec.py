@@ -122,7 +122,8 @@ class SecuritySpec(Spec):
     api_keys: SecretKeyRef | None = None
     """Secret key holding the accepted API keys, one per line."""
     ray_auth_token_secret: str | None = Field(None, max_length=253, pattern=DNS_LABEL)
-    """Secret with key `token` for Ray's token authentication; omitted: Ray auth off inside the namespace."""
+    """Secret with key `token` for Ray's token authentication (always on); omitted: the operator generates the
+    Secret `<name>-ray-token`."""
 
 
 class LLMServiceSpec(Spec):

@@ -34,8 +34,8 @@ def build_app(args: dict[str, Any] | ServeConfig):
     """The Ingress -> LLMServer graph for one model, sized by the config."""
     from ray import serve
 
-    from cpuserve.serving.ingress import Ingress
     from cpuserve.serving.llm_server import LLMServer
+    from cpuserve.serving.scalable_ingress import ScalableIngress
 
     config = args if isinstance(args, ServeConfig) else ServeConfig(**args)
     config.check_model()
@@ -56,7 +56,7 @@ def build_app(args: dict[str, Any] | ServeConfig):
         # admission happens at the ingress; this only caps what one replica accepts
         max_ongoing_requests=config.max_num_seqs + config.max_queued_requests + 1,
         health_check_period_s=2, graceful_shutdown_timeout_s=5)
-    ingress = serve.deployment(Ingress, name="Ingress").options(
+    ingress = serve.deployment(ScalableIngress, name="Ingress").options(
         num_replicas=1, ray_actor_options={"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE: 0.001}},
         max_ongoing_requests=10_000)  # its own admission limit is max_in_flight
     return ingress.bind(data, server.bind(data))

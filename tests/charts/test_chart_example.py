@@ -9,7 +9,7 @@ import yaml
 from chart_tools import CHART, K8S_VERSION
 from cpuserve.operator.children import build_children
 from cpuserve.operator.crd import build_crd
-from cpuserve.operator.pods import serve_args
+from cpuserve.operator.serve_api import build_serve_document
 from cpuserve.operator.settings import OperatorSettings
 from cpuserve.operator.validation import validate
 
@@ -32,5 +32,5 @@ def test_example_reconciles_to_valid_manifests():
     for manifest in manifests:
         kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
     assert [m["metadata"]["name"] for m in manifests if m["kind"] == "Pod"] == ["smollm2-head", "smollm2-g0-r0"]
-    args = serve_args(spec)
-    assert "--model" not in args and args[args.index("--weights") + 1] == "int4"
+    args = build_serve_document(spec)["applications"][0]["args"]  # applied to the head through Serve's REST API
+    assert "model" not in args and args["weights"] == "int4"

@@ -52,7 +52,7 @@ def test_operator_deployment_is_locked_down_and_configured():
                                     "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
     assert c["args"] == ["--standalone", "--liveness=http://0.0.0.0:8081/healthz", "--namespace=serving",
                          "--namespace=staging", "--verbose"]
-    env = {e["name"]: e["value"] for e in c["env"]}
+    env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["CPUSERVE_OPERATOR_IMAGE"] == "cpuserve-serving:0.1.0"
     assert env["CPUSERVE_OPERATOR_METRICS_PORT"] == "8090"
     assert c["image"] == "cpuserve:0.1.0"
@@ -64,7 +64,9 @@ def test_rbac_is_least_privilege():
     granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
                for v in rule["verbs"]}
     assert not any("*" in item for item in granted)
-    assert not any(r in ("secrets", "nodes", "namespaces", "customresourcedefinitions") for _, r, _ in granted)
+    assert not any(r in ("nodes", "namespaces", "customresourcedefinitions") for _, r, _ in granted)
+    # Secrets: create the generated Ray token, get it by name for the Serve REST API; never list or watch them
+    assert {v for _, r, v in granted if r == "secrets"} == {"create", "get"}
     assert ("", "events", "create") in granted and ("", "events", "list") not in granted
     assert ("cpuserve.dev", "llmservices/status", "patch") in granted and ("", "pods", "patch") not in granted
     assert ("cpuserve.dev", "llmservices", "delete") not in granted and ("cpuserve.dev", "llmservices", "create") not in granted
@@ -88,3 +90,16 @@ def test_prometheus_rule_is_the_promtool_tested_file():
     assert rule["metadata"]["labels"]["release"] == "prometheus"
     (sm,) = [d for d in render("-f", CI_VALUES) if d["kind"] == "ServiceMonitor"]
     assert sm["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "30s"}]
+
+
+@pytest.mark.parametrize("values", [[], ["-f", CI_VALUES]], ids=["defaults", "ci-values"])
+def test_network_policies_name_the_operator_pods_the_chart_runs(values):
+    """The operator's labels and namespace that LLMServices' NetworkPolicies admit are its pods' own."""
+    from cpuserve.operator.settings import OperatorSettings
+
+    (deploy,) = [d for d in render(*values) if d["kind"] == "Deployment"]
+    template = deploy["spec"]["template"]
+    env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
+    assert env["CPUSERVE_OPERATOR_POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    labels = OperatorSettings(pod_labels=env["CPUSERVE_OPERATOR_POD_LABELS"]["value"]).operator_pod_labels()
+    assert labels and labels.items() <= template["metadata"]["labels"].items()

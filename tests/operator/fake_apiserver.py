@@ -1,9 +1,12 @@
 """A small fake Kubernetes API server on 127.0.0.1 for the kopf handler tests.
 
 It serves what kopf and the operator use: discovery, list + watch (newline-delimited JSON events from a
-resourceVersion), get, create (generateName too), merge-patch and JSON-patch on objects and their /status
-subresource, and delete with finalizers (deletionTimestamp) and ownerReference garbage collection. Nothing
-else: no admission, no defaulting, no scheduling. Tests drive it through the sync helpers at the bottom.
+resourceVersion), get, create (generateName too), replace, merge-patch and JSON-patch on objects and their
+/status and /scale subresources, and delete with finalizers (deletionTimestamp) and ownerReference garbage
+collection. Where the real one was seen to differ from a naive store, it does what the real one does
+(fake_admission.py): unknown fields pruned or, under fieldValidation=Strict, refused; CRD schema defaults and
+validation; a pod refused until its service account exists; resourceVersion preconditions (409 Conflict).
+No scheduling, no kubelet, no controllers. Tests drive it through the sync helpers at the bottom.
 """
 from __future__ import annotations
 
@@ -14,11 +17,18 @@ import json
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import jsonpatch
+import yaml
 from aiohttp import web
+
+from fake_admission import Refused, admit, check_service_account, load_crd_kind
+from fake_objects import get_path, matches, merge, set_path
+
+CHART_CRDS = Path(__file__).resolve().parents[2] / "charts" / "cpuserve" / "crds"
 
 
 @dataclass(frozen=True)
@@ -29,57 +39,45 @@ class Kind:
     kind: str
     namespaced: bool = True
     status: bool = True
+    builtin: bool = True
+    """A built-in kind: its schema is Kubernetes' own (kubernetes-validate's copy)."""
+    schema: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+    """A CRD's openAPIV3Schema (None: a built-in's, or no schema at all when not builtin)."""
+    scale: dict[str, str] | None = field(default=None, hash=False, compare=False)
+    """A CRD's scale subresource (specReplicasPath, statusReplicasPath, labelSelectorPath)."""
 
 
-KINDS = [Kind("", "v1", "pods", "Pod"), Kind("", "v1", "services", "Service"),
-         Kind("", "v1", "events", "Event", status=False), Kind("", "v1", "namespaces", "Namespace", False),
-         Kind("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget"),
-         Kind("cpuserve.dev", "v1alpha1", "llmservices", "LLMService"),
-         Kind("monitoring.coreos.com", "v1", "servicemonitors", "ServiceMonitor", status=False)]
+BUILTIN_KINDS = [
+    Kind("", "v1", "pods", "Pod"), Kind("", "v1", "services", "Service"),
+    Kind("", "v1", "events", "Event", status=False), Kind("", "v1", "namespaces", "Namespace", False),
+    Kind("", "v1", "serviceaccounts", "ServiceAccount", status=False),
+    Kind("", "v1", "secrets", "Secret", status=False),
+    Kind("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget"),
+    Kind("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", status=False),
+    # the Prometheus Operator's CRD is not in the chart: stored as given, like a CRD that preserves unknown fields
+    Kind("monitoring.coreos.com", "v1", "servicemonitors", "ServiceMonitor", status=False, builtin=False)]
 
 
-def merge(target: Any, patch: Any) -> Any:
-    """RFC 7386 JSON merge patch."""
-    if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    out = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        else:
-            out[key] = merge(out.get(key), value)
-    return out
-
-
-def matches(labels: dict[str, str], selector: str) -> bool:
-    for term in filter(None, (t.strip() for t in selector.split(","))):
-        if "!=" in term:
-            key, value = term.split("!=", 1)
-            if labels.get(key) == value:
-                return False
-        elif "=" in term:
-            key, value = term.replace("==", "=").split("=", 1)
-            if labels.get(key) != value:
-                return False
-        elif term.startswith("!"):
-            if term[1:] in labels:
-                return False
-        elif term not in labels:
-            return False
-    return True
+def chart_crds() -> list[dict[str, Any]]:
+    """The CRDs `helm install` applies from charts/cpuserve/crds/."""
+    return [doc for f in sorted(CHART_CRDS.glob("*.yaml")) for doc in yaml.safe_load_all(f.read_text()) if doc]
 
 
 class FakeApiServer:
-    def __init__(self) -> None:
+    def __init__(self, crds: list[dict[str, Any]] | None = None) -> None:
+        """`crds`: the CustomResourceDefinitions installed (default: the chart's)."""
+        self.kinds = BUILTIN_KINDS + [load_crd_kind(crd, Kind) for crd in (chart_crds() if crds is None else crds)]
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}  # (plural, ns, name) -> object
         self.log: list[tuple[int, str, str, str, dict[str, Any]]] = []  # (rv, plural, ns, type, object)
         self.requests: list[tuple[str, str, dict[str, str]]] = []  # (method, path, query) of every request
+        self.request_times: list[float] = []  # time.monotonic() of each of those
         self.rv = 0
         self.port = 0
         self._loop = asyncio.new_event_loop()
         self._changed: asyncio.Condition | None = None
         self._closing = False
         self._runner: web.AppRunner | None = None
+        self.warnings: list[str] = []  # Warning header values of the last write (the loop serves one at a time)
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
 
     # ---- storage (runs on the server loop) ----
@@ -95,13 +93,20 @@ class FakeApiServer:
         self.rv += 1
         obj["metadata"]["resourceVersion"] = str(self.rv)
 
-    def _create(self, kind: Kind, ns: str, obj: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    def _create(self, kind: Kind, ns: str, obj: dict[str, Any], query: dict[str, str] | None = None) -> dict[str, Any]:
+        """Raises Refused like the real server: AlreadyExists, admission (service account), schema."""
         meta = obj.setdefault("metadata", {})
         if "name" not in meta and meta.get("generateName"):
             meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
         key = (kind.plural, ns, meta.get("name", ""))
         if key in self.objects:
-            return 409, {"kind": "Status", "code": 409, "reason": "AlreadyExists", "message": f"{key} exists"}
+            raise Refused(409, "AlreadyExists", f'{kind.plural} "{key[2]}" already exists',
+                          {"name": key[2], "kind": kind.plural})
+        obj.pop("status", None) if kind.status and not kind.builtin else None  # a CRD's status: /status only
+        self.warnings = admit(obj, kind, query or {})
+        if kind.kind == "Pod":
+            check_service_account(obj, ns, lambda sa: ("serviceaccounts", ns, sa) in self.objects)
+        meta = obj["metadata"]
         obj.update(apiVersion=f"{kind.group}/{kind.version}".lstrip("/"), kind=kind.kind)
         meta.update(namespace=ns, uid=str(uuid.uuid4()), generation=1,
                     creationTimestamp=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
@@ -111,14 +116,25 @@ class FakeApiServer:
         owners = {o.get("uid") for o in meta.get("ownerReferences") or []}
         if owners and not owners & {o["metadata"]["uid"] for o in self.objects.values()}:
             self._loop.call_soon(self._collect, key)  # like the real GC: an orphan from birth goes soon
-        return 201, obj
+        return obj
 
     def _collect(self, key: tuple[str, str, str]) -> None:
         if key in self.objects:
             self._delete(key)
 
-    def _update(self, kind: Kind, key: tuple[str, str, str], new: dict[str, Any], sub: str | None) -> dict[str, Any]:
+    def _update(self, kind: Kind, key: tuple[str, str, str], new: dict[str, Any], sub: str | None,
+                query: dict[str, str] | None = None) -> dict[str, Any]:
+        """Replace the stored object by `new` (already patched), keeping what the subresource may not change.
+
+        Raises Refused: 409 Conflict when `new` names a resourceVersion other than the stored one (an
+        optimistic-lock precondition), 400/422 from admission.
+        """
         old = self.objects[key]
+        sent_rv = (new.get("metadata") or {}).get("resourceVersion")
+        if sent_rv is not None and sent_rv != old["metadata"]["resourceVersion"]:
+            raise Refused(409, "Conflict", f'Operation cannot be fulfilled on {kind.plural} "{key[2]}": the object '
+                          "has been modified; please apply your changes to the latest version and try again",
+                          {"name": key[2], "kind": kind.plural})
         if kind.status and sub == "status":
             new = {**old, "status": new.get("status", {})}
         elif kind.status:
@@ -126,6 +142,7 @@ class FakeApiServer:
         for field in ("uid", "name", "namespace", "creationTimestamp", "generation"):
             if field in old["metadata"]:
                 new["metadata"][field] = old["metadata"][field]
+        self.warnings = admit(new, kind, query or {})
         if new.get("spec") != old.get("spec"):
             new["metadata"]["generation"] = old["metadata"]["generation"] + 1
         self._bump(new)
@@ -163,7 +180,7 @@ class FakeApiServer:
         if parts == ["api"]:
             return {"kind": "APIVersions", "versions": ["v1"]}
         if parts == ["apis"]:
-            groups = sorted({(k.group, k.version) for k in KINDS if k.group})
+            groups = sorted({(k.group, k.version) for k in self.kinds if k.group})
             return {"kind": "APIGroupList", "groups": [
                 {"name": g, "versions": [{"groupVersion": f"{g}/{v}", "version": v}],
                  "preferredVersion": {"groupVersion": f"{g}/{v}", "version": v}} for g, v in groups]}
@@ -171,7 +188,7 @@ class FakeApiServer:
             (parts[1], parts[2]) if parts[0] == "apis" and len(parts) == 3 else None
         if gv is None:
             return None
-        kinds = [k for k in KINDS if (k.group, k.version) == gv]
+        kinds = [k for k in self.kinds if (k.group, k.version) == gv]
         if not kinds:
             return None
         verbs = ["create", "delete", "get", "list", "patch", "update", "watch"]
@@ -181,8 +198,7 @@ class FakeApiServer:
                        "kind": k.kind, "verbs": ["get", "patch", "update"]} for k in kinds if k.status]
         return {"kind": "APIResourceList", "groupVersion": "/".join(filter(None, gv)), "resources": resources}
 
-    @staticmethod
-    def _route(parts: list[str]) -> tuple[Kind, str | None, str | None, str | None] | None:
+    def _route(self, parts: list[str]) -> tuple[Kind, str | None, str | None, str | None] | None:
         """(kind, namespace, name, subresource) of a resource path."""
         head, rest = (("", "v1"), parts[2:]) if parts[:2] == ["api", "v1"] else \
             ((parts[1], parts[2]), parts[3:]) if parts[:1] == ["apis"] and len(parts) > 3 else (None, [])
@@ -191,13 +207,14 @@ class FakeApiServer:
         ns = None
         if len(rest) >= 3 and rest[0] == "namespaces":
             ns, rest = rest[1], rest[2:]
-        kind = next((k for k in KINDS if (k.group, k.version) == head and k.plural == rest[0]), None)
+        kind = next((k for k in self.kinds if (k.group, k.version) == head and k.plural == rest[0]), None)
         if kind is None:
             return None
         return kind, ns, rest[1] if len(rest) > 1 else None, rest[2] if len(rest) > 2 else None
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.requests.append((request.method, request.path, dict(request.query)))
+        self.request_times.append(time.monotonic())
         parts = [p for p in request.path.split("/") if p]
         if request.method == "GET" and (doc := self._discovery(parts)) is not None:
             return web.json_response(doc)
@@ -212,25 +229,60 @@ class FakeApiServer:
                      and matches(o["metadata"].get("labels") or {}, request.query.get("labelSelector", ""))]
             return web.json_response({"kind": f"{kind.kind}List", "items": items,
                                       "metadata": {"resourceVersion": str(self.rv)}})
+        if sub is not None and not (sub == "status" and kind.status or sub == "scale" and kind.scale):
+            return web.json_response(Refused(404, "NotFound", f"{kind.plural}/{sub}: no such subresource").status,
+                                     status=404)
+        try:
+            return await self._write(request, kind, ns or "", name, sub)
+        except Refused as err:
+            return web.json_response(err.status, status=err.code)
+
+    async def _write(self, request: web.Request, kind: Kind, ns: str, name: str | None,
+                     sub: str | None) -> web.StreamResponse:
+        """GET one, POST, PUT, PATCH, DELETE; Warning headers for pruned unknown fields."""
+        query = dict(request.query)
         if request.method == "POST":
-            status, body = self._create(kind, ns or "", await request.json())
-            return web.json_response(body, status=status)
-        key = (kind.plural, ns or "", name or "")
+            obj = self._create(kind, ns, await request.json(), query)
+            return web.json_response(obj, status=201, headers=self._warning_headers())
+        key = (kind.plural, ns, name or "")
         if key not in self.objects:
-            return web.json_response({"kind": "Status", "code": 404, "reason": "NotFound"}, status=404)
+            raise Refused(404, "NotFound", f'{kind.plural} "{key[2]}" not found', {"name": key[2], "kind": kind.plural})
         if request.method == "GET":
-            return web.json_response(self.objects[key])
+            return web.json_response(self._scale(kind, self.objects[key]) if sub == "scale" else self.objects[key])
         if request.method == "DELETE":
             return web.json_response(self._delete(key))
-        if request.method == "PATCH":
-            payload = await request.json()
-            current = copy.deepcopy(self.objects[key])
-            if request.content_type == "application/json-patch+json":
-                new = jsonpatch.apply_patch(current, payload)
-            else:
-                new = merge(current, payload)
-            return web.json_response(self._update(kind, key, new, sub))
-        return web.json_response({"kind": "Status", "code": 405}, status=405)
+        if request.method not in ("PATCH", "PUT"):
+            raise Refused(405, "MethodNotAllowed", f"{request.method} is not supported here")
+        payload = await request.json()
+        current = copy.deepcopy(self._scale(kind, self.objects[key]) if sub == "scale" else self.objects[key])
+        if request.method == "PUT":
+            if not (payload.get("metadata") or {}).get("resourceVersion"):
+                raise Refused(422, "Invalid", f'{kind.kind} "{key[2]}" is invalid: metadata.resourceVersion: '
+                              "Invalid value: 0x0: must be specified for an update")
+            new = payload
+        elif request.content_type == "application/json-patch+json":
+            new = jsonpatch.apply_patch(current, payload)
+        else:
+            new = merge(current, payload)
+        if sub == "scale":  # the Scale's spec.replicas lands at the CRD's specReplicasPath
+            scaled = copy.deepcopy(self.objects[key])
+            scaled["metadata"]["resourceVersion"] = new["metadata"].get("resourceVersion")
+            set_path(scaled, kind.scale["specReplicasPath"], (new.get("spec") or {}).get("replicas"))
+            return web.json_response(self._scale(kind, self._update(kind, key, scaled, None, query)))
+        return web.json_response(self._update(kind, key, new, sub, query), headers=self._warning_headers())
+
+    def _warning_headers(self) -> dict[str, str]:
+        return {"Warning": ", ".join(self.warnings)} if self.warnings else {}
+
+    @staticmethod
+    def _scale(kind: Kind, obj: dict[str, Any]) -> dict[str, Any]:
+        """The autoscaling/v1 Scale view of an object with a scale subresource."""
+        meta = obj["metadata"]
+        return {"kind": "Scale", "apiVersion": "autoscaling/v1",
+                "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp")},
+                "spec": {"replicas": get_path(obj, kind.scale["specReplicasPath"]) or 0},
+                "status": {"replicas": get_path(obj, kind.scale["statusReplicasPath"]) or 0,
+                           "selector": get_path(obj, kind.scale.get("labelSelectorPath", "")) or ""}}
 
     async def _watch(self, request: web.Request, kind: Kind, ns: str | None) -> web.StreamResponse:
         since = int(request.query.get("resourceVersion") or self.rv)
@@ -278,12 +330,10 @@ class FakeApiServer:
         return asyncio.run_coroutine_threadsafe(call(), self._loop).result(10)
 
     def kind(self, plural: str) -> Kind:
-        return next(k for k in KINDS if k.plural == plural)
+        return next(k for k in self.kinds if k.plural == plural)
 
     def create(self, plural: str, ns: str, obj: dict[str, Any]) -> dict[str, Any]:
-        status, body = self._sync(self._create, self.kind(plural), ns, copy.deepcopy(obj))
-        assert status == 201, body
-        return body
+        return self._sync(self._create, self.kind(plural), ns, copy.deepcopy(obj))
 
     def patch(self, plural: str, ns: str, name: str, patch: dict[str, Any], sub: str | None = None) -> dict[str, Any]:
         key = (plural, ns, name)

@@ -9,7 +9,6 @@ import pytest
 from cpuserve.operator import naming
 from cpuserve.operator.children import build_children
 from cpuserve.operator.memory import GIB, MIB, bytes_per_parameter, plan_memory
-from cpuserve.operator.pods import serve_args
 from cpuserve.operator.settings import OperatorSettings
 from cpuserve.operator.validation import validate
 from llmservice_factory import K8S_VERSION, make_body
@@ -51,7 +50,7 @@ def test_pods_per_replica_group_and_rank(spec, ranks):
         g, r = labels[naming.LABEL_GROUP], labels[naming.LABEL_RANK]
         assert pod["metadata"]["name"] == f"chat-g{g}-r{r}"
         assert labels[naming.LABEL_COMPONENT] == "rank" and labels[naming.LABEL_SERVICE] == "chat"
-    assert [m["kind"] for m in manifests] == ["Service"] * 3 + ["Pod"] * len(pods) + ["PodDisruptionBudget",
+    assert [m["kind"] for m in manifests] == ["Service"] * 3 + ["Pod"] * len(pods) + ["PodDisruptionBudget", "NetworkPolicy",
                                                                                      "ServiceMonitor"]
 
 
@@ -78,7 +77,7 @@ def test_spec_hash_is_stable_and_sensitive():
     assert [naming.spec_hash(m) for m in a] == [naming.spec_hash(m) for m in b]
     c = children(make_body(replicas=2, quantization={"weights": "int4", "kvCache": "bf16"}))
     changed = {m["metadata"]["name"] for m, n in zip(a, c) if naming.spec_hash(m) != naming.spec_hash(n)}
-    assert changed == {"chat-head", "chat-g0-r0", "chat-g1-r0"}  # weights change pods, not Services or the PDB
+    assert changed == {"chat-g0-r0", "chat-g1-r0"}  # weights change the rank pods' memory only
 
 
 @pytest.mark.parametrize("weights,group,bpp", [("int4", 32, 0.625), ("int4", 128, 0.53125), ("int8", 32, 1.0),
@@ -125,26 +124,32 @@ def test_pods_are_locked_down():
         assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "raytok", "key": "token"}
 
 
-def test_head_runs_serve_with_the_spec():
-    body = make_body(model=URL_MODEL, security=SECURITY, replicas=2, ranksPerReplica=2,
-                     quantization={"weights": "int8", "groupSize": 128, "kvCache": "fp32"},
-                     resources={"kvCacheGb": 2.5, "cpusPerRank": 16}, batching={"maxNumSeqs": 64},
-                     ports={"grpc": 9100, "http": 8100, "metrics": 8180})
+def test_head_runs_only_ray_and_is_untouched_by_serving_changes():
+    body = make_body(model=URL_MODEL, security=SECURITY, replicas=2, ranksPerReplica=2)
     spec, _ = validate(body, SETTINGS)
-    args = serve_args(spec)
-    pairs = dict(zip(args[2::2], args[3::2]))
-    assert pairs == {"--model": "/models/model", "--weights": "int8", "--group-size": "128", "--kv-cache": "fp32",
-                     "--kv-cache-gb": "2.5", "--replicas": "2", "--ranks-per-replica": "2", "--cpus-per-rank": "16",
-                     "--max-num-seqs": "64", "--max-num-batched-tokens": "2048", "--max-queued-requests": "256",
-                     "--host": "0.0.0.0", "--grpc-port": "9100", "--http-port": "8100", "--metrics-port": "8180",
-                     "--ray-address": "auto", "--socket-resource": "cpuserve_socket",
-                     "--placement-strategy": "STRICT_SPREAD", "--api-key-file": "/etc/cpuserve/api-keys/keys.txt",
-                     "--tls-cert-file": "/etc/cpuserve/tls/tls.crt", "--tls-key-file": "/etc/cpuserve/tls/tls.key"}
     head = by_kind(build_children(body, spec, SETTINGS, False), "Pod")[0]
+    cmd = head["spec"]["containers"][0]["command"]
+    assert cmd[:3] == ["ray", "start", "--head"] and "--dashboard-port=8265" in cmd and cmd[-1] == "--block"
+    assert "args" not in head["spec"]["containers"][0], "the Serve app comes through the REST API"
     init = head["spec"]["initContainers"][0]
     assert init["command"][3:] == ["--url", URL_MODEL["url"], "--dest", "/models/model", "--sha256", "a" * 64]
     assert head["spec"]["containers"][0]["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
-    assert serve_args(validate(make_body(), SETTINGS)[0])[2:4] == ["--weights", "int4"]  # embedded: no --model
+
+
+def pod_hashes(**spec):
+    return {m["metadata"]["name"]: naming.spec_hash(m) for m in children(make_body(**spec)) if m["kind"] == "Pod"}
+
+
+@pytest.mark.parametrize("change,restarted", [
+    ({"replicas": 3}, {"chat-g2-r0"}),  # a new group only: the head and groups 0-1 stay
+    ({"replicas": 1}, set()),  # group 1 goes; nothing else changes
+    ({"batching": {"maxNumSeqs": 8, "maxQueuedRequests": 16}}, set()),  # applied to the Serve app in place
+    ({"quantization": {"weights": "int8"}}, {"chat-g0-r0", "chat-g1-r0"}),  # rank memory changes; not the head
+    ({"resources": {"headCpus": 2}}, {"chat-head"}),
+])
+def test_only_pods_whose_own_spec_changed_restart(change, restarted):
+    before, after = pod_hashes(replicas=2), pod_hashes(**{"replicas": 2, **change})
+    assert {n for n in after if before.get(n) != after[n]} == restarted
 
 
 def test_services_and_pdb():

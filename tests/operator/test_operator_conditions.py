@@ -3,14 +3,18 @@ from __future__ import annotations
 
 import pytest
 
-from cpuserve.operator.conditions import Observed, build_status, calculate_conditions, observe_pods, status_changed
+from cpuserve.operator.conditions import (ChildError, Observed, build_status, calculate_conditions, observe_pods,
+                                          status_changed)
 from cpuserve.operator.memory import plan_memory
 from cpuserve.operator.settings import OperatorSettings
 from cpuserve.operator.validation import Finding, validate
+from cpuserve.operator.serve_api import ServeState
 from llmservice_factory import make_body
 
 T0, T1 = "2025-01-01T00:00:00Z", "2025-01-01T00:01:00Z"
 BAD = [Finding("spec.ranksPerReplica", 9, "too many")]
+REFUSED = (ChildError("create", "Pod", "chat-head", "Forbidden", 'pods "chat-head" is forbidden: no sa'),
+           ChildError("create", "Pod", "chat-g0-r0", "Forbidden", 'pods "chat-g0-r0" is forbidden: no sa'))
 
 
 def pod(name, ready=False, waiting=None, phase="Running"):
@@ -38,6 +42,24 @@ CASES = [  # (replicas, observed, findings, expected {type: (status, reason)})
                                                  "ValidationFailed": ("False", "SpecValid")}),
     (0, Observed(True, 0), [], {"Ready": ("True", "AllReplicasReady"), "Progressing": ("False", "ReconcileComplete"),
                                 "Degraded": ("False", "NoFailures"), "ValidationFailed": ("False", "SpecValid")}),
+    (1, Observed(False, 0, changes=3, child_errors=REFUSED), [], {
+        "Ready": ("False", "HeadNotReady"), "Progressing": ("True", "Forbidden"), "Degraded": ("True", "Forbidden"),
+        "ValidationFailed": ("False", "SpecValid")}),
+    (1, Observed(True, 1, ("chat-g0-r0",), child_errors=REFUSED[1:]), [], {
+        "Ready": ("True", "AllReplicasReady"), "Progressing": ("True", "Forbidden"), "Degraded": ("True", "Forbidden"),
+        "ValidationFailed": ("False", "SpecValid")}),
+    (1, Observed(True, 1, serve=ServeState("RUNNING")), [], {
+        "Ready": ("True", "AllReplicasReady"), "Progressing": ("False", "ReconcileComplete"),
+        "Degraded": ("False", "NoFailures"), "ValidationFailed": ("False", "SpecValid")}),
+    (1, Observed(False, 1, serve=ServeState(error="connection refused")), [], {
+        "Ready": ("False", "HeadNotReady"), "Progressing": ("True", "ServeConfigPending"),
+        "Degraded": ("False", "NoFailures"), "ValidationFailed": ("False", "SpecValid")}),
+    (1, Observed(True, 1, serve=ServeState("RUNNING", applied=True)), [], {
+        "Ready": ("True", "AllReplicasReady"), "Progressing": ("True", "ServeUpdating"),
+        "Degraded": ("False", "NoFailures"), "ValidationFailed": ("False", "SpecValid")}),
+    (1, Observed(True, 1, serve=ServeState("DEPLOY_FAILED", "the model file is missing")), [], {
+        "Ready": ("True", "AllReplicasReady"), "Progressing": ("False", "ReconcileComplete"),
+        "Degraded": ("True", "ServeDeployFailed"), "ValidationFailed": ("False", "SpecValid")}),
     (1, Observed(True, 1), BAD, {"Ready": ("False", "InvalidSpec"), "Progressing": ("False", "InvalidSpec"),
                                  "Degraded": ("False", "NoFailures"), "ValidationFailed": ("True", "InvalidSpec")}),
 ]
@@ -86,3 +108,11 @@ def test_status_shows_arithmetic_endpoints_and_scale_fields():
     body["status"] = status
     assert not status_changed(status, build_status(body, spec, plan_memory(spec), Observed(True, 2), [], T1))
     assert status_changed(status, build_status(body, spec, plan_memory(spec), Observed(True, 1), [], T1))
+
+
+def test_refused_child_writes_are_named_with_the_api_message():
+    conds = {c["type"]: c for c in calculate_conditions(1, 1, Observed(child_errors=REFUSED, failing=("x",)), [], [], T0)}
+    assert conds["Degraded"]["message"] == ('create Pod chat-head: pods "chat-head" is forbidden: no sa '
+                                            "(and 1 more refused child writes); failing pods: x")
+    assert conds["Progressing"]["message"] == ('retrying with backoff: create Pod chat-head: pods "chat-head" is '
+                                               "forbidden: no sa (and 1 more refused child writes)")

@@ -2,10 +2,8 @@
 create, scale, model change, drift repair, delete, invalid spec; then its metrics endpoint."""
 from __future__ import annotations
 
-import os
-import socket
+import base64
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -13,28 +11,16 @@ from pathlib import Path
 import pytest
 import yaml
 
+from control_plane import OperatorProcess, free_port, wait_for, write_kubeconfig
 from fake_apiserver import FakeApiServer
 
 ROOT = Path(__file__).resolve().parents[2]
 NS = "serving"
+FRESH = "fresh"  # a namespace whose "default" ServiceAccount does not exist yet
 LLMS = "llmservices"
 RESYNC_SECONDS = 1.5
+RETRY_BASE_SECONDS = 0.4
 pytestmark = pytest.mark.timeout(120)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(what: str, predicate, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -42,35 +28,24 @@ def cluster(tmp_path_factory):
     """(fake API server, operator metrics port, liveness port); the operator runs for the whole module."""
     tmp = tmp_path_factory.mktemp("operator")
     api = FakeApiServer().start()
-    kubeconfig = tmp / "kubeconfig"
-    kubeconfig.write_text(
-        "apiVersion: v1\nkind: Config\ncurrent-context: fake\n"
-        f"clusters: [{{name: fake, cluster: {{server: 'http://127.0.0.1:{api.port}'}}}}]\n"
-        "users: [{name: fake, user: {token: fake-token}}]\n"
-        f"contexts: [{{name: fake, context: {{cluster: fake, user: fake, namespace: {NS}}}}}]\n")
+    api.create("serviceaccounts", NS, {"metadata": {"name": "default"}})  # what the controller manager makes
+    kubeconfig = write_kubeconfig(tmp / "kubeconfig", f"http://127.0.0.1:{api.port}", NS)
     metrics_port, liveness_port = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBERNETES_", "CPUSERVE_OPERATOR_"))}
-    env.update(KUBECONFIG=str(kubeconfig), CPUSERVE_OPERATOR_RESYNC_SECONDS=str(RESYNC_SECONDS),
-               CPUSERVE_OPERATOR_METRICS_PORT=str(metrics_port), CPUSERVE_OPERATOR_IMAGE="cpuserve:test")
-    log = open(tmp / "operator.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "cpuserve.operator", "--standalone", "--namespace", NS,
-                             f"--liveness=http://127.0.0.1:{liveness_port}/healthz"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    operator = OperatorProcess(kubeconfig, [NS, FRESH], tmp / "operator.log", liveness_port,
+                               resync_seconds=RESYNC_SECONDS, metrics_port=metrics_port, image="cpuserve:test",
+                               retry_base_seconds=RETRY_BASE_SECONDS, retry_max_seconds=5,
+                               # no Ray runs in this fake cluster: the heads' dashboards are a port nobody listens
+                               # on (the Serve REST API on a real Ray head: test_serve_inplace.py, test_e2e_local.py)
+                               dashboard_url=f"http://127.0.0.1:{free_port()}")
+    failed = True
     try:
         wait_for("the operator to watch LLMServices",
                  lambda: any(m == "GET" and p.endswith(f"/namespaces/{NS}/{LLMS}") for m, p, _ in api.requests), 30)
         yield api, metrics_port, liveness_port
+        failed = False
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        operator.stop(show_log=failed)
         api.stop()
-        log.close()
-        if sys.exc_info()[0] is not None or os.environ.get("CPUSERVE_TEST_SHOW_LOG"):
-            print(Path(log.name).read_text()[-5000:])
 
 
 def llmservice(name: str, **spec) -> dict:
@@ -78,17 +53,17 @@ def llmservice(name: str, **spec) -> dict:
     return {"apiVersion": "cpuserve.dev/v1alpha1", "kind": "LLMService", "metadata": {"name": name}, "spec": spec}
 
 
-def children(api: FakeApiServer, name: str) -> dict[str, list[str]]:
+def children(api: FakeApiServer, name: str, ns: str = NS) -> dict[str, list[str]]:
     out = {}
     for plural in ("pods", "services", "poddisruptionbudgets", "servicemonitors"):
-        objs = [api.get(plural, NS, n) for n in api.names(plural, NS)]
+        objs = [api.get(plural, ns, n) for n in api.names(plural, ns)]
         out[plural] = [o["metadata"]["name"] for o in objs
                        if o and (o["metadata"].get("labels") or {}).get("cpuserve.dev/llmservice") == name]
     return out
 
 
-def condition(api: FakeApiServer, name: str, ctype: str) -> dict:
-    obj = api.get(LLMS, NS, name) or {}
+def condition(api: FakeApiServer, name: str, ctype: str, ns: str = NS) -> dict:
+    obj = api.get(LLMS, ns, name) or {}
     return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == ctype), {})
 
 
@@ -113,6 +88,10 @@ def test_create_then_ready(cluster):
     for pod in pods:
         (owner,) = api.get("pods", NS, pod)["metadata"]["ownerReferences"]
         assert owner["uid"] == cr["metadata"]["uid"] and owner["controller"] is True
+    secret, policy = api.get("secrets", NS, "alpha-ray-token"), api.get("networkpolicies", NS, "alpha-ray")
+    assert len(base64.b64decode(secret["data"]["token"])) >= 32, "a generated Ray token, created before the pods"
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == cr["metadata"]["uid"]
+    assert policy["spec"]["podSelector"] == {"matchLabels": {"cpuserve.dev/llmservice": "alpha"}}
     assert wait_for("Ready=False", lambda: condition(api, "alpha", "Ready").get("reason") == "HeadNotReady")
     status = api.get(LLMS, NS, "alpha")["status"]
     assert status["observedGeneration"] == 1 and status["memoryPerRank"].endswith("Mi")
@@ -124,31 +103,57 @@ def test_create_then_ready(cluster):
     assert api.get(LLMS, NS, "alpha")["status"]["readyReplicas"] == 1
 
 
+def uid(api, pod):
+    return api.get("pods", NS, pod)["metadata"]["uid"]
+
+
 def test_scale_up_and_down(cluster):
     api, *_ = cluster
     api.create(LLMS, NS, llmservice("beta"))
     wait_for("one rank", lambda: children(api, "beta")["pods"] == ["beta-g0-r0", "beta-head"])
-    first_rank_uid = api.get("pods", NS, "beta-g0-r0")["metadata"]["uid"]
-    api.patch(LLMS, NS, "beta", {"spec": {"replicas": 3}})
+    first_rank_uid, head_uid = uid(api, "beta-g0-r0"), uid(api, "beta-head")
+    api.patch(LLMS, NS, "beta", {"spec": {"replicas": 3}}, sub="scale")  # kubectl scale
     wait_for("three ranks", lambda: children(api, "beta")["pods"] == ["beta-g0-r0", "beta-g1-r0", "beta-g2-r0",
                                                                       "beta-head"])
     api.patch(LLMS, NS, "beta", {"spec": {"replicas": 1}})
     wait_for("back to one", lambda: children(api, "beta")["pods"] == ["beta-g0-r0", "beta-head"])
     wait_for("status.replicas", lambda: api.get(LLMS, NS, "beta")["status"]["replicas"] == 1)
-    assert api.get("pods", NS, "beta-g0-r0")["metadata"]["uid"] == first_rank_uid, "a surviving group is not touched"
+    assert uid(api, "beta-g0-r0") == first_rank_uid, "a surviving group is not touched"
+    assert uid(api, "beta-head") == head_uid, "the head (the Ray cluster) stays: the Serve config changes in place"
 
 
-def test_model_change_recreates_pods(cluster):
+def test_batching_change_restarts_no_pod(cluster):
     api, *_ = cluster
-    api.create(LLMS, NS, llmservice("gamma"))
-    before = wait_for("pods", lambda: pod_hash(api, "gamma-head"))
-    rank_before = pod_hash(api, "gamma-g0-r0")
-    api.patch(LLMS, NS, "gamma", {"spec": {"quantization": {"weights": "int8"}}})
-    wait_for("new head", lambda: pod_hash(api, "gamma-head") not in (None, before))
-    wait_for("new rank", lambda: pod_hash(api, "gamma-g0-r0") not in (None, rank_before))
-    args = api.get("pods", NS, "gamma-head")["spec"]["containers"][0]["args"]
-    assert args[args.index("--weights") + 1] == "int8"
+    api.create(LLMS, NS, llmservice("theta", replicas=2))
+    wait_for("pods", lambda: children(api, "theta")["pods"] == ["theta-g0-r0", "theta-g1-r0", "theta-head"])
+    set_ready(api, "theta-head")  # a running head: the operator turns to its Serve REST API
+    uids = {p: uid(api, p) for p in children(api, "theta")["pods"]}
+    api.patch(LLMS, NS, "theta", {"spec": {"batching": {"maxNumSeqs": 8}}})
+    cond = wait_for("the Serve config pending", lambda: (c := condition(api, "theta", "Progressing")).get(
+        "reason") == "ServeConfigPending" and c["observedGeneration"] == 2 and c)
+    assert "/api/serve/applications/" in cond["message"]  # what it tries: Ray Serve's REST API on the head
+    assert {p: uid(api, p) for p in children(api, "theta")["pods"]} == uids
+
+
+def test_model_change_rolls_one_replica_group_at_a_time(cluster):
+    api, *_ = cluster
+    api.create(LLMS, NS, llmservice("gamma", replicas=2))
+    pods = ["gamma-g0-r0", "gamma-g1-r0", "gamma-head"]
+    wait_for("pods", lambda: children(api, "gamma")["pods"] == pods)
+    for pod in pods:
+        set_ready(api, pod)
+    before = {p: pod_hash(api, p) for p in pods}
+    head_uid, g1_uid = uid(api, "gamma-head"), uid(api, "gamma-g1-r0")
+    token = api.get("secrets", NS, "gamma-ray-token")["data"]
+    api.patch(LLMS, NS, "gamma", {"spec": {"quantization": {"weights": "int8"}}})  # rank memory changes
+    wait_for("group 0 replaced", lambda: pod_hash(api, "gamma-g0-r0") not in (None, before["gamma-g0-r0"]))
+    time.sleep(RESYNC_SECONDS * 1.5)  # a timer pass or more: group 1 waits for group 0 to be ready
+    assert uid(api, "gamma-g1-r0") == g1_uid, "one replica group at a time"
+    set_ready(api, "gamma-g0-r0")
+    wait_for("group 1 replaced", lambda: pod_hash(api, "gamma-g1-r0") not in (None, before["gamma-g1-r0"]))
+    assert uid(api, "gamma-head") == head_uid, "the head is not part of a model change"
     wait_for("observedGeneration 2", lambda: api.get(LLMS, NS, "gamma")["status"]["observedGeneration"] == 2)
+    assert api.get("secrets", NS, "gamma-ray-token")["data"] == token, "the token outlives pod restarts"
 
 
 def test_drift_repair(cluster):
@@ -179,20 +184,51 @@ def test_invalid_spec_condition_event_and_no_retry_storm(cluster):
     assert cond["reason"] == "InvalidSpec" and "spec.resources.kvCacheGb" in cond["message"]
     assert condition(api, "zeta", "Ready")["status"] == "False"
 
-    def events():
-        objs = [api.get("events", NS, n) for n in api.names("events", NS)]
-        return [e for e in objs if e and e["involvedObject"].get("name") == "zeta" and e["reason"] == "ValidationFailed"]
-
-    wait_for("the Event", events)
+    wait_for("the Event", lambda: events(api, NS, "zeta", "ValidationFailed"))
     patches = lambda: sum(m == "PATCH" and "/llmservices/zeta" in p for m, p, _ in api.requests)  # noqa: E731
     settled = patches()
     time.sleep(RESYNC_SECONDS * 3)  # at least two timer passes
-    assert len(events()) == 1, "one Event per invalid generation"
+    assert len(events(api, NS, "zeta", "ValidationFailed")) == 1, "one Event per invalid generation"
     assert patches() - settled <= 1, "the status is not rewritten on every pass"
     assert children(api, "zeta")["pods"] == []
     api.patch(LLMS, NS, "zeta", {"spec": {"resources": {"memoryPerRankGb": 80}}})  # fixed
     wait_for("valid again", lambda: condition(api, "zeta", "ValidationFailed").get("status") == "False")
     wait_for("pods after the fix", lambda: children(api, "zeta")["pods"] == ["zeta-g0-r0", "zeta-head"])
+
+
+def events(api: FakeApiServer, ns: str, name: str, reason: str) -> list[dict]:
+    objs = [api.get("events", ns, n) for n in api.names("events", ns)]
+    return [e for e in objs if e and e["involvedObject"].get("name") == name and e["reason"] == reason]
+
+
+def test_refused_children_show_in_the_status_with_one_event_and_backoff(cluster):
+    """What the real server did: pods refused (403) while the namespace's service account did not exist."""
+    api, *_ = cluster
+    api.create(LLMS, FRESH, llmservice("eta"))
+    degraded = wait_for("Degraded", lambda: (c := condition(api, "eta", "Degraded", FRESH)).get("status") == "True" and c)
+    assert degraded["reason"] == "Forbidden"  # the API's own reason and message
+    assert degraded["message"].startswith('create Pod eta-head: pods "eta-head" is forbidden: error looking up '
+                                          f'service account {FRESH}/default: serviceaccount "default" not found')
+    assert "(and 1 more refused child writes)" in degraded["message"]  # eta-g0-r0
+    progressing = condition(api, "eta", "Progressing", FRESH)
+    assert (progressing["status"], progressing["reason"]) == ("True", "Forbidden")
+    assert condition(api, "eta", "Ready", FRESH)["status"] == "False"
+    assert children(api, "eta", FRESH)["services"] == ["eta", "eta-headless", "eta-metrics"], "the rest goes on"
+    posts = lambda: [t for (m, p, _), t in zip(api.requests, api.request_times)  # noqa: E731
+                     if m == "POST" and p.endswith(f"/namespaces/{FRESH}/pods")]
+    def passes():  # the two pods' POSTs of one pass come together
+        times = posts()
+        return [t for i, t in enumerate(times) if i == 0 or t - times[i - 1] > 0.2]
+    wait_for("three retries", lambda: len(passes()) >= 4, timeout=30)
+    tries = passes()
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert all(later > 1.3 * earlier for earlier, later in zip(gaps, gaps[1:])), f"no backoff: gaps {gaps}"
+    assert gaps[0] >= RETRY_BASE_SECONDS * 0.9, gaps
+    assert len(events(api, FRESH, "eta", "Forbidden")) == 1, "one Event per distinct refusal, not one per retry"
+    api.create("serviceaccounts", FRESH, {"metadata": {"name": "default"}})
+    wait_for("pods once the service account exists", lambda: children(api, "eta", FRESH)["pods"] == ["eta-g0-r0",
+                                                                                                    "eta-head"])
+    wait_for("Degraded cleared", lambda: condition(api, "eta", "Degraded", FRESH).get("status") == "False")
 
 
 def test_operator_metrics_and_liveness(cluster):

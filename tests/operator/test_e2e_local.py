@@ -1,0 +1,127 @@
+"""kubectl apply -> tokens: the example LLMService goes through the real operator and a fake API server, and the
+pods it creates run as local processes (local_kubelet.py): their own commands, env and ports make a Ray
+cluster, the operator applies the Serve app through the head's REST API, a gRPC Generate through the head's
+port streams tokens, and `kubectl scale` to 2 replicas is served without dropping a stream."""
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import yaml
+
+from control_plane import (OperatorProcess, RealControlPlane, assets_missing, free_port, kubectl, start_fake,
+                           wait_for)
+from cpuserve.operator.serve_api import ServeApi, read_token
+from cpuserve.operator.validation import validate
+from cpuserve.operator.settings import OperatorSettings
+from cpuserve.v1 import inference_pb2 as pb
+from cpuserve.v1 import inference_pb2_grpc as pbg
+from fake_apiserver import CHART_CRDS
+from local_kubelet import LocalKubelet
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+NS, NAME, NUM_TOKENS = "ml", "smollm2", 64
+EXAMPLE = CHART_CRDS.parent / "examples" / "llmservice-smollm2.yaml"
+
+
+@pytest.fixture(scope="module", params=["fake", "real"])
+def cluster(request, tmp_path_factory):
+    """The API server (the fake, or a real control plane from KUBEBUILDER_ASSETS), the kubelet, the operator."""
+    if request.param == "real" and (why := assets_missing()):
+        pytest.skip(f"real control plane: {why}")
+    tmp = tmp_path_factory.mktemp("e2e")
+    plane = RealControlPlane() if request.param == "real" else None
+    server = plane.start() if plane else start_fake(tmp)
+    server.create_namespace(NS)
+    kubelet = LocalKubelet(server.kube, NS, NAME, tmp)
+    operator = OperatorProcess(server.kubeconfig, [NS], tmp / "operator.log", free_port(), metrics_port=0,
+                               resync_seconds=5, retry_base_seconds=1, retry_max_seconds=5,
+                               dashboard_url=f"http://127.0.0.1:{kubelet.head_ports[8265]}")
+    kubelet.start()
+    failed = True
+    try:
+        yield server, kubelet
+        failed = False
+    finally:
+        operator.stop(show_log=failed)
+        kubelet.stop()
+        plane.stop() if plane else server.fake.stop()
+
+
+def the_example(ports: dict[str, int]) -> dict:
+    """charts/cpuserve/examples/llmservice-smollm2.yaml, on free ports and sized for this 2-core machine."""
+    body = yaml.safe_load(EXAMPLE.read_text())
+    body["metadata"]["namespace"] = NS
+    body["spec"]["ports"] = ports
+    body["spec"]["resources"].update(cpusPerRank=1, kvCacheGb=0.1)
+    return body
+
+
+def condition(server, ctype: str) -> dict:
+    obj = server.kube.get("LLMService", NS, NAME) or {}
+    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == ctype), {})
+
+
+def generate(port: int, i: int, out: dict, done: dict | None = None) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        req = pb.GenerateRequest(text=f"Tell story {i}.", sampling=pb.SamplingParameters(
+            max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True))
+        try:
+            out[i] = [rsp for rsp in pbg.InferenceStub(channel).Generate(req, timeout=600)]
+        except grpc.RpcError as err:
+            out[i] = f"{err.code()}: {err.details()}"
+    if done is not None:
+        done[i] = time.monotonic()
+
+
+def test_kubectl_apply_to_tokens_then_scale(cluster):
+    server, kubelet = cluster
+    ports = {"grpc": free_port(), "http": free_port(), "metrics": free_port()}
+    body = the_example(ports)
+    assert validate({**body, "metadata": {**body["metadata"], "uid": "x"}}, OperatorSettings())[1] == []
+    if server.name == "real":
+        result = kubectl(server, "apply", "-f", "-", stdin=yaml.safe_dump(body))
+        assert result.returncode == 0, result.stderr
+    else:
+        server.kube.create(body)  # what `kubectl apply` sends (kubectl validates strictly too)
+    wait_for("Ready", lambda: condition(server, "Ready").get("status") == "True", timeout=480, interval=1)
+    assert set(kubelet.ready) == {f"{NAME}-head", f"{NAME}-g0-r0"} and not kubelet.exited
+
+    out: dict[int, object] = {}
+    generate(ports["grpc"], 0, out)  # one stream through the head's gRPC port
+    assert isinstance(out[0], list), out[0]
+    assert sum(len(m.token_ids) for m in out[0]) == NUM_TOKENS and out[0][-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert "".join(m.text for m in out[0]).strip()
+
+    done: dict[int, float] = {}
+    streams = [threading.Thread(target=generate, args=(ports["grpc"], i, out, done)) for i in range(1, 5)]
+    for t in streams:
+        t.start()
+    scaled_at = time.monotonic()
+    if server.name == "real":
+        result = kubectl(server, "scale", "llmservice", NAME, "-n", NS, "--replicas=2")
+        assert result.returncode == 0, result.stderr
+    else:
+        server.kube.merge_patch("LLMService", NS, NAME, {"spec": {"replicas": 2}}, sub="scale")  # kubectl scale
+    wait_for("the second group's pod", lambda: f"{NAME}-g1-r0" in kubelet.ready, timeout=120, interval=1)
+    token = read_token(server.kube, NS, NAME, validate(server.kube.get("LLMService", NS, NAME), OperatorSettings())[0])
+    api = ServeApi(f"http://127.0.0.1:{kubelet.head_ports[8265]}", token)
+
+    def two_replicas() -> bool:
+        app = api.details()["applications"].get("cpuserve") or {}
+        reps = (app.get("deployments") or {}).get("LLMServer", {}).get("replicas", [])
+        return app.get("status") == "RUNNING" and [r["state"] for r in reps] == ["RUNNING", "RUNNING"]
+    wait_for("2 LLMServer replicas", two_replicas, timeout=420, interval=1)
+    with grpc.insecure_channel(f"127.0.0.1:{ports['grpc']}") as channel:  # the ingress was told, not restarted
+        (model,) = pbg.InferenceStub(channel).ListModels(pb.ListModelsRequest(), timeout=30).models
+    assert model.replicas == 2
+    for t in streams:
+        t.join(600)
+    for i in range(1, 5):
+        assert isinstance(out[i], list), out[i]
+        assert sum(len(m.token_ids) for m in out[i]) == NUM_TOKENS, i
+        assert done[i] > scaled_at, "the stream ran across the scale"
+    wait_for("readyReplicas 2", lambda: server.kube.get("LLMService", NS, NAME)["status"]["readyReplicas"] == 2)
+    assert not kubelet.exited, kubelet.exited

@@ -1,0 +1,125 @@
+"""The Serve config the operator applies to the head through Ray Serve's REST API: Ray's own schema accepts it,
+its args are the validated ServeConfig, and what a change touches follows Serve's in-place update rules."""
+from __future__ import annotations
+
+import typing
+
+import pytest
+from ray.serve.schema import ServeDeploySchema
+
+from cpuserve.operator.pods import serve_config
+from cpuserve.operator.serve_api import build_serve_document, is_deployed
+from cpuserve.operator.settings import OperatorSettings
+from cpuserve.operator.validation import validate
+from cpuserve.serving.config import ServeConfig
+from llmservice_factory import make_body
+
+SETTINGS = OperatorSettings()
+URL_MODEL = {"source": "url", "url": "https://example.invalid/m.tar.gz", "format": "safetensors",
+             "numParameters": 1_000_000_000, "sha256": "a" * 64}
+SECURITY = {"tlsSecretName": "tls", "apiKeys": {"name": "keys", "key": "keys.txt"}}
+
+
+def document(**spec):
+    parsed, findings = validate(make_body(**spec), SETTINGS)
+    assert findings == []
+    return build_serve_document(parsed), parsed
+
+
+def test_the_document_is_a_valid_serve_deploy_config():
+    doc, _ = document(model=URL_MODEL, security=SECURITY, replicas=2, ranksPerReplica=2,
+                      quantization={"weights": "int8", "groupSize": 128, "kvCache": "fp32"},
+                      resources={"kvCacheGb": 2.5, "cpusPerRank": 16}, batching={"maxNumSeqs": 64},
+                      ports={"grpc": 9100, "http": 8100, "metrics": 8180})
+    ServeDeploySchema.model_validate(doc)  # Ray Serve's own schema of PUT /api/serve/applications/
+    (app,) = doc["applications"]
+    assert app["import_path"] == "cpuserve.serving.app:build_app" and app["route_prefix"] == "/"
+    assert app["args"] == {"model": "/models/model", "weights": "int8", "group_size": 128, "kv_cache": "fp32",
+                           "kv_cache_gb": 2.5, "ranks_per_replica": 2, "cpus_per_rank": 16, "max_num_seqs": 64,
+                           "max_num_batched_tokens": 2048, "max_queued_requests": 256, "host": "0.0.0.0",
+                           "metrics_port": 8180, "socket_resource": "cpuserve_socket",
+                           "placement_strategy": "STRICT_SPREAD", "api_key_file": "/etc/cpuserve/api-keys/keys.txt"}
+    assert {d["name"]: d for d in app["deployments"]}["LLMServer"]["num_replicas"] == 2
+    assert {d["name"]: d for d in app["deployments"]}["Ingress"]["user_config"] == {"replicas": 2}
+    assert doc["http_options"] == {"host": "0.0.0.0", "port": 8100, "ssl_certfile": "/etc/cpuserve/tls/tls.crt",
+                                   "ssl_keyfile": "/etc/cpuserve/tls/tls.key"}
+    assert doc["grpc_options"]["port"] == 9100 and doc["proxy_location"] == "HeadOnly"
+
+
+def test_the_args_are_the_validated_serve_config():
+    from cpuserve.engine.config import GROUP_SIZES, KV_CACHE_DTYPES, WEIGHT_FORMATS
+    from cpuserve.operator.spec import QuantizationSpec
+
+    # every quantization the CRD offers is one the engine takes
+    for name, allowed in (("weights", WEIGHT_FORMATS), ("group_size", GROUP_SIZES), ("kv_cache", KV_CACHE_DTYPES)):
+        assert set(typing.get_args(QuantizationSpec.model_fields[name].annotation)) <= set(allowed), name
+    doc, spec = document(replicas=3, batching={"maxNumSeqs": 8})
+    args = doc["applications"][0]["args"]
+    rebuilt = ServeConfig(**args, replicas=3, grpc_port=9000, http_port=8000)  # what build_app validates again
+    expected = serve_config(spec)
+    assert {k: getattr(rebuilt, k) for k in expected.model_fields_set if k != "ray_address"} == \
+        {k: getattr(expected, k) for k in expected.model_fields_set if k != "ray_address"}
+    assert "model" not in args  # embedded: the image's model
+
+
+@pytest.mark.parametrize("change,lightweight", [
+    ({"replicas": 3}, True),  # num_replicas and user_config only: no replica restarts
+    ({"batching": {"maxNumSeqs": 8}}, False),  # args: Serve replaces LLMServer replicas one at a time
+    ({"quantization": {"weights": "int8"}}, False),
+])
+def test_what_a_change_touches(change, lightweight):
+    before, _ = document(replicas=2)
+    after, _ = document(**{"replicas": 2, **change})
+    assert (before["applications"][0]["args"] == after["applications"][0]["args"]) is lightweight
+    assert before["http_options"] == after["http_options"] and before["grpc_options"] == after["grpc_options"]
+
+
+def test_is_deployed_compares_what_the_head_reports():
+    doc, _ = document(replicas=2)
+    details = {"applications": {"cpuserve": {"status": "RUNNING", "deployed_app_config": {
+        **doc["applications"][0], "runtime_env": {}}}}, "http_options": {"host": "0.0.0.0", "port": 8000},
+        "grpc_options": {"port": 9000}}
+    assert is_deployed(details, doc)
+    scaled, _ = document(replicas=3)
+    assert not is_deployed(details, scaled)
+    assert not is_deployed({"applications": {}}, doc)  # a new head: nothing deployed yet
+    assert not is_deployed({**details, "http_options": {"port": 8001}}, doc)
+
+
+def test_the_ingress_admission_limit_follows_the_replicas_in_place():
+    """Ray Serve calls reconfigure(user_config) on a lightweight update: replicas x max_num_seqs + queue."""
+    from cpuserve.serving.ingress import IngressCore
+    from cpuserve.serving.scalable_ingress import ScalableIngress
+
+    config = ServeConfig(metrics_port=0, max_num_seqs=4, max_queued_requests=3)
+    ingress = IngressCore(config.model_dump(), llm_server=None)
+    assert ingress.max_in_flight == 1 * 4 + 3
+    ScalableIngress.reconfigure(ingress, {"replicas": 3})
+    assert ingress.max_in_flight == 3 * 4 + 3
+    ScalableIngress.reconfigure(ingress, {"replicas": 0})  # no rank pods: the one waiting replica still admits
+    assert ingress.max_in_flight == 1 * 4 + 3
+    with pytest.raises(ValueError, match="user_config.replicas=-1"):
+        ScalableIngress.reconfigure(ingress, {"replicas": -1})
+
+
+def test_the_ingress_reports_the_replicas_applied_in_place():
+    import asyncio
+
+    from cpuserve.serving.ingress import IngressCore
+    from cpuserve.serving.scalable_ingress import ScalableIngress
+
+    class Ingress(IngressCore):  # the core with ScalableIngress's two methods, outside Ray Serve's wrapper
+        reconfigure = ScalableIngress.reconfigure
+        _model_info = ScalableIngress._model_info
+        _replicas = None
+
+    class Server:  # what LLMServer.info answers: its args carry no replicas under a Serve config
+        class info:  # noqa: N801 (a DeploymentHandle method: .remote())
+            @staticmethod
+            async def remote():
+                return {"name": "m", "max_model_len": 8, "weights": "int4", "kv_cache": "int8", "replicas": 1}
+
+    ingress = Ingress(ServeConfig(metrics_port=0).model_dump(), llm_server=Server())
+    assert asyncio.run(ingress._model_info())["replicas"] == 1
+    ingress.reconfigure({"replicas": 3})
+    assert asyncio.run(ingress._model_info())["replicas"] == 3
