@@ -16,6 +16,7 @@ import logging
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -60,6 +61,24 @@ def _build_name() -> str:
     return f"cpuserve_ops_{h.hexdigest()[:12]}"
 
 
+STALE_LOCK_SECONDS = 900  # a build takes ~40 s (minutes on a loaded machine): a lock this old outlived its build
+
+
+def clear_stale_lock(build_dir: Path, max_age: float = STALE_LOCK_SECONDS) -> bool:
+    """Remove the build lock torch's cpp_extension leaves behind when a compiling process is killed (every later
+    start would wait on it forever); True if one was removed. A lock younger than max_age is a build in progress."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < max_age:
+        return False
+    log.warning("removing %s: left %.0f s ago by a kernel build that did not finish", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
+
+
 @functools.lru_cache(maxsize=1)
 def _load() -> bool:
     from torch.utils import cpp_extension
@@ -67,6 +86,7 @@ def _load() -> bool:
     name = _build_name()
     build_dir = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cpuserve" / "kernels" / name
     build_dir.mkdir(parents=True, exist_ok=True)
+    clear_stale_lock(build_dir)
     if not (build_dir / f"{name}.so").exists():
         print(f"compiling cpuserve's CPU kernels for this CPU into {build_dir} (first use only, ~40 s)",
               file=sys.stderr, flush=True)

@@ -134,3 +134,17 @@ def test_mode_is_validated(monkeypatch):
         native.mode()
     monkeypatch.setenv("CPUSERVE_KERNELS", "torch")
     assert native.available() is False
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path):
+    """torch's cpp_extension waits forever on a build directory's lock: one left by a killed compile must go."""
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    assert not native.clear_stale_lock(tmp_path) and lock.exists()  # a build in progress keeps its lock
+    old = time.time() - native.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    assert native.clear_stale_lock(tmp_path) and not lock.exists()
+    assert not native.clear_stale_lock(tmp_path)  # nothing left to remove
