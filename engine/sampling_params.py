@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cpuserve.engine.errors import InvalidRequest
+from cpuserve.engine.grammar import StructuredOutput, grammar_of
 
 
 @dataclass(slots=True)
@@ -24,6 +25,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return per token; 0 = only the chosen token
     skip_special_tokens: bool = True
+    # the output follows a JSON schema, a regex or a grammar (engine/grammar.py); None = free text
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -39,6 +42,12 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "a list of non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                self.stop_token_ids, "a list of token ids >= 0")
+        if self.structured_output is not None:
+            try:
+                self.structured_output = StructuredOutput.of(self.structured_output)
+            except TypeError:
+                raise InvalidRequest("structured_output", "structured_output must be {'kind': ..., 'spec': ...}") from None
+            grammar_of(self.structured_output.kind, self.structured_output.spec)  # cached; raises for a bad spec
 
     @property
     def is_greedy(self) -> bool:
