@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from cpuserve.serving.protocol import DEFAULT_MAX_TOKENS, RequestError, check_sampling
+from cpuserve.serving.protocol import DEFAULT_MAX_TOKENS, RequestError, check_sampling, structured_output
 from cpuserve.v1 import inference_pb2 as pb
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Inference"]
@@ -23,7 +23,9 @@ _OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "r
 # string fields by field number, per message, to name the one holding invalid UTF-8 (submessages: a dict)
 _STRING_FIELDS: dict[int, Any] = {1: "model", 2: "text", 6: "request_id",
                                   4: {1: {1: "chat.messages.role", 2: "chat.messages.content"}},
-                                  5: {9: "sampling.stop"}}
+                                  5: {9: "sampling.stop"},
+                                  8: {1: "structured_output.json_schema", 3: "structured_output.regex",
+                                      4: "structured_output.grammar", 5: {1: "structured_output.choice"}}}
 
 
 def add_InferenceServicer_to_server(servicer: Any, server: grpc.Server) -> None:  # noqa: N802 (grpc's naming)
@@ -76,10 +78,26 @@ def generate_request(req: Any, max_request_bytes: int) -> tuple[str, dict[str, A
     sampling = {name: getattr(s, name) for name in _OPTIONAL_SAMPLING if s.HasField(name)}
     sampling.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
     sampling.update(stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos)
-    internal.update(sampling=check_sampling(sampling), priority=req.priority)
+    rename = {}
+    if req.HasField("structured_output"):
+        sampling["structured_output"], param = _structured(req.structured_output)
+        rename["structured_output"] = param
+    internal.update(sampling=check_sampling(sampling, rename), priority=req.priority, rename=rename)
     if req.request_id:
         internal["request_id"] = req.request_id
     return req.model, internal
+
+
+def _structured(so: Any) -> tuple[dict[str, Any], str]:
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        raise RequestError("structured_output: set one of json_schema, json_object, regex, grammar, choice",
+                           "structured_output")
+    param = f"structured_output.{kind}"
+    if kind == "json_object" and not so.json_object:
+        raise RequestError(f"{param}: set it to true (or leave structured_output unset for free text)", param)
+    value = list(so.choice.choices) if kind == "choice" else getattr(so, kind)
+    return structured_output(kind, value, param), param
 
 
 def _usage(chunk: dict[str, Any]) -> Any:

@@ -79,8 +79,8 @@ class LLMServer:
             return
         except ValueError as e:  # InvalidRequest names the field: empty prompt, too long, bad token id, ...
             chat = "messages" in request
-            error = RequestError.from_value_error(e, "messages" if chat else "prompt",
-                                                  rename={"prompt": "messages"} if chat else None)
+            rename = {**request.get("rename", {}), **({"prompt": "messages"} if chat else {})}
+            error = RequestError.from_value_error(e, "messages" if chat else "prompt", rename=rename)
             yield {"error": error.to_dict()}
             return
         except EngineDeadError as e:

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from cpuserve.serving.protocol import DEFAULT_MAX_TOKENS, RequestError, check_sampling
+from cpuserve.serving.protocol import DEFAULT_MAX_TOKENS, RequestError, check_sampling, structured_output
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
@@ -41,6 +41,19 @@ class ChatMessage(_Strict):
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
+class JsonSchemaFormat(_Strict):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the output always follows the schema, strict or not
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Sampling(_Strict):
     model: str | None = None
     max_tokens: int | None = None
@@ -59,6 +72,34 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = 0
+    # structured outputs: OpenAI's response_format, and vLLM's guided_* extensions (at most one of them)
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
+
+    def structured(self) -> tuple[dict[str, Any] | None, str | None]:
+        """(the engine's structured_output or None, the client field that gave it)."""
+        forms = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            forms.append(("response_format", "json_object", None))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise RequestError("response_format: type json_schema needs json_schema.schema", "response_format")
+            forms.append(("response_format", "json_schema", rf.json_schema.schema_))
+        for kind in ("json", "regex", "grammar", "choice"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                forms.append((f"guided_{kind}", "json_schema" if kind == "json" else kind, value))
+        if len(forms) > 1:
+            raise RequestError(f"{forms[1][0]}: give one of response_format, guided_json, guided_regex, "
+                               f"guided_grammar, guided_choice, not both {forms[0][0]} and {forms[1][0]}", forms[1][0])
+        if not forms:
+            return None, None
+        param, kind, value = forms[0]
+        return structured_output(kind, value, param), param
 
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
         if self.n != 1:
@@ -73,7 +114,14 @@ class _Sampling(_Strict):
                   "stop_token_ids": self.stop_token_ids}
         sampling = {k: v for k, v in values.items() if v is not None}
         sampling["ignore_eos"] = self.ignore_eos
+        sampling["structured_output"], _ = self.structured()
         return sampling
+
+    def internal(self, sampling: dict[str, Any], rename: dict[str, str] | None = None, **request: Any) -> dict[str, Any]:
+        """The internal request dict: sampling validated, errors in the client's own field names."""
+        _, param = self.structured()
+        rename = {**(rename or {}), **({"structured_output": param} if param else {})}
+        return {**request, "sampling": check_sampling(sampling, rename), "priority": self.priority, "rename": rename}
 
 
 class CompletionRequest(_Sampling):
@@ -85,8 +133,7 @@ class CompletionRequest(_Sampling):
         if self.echo:
             raise RequestError("echo=true is not supported", "echo")
         max_tokens = DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
-        sampling = self.sampling(max_tokens, self.logprobs)
-        return {"prompt": self.prompt, "sampling": check_sampling(sampling), "priority": self.priority}
+        return self.internal(self.sampling(max_tokens, self.logprobs), prompt=self.prompt)
 
 
 class ChatRequest(_Sampling):
@@ -101,8 +148,8 @@ class ChatRequest(_Sampling):
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
         # without max_tokens the replica fills the rest of the context, as OpenAI does
-        sampling = check_sampling(self.sampling(max_tokens, top), rename={"logprobs": "top_logprobs"})
-        return {"messages": [m.as_dict() for m in self.messages], "sampling": sampling, "priority": self.priority}
+        return self.internal(self.sampling(max_tokens, top), {"logprobs": "top_logprobs"},
+                             messages=[m.as_dict() for m in self.messages])
 
 
 def parse_body(body: bytes, cls: type[_Sampling]) -> _Sampling:

@@ -2,13 +2,15 @@
 
 Ingress -> LLMServer: a request dict
     {"request_id": str, "priority": int, "sampling": {SamplingParams kwargs},
-     one of "prompt": str | list[int]  or  "messages": [{"role", "content"}, ...]}
+     one of "prompt": str | list[int]  or  "messages": [{"role", "content"}, ...],
+     "rename": {engine param: client field} when the client named a field otherwise (response_format)}
 LLMServer -> ingress: a stream of chunk dicts (see `chunk_from_step`), or one {"error": ...} dict first when
 the replica rejects the request (bad prompt, engine stopped), so that no exception crosses Ray.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -65,6 +67,23 @@ class RequestError(Exception):
                 message = rename[param] + message[len(param):]
             param = rename[param]
         return cls(message, param)
+
+
+def structured_output(kind: str, value: Any, param: str) -> dict[str, Any]:
+    """The engine's structured_output for one client form (HTTP's response_format / guided_*, gRPC's oneof).
+
+    kind: json_schema (value: the schema as a dict or JSON text), json_object, regex, grammar (Lark or GBNF) or
+    choice (value: the allowed strings). param: the client's field, named by errors.
+    """
+    if kind == "json_schema":
+        spec = value if isinstance(value, str) else json.dumps(value)
+    elif kind == "choice":
+        if not value or not all(isinstance(c, str) and c for c in value):
+            raise RequestError(f"{param}: give a non-empty list of non-empty strings", param)
+        kind, spec = "grammar", "start: " + " | ".join(json.dumps(c) for c in value)  # Lark string literals
+    else:
+        spec = "" if kind == "json_object" else value
+    return {"kind": kind, "spec": spec}
 
 
 def check_sampling(sampling: dict[str, Any], rename: dict[str, str] | None = None) -> dict[str, Any]:

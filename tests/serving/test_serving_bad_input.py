@@ -15,6 +15,7 @@ pytestmark = pytest.mark.slow
 SERVE_CONFIG = dict(max_model_len=256, max_request_bytes=65536)
 LONG_TEXT = "word " * 400  # ~400 tokens > 256
 OK_COMPLETION = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 HTTP_CASES = [  # (id, path, body: dict | raw bytes, status, param)
     ("empty prompt", "completions", {"prompt": ""}, 400, "prompt"),
@@ -57,6 +58,23 @@ HTTP_CASES = [  # (id, path, body: dict | raw bytes, status, param)
     ("empty messages", "chat/completions", {"messages": []}, 400, "messages"),
     ("invalid UTF-8", "completions", b'{"prompt": "caf\xe9"}', 400, "body"),
     ("oversized body", "completions", {"prompt": "x" * 70_000}, 413, "body"),
+    # structured outputs: a spec that cannot compile names the field that carried it
+    ("bad JSON schema", "chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "foo"}}}}, 400, "response_format"),
+    ("unsatisfiable JSON schema", "chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "minLength": 5, "maxLength": 2}}}}, 400, "response_format"),
+    ("json_schema without a schema", "chat/completions", {**CHAT, "response_format": {"type": "json_schema",
+                                                                                      "json_schema": {"name": "x"}}},
+     400, "response_format"),
+    ("unknown response_format type", "chat/completions", {**CHAT, "response_format": {"type": "xml"}}, 400,
+     "response_format.type"),
+    ("bad guided_json", "completions", {"prompt": "hi", "guided_json": {"$ref": "#/$defs/missing"}}, 400, "guided_json"),
+    ("bad guided_regex", "completions", {"prompt": "hi", "guided_regex": "("}, 400, "guided_regex"),
+    ("bad guided_grammar", "completions", {"prompt": "hi", "guided_grammar": "start: undefined_rule"}, 400,
+     "guided_grammar"),
+    ("empty guided_choice", "completions", {"prompt": "hi", "guided_choice": []}, 400, "guided_choice"),
+    ("two structured forms", "chat/completions", {**CHAT, "response_format": {"type": "json_object"},
+                                                  "guided_regex": "[0-9]+"}, 400, "guided_regex"),
 ]
 
 
@@ -95,6 +113,11 @@ def _text(text: str, **sampling) -> pb.GenerateRequest:
     return pb.GenerateRequest(text=text, sampling=pb.SamplingParameters(**sampling))
 
 
+def _structured(**kind) -> pb.GenerateRequest:
+    return pb.GenerateRequest(text="hi", sampling=pb.SamplingParameters(max_tokens=4),
+                              structured_output=pb.StructuredOutput(**kind))
+
+
 GRPC_CASES = [  # (id, request: message | raw bytes, code, field named in the details)
     ("empty prompt", _text(""), "INVALID_ARGUMENT", "prompt"),
     ("no prompt", pb.GenerateRequest(), "INVALID_ARGUMENT", "prompt"),
@@ -123,6 +146,16 @@ GRPC_CASES = [  # (id, request: message | raw bytes, code, field named in the de
      "INVALID_ARGUMENT", "sampling.stop"),
     ("not a protobuf message", b"\xff\xff\xff\xff", "INVALID_ARGUMENT", "request"),
     ("oversized prompt", _text("x" * 70_000), "INVALID_ARGUMENT", "text"),
+    ("bad JSON schema", _structured(json_schema='{"type": "foo"}'), "INVALID_ARGUMENT",
+     "structured_output.json_schema"),
+    ("JSON schema not JSON", _structured(json_schema="{type"), "INVALID_ARGUMENT", "structured_output.json_schema"),
+    ("bad regex", _structured(regex="("), "INVALID_ARGUMENT", "structured_output.regex"),
+    ("bad grammar", _structured(grammar="root ::= undefined"), "INVALID_ARGUMENT", "structured_output.grammar"),
+    ("empty choice", _structured(choice=pb.Choices()), "INVALID_ARGUMENT", "structured_output.choice"),
+    ("json_object false", _structured(json_object=False), "INVALID_ARGUMENT", "structured_output.json_object"),
+    ("empty structured_output", _structured(), "INVALID_ARGUMENT", "structured_output"),
+    ("invalid UTF-8 in regex", _structured(regex="abc").SerializeToString().replace(b"abc", b"a\xffc"),
+     "INVALID_ARGUMENT", "structured_output.regex"),
 ]
 
 
