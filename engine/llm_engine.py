@@ -90,6 +90,10 @@ class LLMEngine:
             raise InvalidRequest("prompt", f"prompt is {len(ids)} tokens but the KV pool holds only "
                                            f"{self.block_manager.num_blocks * self.config.block_size}; raise "
                                            "kv_cache_gb")
+        bad = [t for t in params.logit_bias if t >= self.args.vocab_size]
+        if bad:
+            raise InvalidRequest("logit_bias", f"logit_bias: token id {bad[0]} is out of range: ids must be in "
+                                               f"[0, {self.args.vocab_size})")
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1

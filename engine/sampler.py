@@ -39,6 +39,8 @@ def sample(
             allows. None (or all None): no row is constrained, and the step pays nothing for the feature.
     """
     raw = logits
+    if any(p.logit_bias for p in params):
+        logits = add_logit_bias(logits, params)
     if grammars is not None and any(g is not None for g in grammars):
         logits = mask_constrained(logits, grammars)
     if all(p.is_greedy and not _has_penalty(p) for p in params):
@@ -90,8 +92,18 @@ def fill_bitmask(matcher, row: np.ndarray) -> None:
     matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
 
 
+def add_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """OpenAI's logit_bias: each row's biases added to its logits (a new tensor)."""
+    logits = logits.clone()
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+    return logits
+
+
 def _has_penalty(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 def _sample_row(
@@ -118,6 +130,9 @@ def apply_penalties(logits: torch.Tensor, p: SamplingParams, history: list[int],
     output = history[num_prompt:]
     if p.presence_penalty != 0.0 and output:
         logits[torch.tensor(sorted(set(output)), dtype=torch.long)] -= p.presence_penalty
+    if p.frequency_penalty != 0.0 and output:
+        counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=logits.numel())[:logits.numel()]
+        logits -= p.frequency_penalty * counts.to(logits.dtype)
     return logits
 
 

@@ -19,6 +19,8 @@ class SamplingParams:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0  # subtracted once per earlier occurrence of the token in the output
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -38,6 +40,10 @@ class SamplingParams:
         _check(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
         _check(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "> 0 (1 = off)")
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "in [-2, 2]")
+        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty, "in [-2, 2]")
+        _check(isinstance(self.logit_bias, dict) and all(
+            isinstance(t, int) and t >= 0 and isinstance(b, (int, float)) and -100 <= b <= 100
+            for t, b in self.logit_bias.items()), "logit_bias", self.logit_bias, "{token id >= 0: bias in [-100, 100]}")
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", self.logprobs, "None or in [0, 20]")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "a list of non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",

@@ -19,7 +19,7 @@ SERVICE = pb.DESCRIPTOR.services_by_name["Inference"]
 FINISH_REASONS = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP,
                   "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 _OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                      "presence_penalty", "seed", "logprobs")
+                      "presence_penalty", "frequency_penalty", "seed", "logprobs")
 # string fields by field number, per message, to name the one holding invalid UTF-8 (submessages: a dict)
 _STRING_FIELDS: dict[int, Any] = {1: "model", 2: "text", 6: "request_id",
                                   4: {1: {1: "chat.messages.role", 2: "chat.messages.content"}},
@@ -77,7 +77,8 @@ def generate_request(req: Any, max_request_bytes: int) -> tuple[str, dict[str, A
     s = req.sampling
     sampling = {name: getattr(s, name) for name in _OPTIONAL_SAMPLING if s.HasField(name)}
     sampling.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
-    sampling.update(stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos)
+    sampling.update(stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
+                    logit_bias=dict(s.logit_bias))
     rename = {}
     if req.HasField("structured_output"):
         sampling["structured_output"], param = _structured(req.structured_output)

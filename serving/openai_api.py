@@ -18,8 +18,23 @@ from cpuserve.serving.protocol import DEFAULT_MAX_TOKENS, RequestError, check_sa
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
+# Top-level fields accepted and ignored because they cannot change the output (bookkeeping, routing, caching
+# hints). Any other field this server does not implement is refused with 400 naming it, never silently dropped.
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+                            "parallel_tool_calls"})  # parallel_tool_calls only matters with tools, which are refused
+# fields that clients commonly send, refused with a reason (the rest get a generic one)
+UNSUPPORTED = {
+    "tools": "tool calling is not supported yet", "tool_choice": "tool calling is not supported yet",
+    "functions": "function calling is not supported", "function_call": "function calling is not supported",
+    "audio": "audio output is not supported", "modalities": "only text output is supported",
+    "prediction": "predicted outputs are not supported", "suffix": "suffix (insertion) is not supported",
+    "best_of": "best_of is not supported", "reasoning_effort": "this model has no reasoning mode",
+    "web_search_options": "web search is not supported", "min_tokens": "min_tokens is not supported",
+}
+
+
 class _Strict(BaseModel):
-    # unknown fields are ignored, as OpenAI clients send newer ones (user, metadata, ...)
+    # nested objects ignore fields they do not know (a message's "name", ...); requests check theirs (_Sampling)
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
@@ -55,6 +70,7 @@ class ResponseFormat(_Strict):
 
 
 class _Sampling(_Strict):
+    model_config = ConfigDict(strict=True, extra="allow")  # unknown fields are kept, then refused or ignored
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -72,12 +88,21 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = 0
+    logit_bias: dict[str, int | float] | None = None
+    skip_special_tokens: bool = True
     # structured outputs: OpenAI's response_format, and vLLM's guided_* extensions (at most one of them)
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
+
+    def check_unknown_fields(self) -> None:
+        """400 for a field this server does not implement, unless it cannot change the output (IGNORED_FIELDS)."""
+        for name in self.model_extra or {}:
+            if name not in IGNORED_FIELDS:
+                why = UNSUPPORTED.get(name, "this server does not implement it, and it could change the result")
+                raise RequestError(f"{name}: {why}", name)
 
     def structured(self) -> tuple[dict[str, Any] | None, str | None]:
         """(the engine's structured_output or None, the client field that gave it)."""
@@ -104,18 +129,24 @@ class _Sampling(_Strict):
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
         if self.n != 1:
             raise RequestError(f"n={self.n} is not supported: only n=1", "n")
-        if self.frequency_penalty:
-            raise RequestError(f"frequency_penalty={self.frequency_penalty} is not supported: use presence_penalty "
-                               "or repetition_penalty", "frequency_penalty")
         values = {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                   "top_k": self.top_k, "min_p": self.min_p, "presence_penalty": self.presence_penalty,
+                  "frequency_penalty": self.frequency_penalty, "logit_bias": self._logit_bias(),
                   "repetition_penalty": self.repetition_penalty, "seed": self.seed, "logprobs": logprobs,
                   "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
                   "stop_token_ids": self.stop_token_ids}
         sampling = {k: v for k, v in values.items() if v is not None}
-        sampling["ignore_eos"] = self.ignore_eos
+        sampling.update(ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens)
         sampling["structured_output"], _ = self.structured()
         return sampling
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        bad = [k for k in self.logit_bias if not k.isdigit()]
+        if bad:
+            raise RequestError(f"logit_bias: key {bad[0]!r} is not a token id (a decimal integer)", "logit_bias")
+        return {int(k): float(v) for k, v in self.logit_bias.items()}
 
     def internal(self, sampling: dict[str, Any], rename: dict[str, str] | None = None, **request: Any) -> dict[str, Any]:
         """The internal request dict: sampling validated, errors in the client's own field names."""
@@ -165,13 +196,15 @@ def parse_body(body: bytes, cls: type[_Sampling]) -> _Sampling:
     if not isinstance(data, dict):
         raise RequestError(f"body must be a JSON object, not {type(data).__name__}", "body")
     try:
-        return cls.model_validate(data)
+        parsed = cls.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
         path = [str(p) for p in err["loc"] if str(p) not in _TYPE_TAGS and "[" not in str(p)]
         param = ".".join(path) or None
         got = "" if err["type"] == "missing" else f" (got {json.dumps(err.get('input'))[:80]})"
         raise RequestError(f"{param}: {err['msg']}{got}", param) from None
+    parsed.check_unknown_fields()
+    return parsed
 
 
 # -- responses ----------------------------------------------------------------------------------------------

@@ -35,7 +35,16 @@ HTTP_CASES = [  # (id, path, body: dict | raw bytes, status, param)
     ("max_tokens = 0", "completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("presence_penalty > 2", "completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
     ("repetition_penalty = 0", "completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
-    ("frequency_penalty", "completions", {"prompt": "hi", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ("frequency_penalty > 2", "completions", {"prompt": "hi", "frequency_penalty": 3}, 400, "frequency_penalty"),
+    ("logit_bias key not a token id", "completions", {"prompt": "hi", "logit_bias": {"hello": 5}}, 400, "logit_bias"),
+    ("logit_bias over 100", "completions", {"prompt": "hi", "logit_bias": {"42": 500}}, 400, "logit_bias"),
+    ("logit_bias token out of range", "completions", {"prompt": "hi", "logit_bias": {"10000000": 5}}, 400,
+     "logit_bias"),
+    # fields that would change the result and are not implemented: refused, never ignored
+    ("tools", "chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("tool_choice", "chat/completions", {**CHAT, "tool_choice": "required"}, 400, "tool_choice"),
+    ("suffix", "completions", {"prompt": "hi", "suffix": "end"}, 400, "suffix"),
+    ("an unknown field", "completions", {"prompt": "hi", "frobnicate": True}, 400, "frobnicate"),
     ("logprobs > 20", "completions", {"prompt": "hi", "logprobs": 30}, 400, "logprobs"),
     ("top_logprobs > 20", "chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
                                                "top_logprobs": 30}, 400, "top_logprobs"),
@@ -96,6 +105,12 @@ def test_http_bad_input(http_url, path, body, status, param):
     _assert_still_serves(http_url)
 
 
+def test_fields_that_cannot_change_the_output_are_accepted(http_url):
+    body = {**OK_COMPLETION, "user": "u-1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto"}
+    r = httpx.post(f"{http_url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
 def test_http_stream_bad_input_is_an_error_status_not_a_stream(http_url):
     r = httpx.post(f"{http_url}/v1/completions", json={"prompt": "", "stream": True}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
@@ -134,6 +149,9 @@ GRPC_CASES = [  # (id, request: message | raw bytes, code, field named in the de
     ("presence_penalty < -2", _text("hi", presence_penalty=-3), "INVALID_ARGUMENT", "presence_penalty"),
     ("repetition_penalty = 0", _text("hi", repetition_penalty=0), "INVALID_ARGUMENT", "repetition_penalty"),
     ("logprobs > 20", _text("hi", logprobs=30), "INVALID_ARGUMENT", "logprobs"),
+    ("frequency_penalty > 2", _text("hi", frequency_penalty=3), "INVALID_ARGUMENT", "frequency_penalty"),
+    ("logit_bias over 100", _text("hi", logit_bias={42: 500}), "INVALID_ARGUMENT", "logit_bias"),
+    ("logit_bias token out of range", _text("hi", logit_bias={10_000_000: 1}), "INVALID_ARGUMENT", "logit_bias"),
     ("empty stop string", _text("hi", stop=[""]), "INVALID_ARGUMENT", "stop"),
     ("no chat messages", pb.GenerateRequest(chat=pb.ChatMessages()), "INVALID_ARGUMENT", "chat.messages"),
     ("unknown role", pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="robot", content="x")])),
