@@ -28,6 +28,7 @@ from cpuserve.serving.openai_api import ChatRequest, CompletionRequest, completi
 from cpuserve.serving.protocol import (GRPC_CODE, HTTP_STATUS, NOT_FOUND, RESOURCE_EXHAUSTED, TOO_LARGE,
                                        UNAUTHENTICATED, UNAVAILABLE, RequestError, merge_chunks)
 from cpuserve.serving.telemetry import EngineStatsAggregator, RequestTimer
+from cpuserve.serving.tools import parse_tool_calls
 from cpuserve.v1 import inference_pb2 as pb
 
 api = FastAPI(title="cpuserve", docs_url=None, redoc_url=None, openapi_url=None)
@@ -137,28 +138,37 @@ class IngressCore:
         try:
             self._authorize_http(request)
             parsed = parse_body(await self._read_body(request), cls)
-            rid, first, stream = await self._start(parsed.model, parsed.to_internal())
+            internal = parsed.to_internal()
+            rid, first, stream = await self._start(parsed.model, internal)
         except RequestError as e:
             return _error_response(e)
         rid = ("chatcmpl-" if chat else "cmpl-") + rid
         headers = {"x-cpuserve-replica": first.get("replica", "")}
-        if not parsed.stream:
-            try:
-                chunks = [first] + [c async for c in stream]
-            except RequestError as e:
-                return _error_response(e)
-            body = completion_body(rid, self.model, merge_chunks(chunks), chat, final=True)
-            return JSONResponse(body, headers=headers)
+        tool_format = (await self._model_info())["tool_format"] if internal.get("tools") else None
         include_usage = parsed.stream_options is not None and parsed.stream_options.include_usage
-        return StreamingResponse(self._sse(rid, first, stream, chat, include_usage), media_type="text/event-stream",
-                                 headers=headers)
+        if parsed.stream and not tool_format:
+            return StreamingResponse(self._sse(rid, first, stream, chat, include_usage),
+                                     media_type="text/event-stream", headers=headers)
+        try:
+            merged = merge_chunks([first] + [c async for c in stream])
+        except RequestError as e:
+            return _error_response(e)
+        calls = None
+        if tool_format:  # a call is known only once its text is complete: tool streams send it at the end
+            merged["text"], calls = parse_tool_calls(tool_format, merged["text"])
+        if parsed.stream:
+            return StreamingResponse(self._sse(rid, merged, _no_chunks(), chat, include_usage, calls),
+                                     media_type="text/event-stream", headers=headers)
+        return JSONResponse(completion_body(rid, self.model, merged, chat, final=True, tool_calls=calls),
+                            headers=headers)
 
     async def _sse(self, rid: str, first: dict, stream: AsyncIterator[dict], chat: bool,
-                   include_usage: bool) -> AsyncIterator[bytes]:
+                   include_usage: bool, tool_calls: list | None = None) -> AsyncIterator[bytes]:
         chunk, text_offset = first, 0
         try:
             while True:
-                yield sse(completion_body(rid, self.model, chunk, chat, final=False, text_offset=text_offset))
+                yield sse(completion_body(rid, self.model, chunk, chat, final=False, text_offset=text_offset,
+                                          tool_calls=tool_calls))
                 if chunk["finish_reason"]:
                     break
                 text_offset += len(chunk["text"])
@@ -269,6 +279,11 @@ class IngressCore:
         ok, message = await self._is_healthy()
         status = pb.SERVING_STATUS_SERVING if ok else pb.SERVING_STATUS_NOT_SERVING
         return pb.HealthResponse(status=status, message=message)
+
+
+async def _no_chunks() -> AsyncIterator[dict]:
+    return
+    yield  # an async generator with nothing in it
 
 
 @serve.ingress(api)

@@ -18,6 +18,7 @@ from cpuserve.engine.sampling_params import SamplingParams
 from cpuserve.serving.config import ServeConfig
 from cpuserve.serving.pacing import paced
 from cpuserve.serving.protocol import UNAVAILABLE, RequestError, chunk_from_step
+from cpuserve.serving.tools import MISTRAL, format_of, prepare_messages, template_knows_tools, tool_grammar
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,9 @@ class LLMServer:
                                               self.config.socket_resource)
         self.engine = engine_cls.from_config(**options)
         self.tokenizer = self.engine.tokenizer
+        template = getattr(self.tokenizer, "chat_template", None)  # stand-in engines' tokenizers may have none
+        self.tool_format = format_of(template)
+        self._knows_tools = template_knows_tools(template)
 
     # -- requests -------------------------------------------------------------------------------------------
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -66,6 +70,8 @@ class LLMServer:
         try:
             prompt = self._prompt(request)
             sampling = dict(request["sampling"])
+            if request.get("tools"):
+                self._tool_sampling(request, sampling)
             if "max_tokens" not in sampling:  # OpenAI chat's default: fill the rest of the context
                 ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
                 sampling["max_tokens"] = max(1, self.engine.max_model_len - len(ids))
@@ -103,10 +109,26 @@ class LLMServer:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def _tool_sampling(self, request: dict[str, Any], sampling: dict[str, Any]) -> None:
+        """A required or named tool call is enforced by a grammar of the model's own call format."""
+        if self.tool_format == MISTRAL:
+            sampling["skip_special_tokens"] = False  # [TOOL_CALLS] is a special token: keep it to parse
+        choice = request["tool_choice"]
+        if choice != "auto":
+            token = self.tokenizer.token_to_id("[TOOL_CALLS]")
+            spec = tool_grammar(self.tool_format, request["tools"], choice["name"], request["parallel_tool_calls"],
+                                token if token is not None and self.tokenizer.is_special(token) else None)
+            sampling["structured_output"] = {"kind": "grammar", "spec": spec}
+            request.setdefault("rename", {})["structured_output"] = "tool_choice"
+
     def _prompt(self, request: dict[str, Any]) -> str | list[int]:
         if "messages" in request:
+            messages, tools = request["messages"], request.get("tools") or []
+            if tools or any(m["role"] == "tool" or "tool_calls" in m for m in messages):
+                messages = prepare_messages(messages, tools, self._knows_tools)
+            variables = {"tools": tools} if tools and self._knows_tools else {}
             try:
-                text = self.tokenizer.apply_chat_template(request["messages"], add_generation_prompt=True)
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **variables)
             except Exception as e:  # a template may reject a conversation (roles out of order, ...)
                 raise RequestError(f"messages: the chat template rejected them: {e}", "messages") from None
             # the template writes BOS itself
@@ -119,7 +141,7 @@ class LLMServer:
     async def info(self) -> dict[str, Any]:
         c = self.config
         return {"name": c.model_name, "max_model_len": self.engine.max_model_len, "weights": c.weights,
-                "kv_cache": c.kv_cache, "replicas": c.replicas}
+                "kv_cache": c.kv_cache, "replicas": c.replicas, "tool_format": self.tool_format}
 
     def stats(self) -> dict[str, Any]:
         """Engine gauges plus the step times since the last call (what the ingress turns into metrics)."""

@@ -14,17 +14,17 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cpuserve.serving.protocol import DEFAULT_MAX_TOKENS, RequestError, check_sampling, structured_output
+from cpuserve.serving.tools import NamedToolChoice, Tool, ToolCall, check_tools
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 # Top-level fields accepted and ignored because they cannot change the output (bookkeeping, routing, caching
 # hints). Any other field this server does not implement is refused with 400 naming it, never silently dropped.
-IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-                            "parallel_tool_calls"})  # parallel_tool_calls only matters with tools, which are refused
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
 # fields that clients commonly send, refused with a reason (the rest get a generic one)
 UNSUPPORTED = {
-    "tools": "tool calling is not supported yet", "tool_choice": "tool calling is not supported yet",
+    "tools": "tools are for /v1/chat/completions", "tool_choice": "tools are for /v1/chat/completions",
     "functions": "function calling is not supported", "function_call": "function calling is not supported",
     "audio": "audio output is not supported", "modalities": "only text output is supported",
     "prediction": "predicted outputs are not supported", "suffix": "suffix (insertion) is not supported",
@@ -48,12 +48,28 @@ class ContentPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[ContentPart]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # which call a tool message answers
 
-    def as_dict(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+    def as_dict(self, i: int) -> dict[str, Any]:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise RequestError(f"messages.{i}.content: only an assistant message with tool_calls may leave it out",
+                               f"messages.{i}.content")
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            for call in self.tool_calls:
+                try:
+                    json.loads(call.function.arguments)
+                except json.JSONDecodeError:
+                    raise RequestError(f"messages.{i}.tool_calls: arguments of {call.function.name!r} are not JSON",
+                                       f"messages.{i}.tool_calls") from None
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class JsonSchemaFormat(_Strict):
@@ -172,15 +188,28 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def to_internal(self) -> dict[str, Any]:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         top = (self.top_logprobs or 0) if self.logprobs else None
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
+        only = check_tools(self.tools, self.tool_choice)
+        tools: dict[str, Any] = {}
+        if self.tools and self.tool_choice != "none":  # "none": the model sees no tools and calls none
+            choice = self.tool_choice or "auto"
+            if choice != "auto" and self.structured()[0] is not None:
+                raise RequestError("tool_choice: a required or named call cannot be combined with response_format "
+                                   "or guided_*", "tool_choice")
+            tools = {"tools": [t.model_dump(exclude_none=True) for t in self.tools],
+                     "tool_choice": "auto" if choice == "auto" else {"name": only},  # name None = any of them
+                     "parallel_tool_calls": self.parallel_tool_calls}
         # without max_tokens the replica fills the rest of the context, as OpenAI does
         return self.internal(self.sampling(max_tokens, top), {"logprobs": "top_logprobs"},
-                             messages=[m.as_dict() for m in self.messages])
+                             messages=[m.as_dict(i) for i, m in enumerate(self.messages)], **tools)
 
 
 def parse_body(body: bytes, cls: type[_Sampling]) -> _Sampling:
@@ -236,12 +265,17 @@ def chat_logprobs(chunk: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def completion_body(rid: str, model: str, chunk: dict[str, Any], chat: bool, final: bool,
-                    text_offset: int = 0) -> dict[str, Any]:
+                    text_offset: int = 0, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """A whole response (final=True, chunk = all chunks merged) or one SSE chunk, whose text starts at text_offset
-    in the completion."""
+    in the completion. tool_calls: the calls parsed from the text (chunk["text"] is then the content before them,
+    or None)."""
     reason = chunk["finish_reason"]
     if chat:
         content = {"role": "assistant", "content": chunk["text"]}
+        if tool_calls:
+            calls = tool_calls if final else [{"index": i, **c} for i, c in enumerate(tool_calls)]
+            content["tool_calls"] = calls
+            reason = "tool_calls" if reason == "stop" else reason
         choice = {"index": 0, ("message" if final else "delta"): content, "logprobs": chat_logprobs(chunk),
                   "finish_reason": reason}
         kind = "chat.completion" if final else "chat.completion.chunk"

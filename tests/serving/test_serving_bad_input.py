@@ -16,6 +16,7 @@ SERVE_CONFIG = dict(max_model_len=256, max_request_bytes=65536)
 LONG_TEXT = "word " * 400  # ~400 tokens > 256
 OK_COMPLETION = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 HTTP_CASES = [  # (id, path, body: dict | raw bytes, status, param)
     ("empty prompt", "completions", {"prompt": ""}, 400, "prompt"),
@@ -41,8 +42,27 @@ HTTP_CASES = [  # (id, path, body: dict | raw bytes, status, param)
     ("logit_bias token out of range", "completions", {"prompt": "hi", "logit_bias": {"10000000": 5}}, 400,
      "logit_bias"),
     # fields that would change the result and are not implemented: refused, never ignored
-    ("tools", "chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    ("tool_choice", "chat/completions", {**CHAT, "tool_choice": "required"}, 400, "tool_choice"),
+    ("tools on completions", "completions", {"prompt": "hi", "tools": [TOOL]}, 400, "tools"),
+    # tool calling: bad definitions and choices name the field
+    ("tool parameters not a schema", "chat/completions", {**CHAT, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]}, 400, "tools"),
+    ("tool name with spaces", "chat/completions", {**CHAT, "tools": [
+        {"type": "function", "function": {"name": "get weather"}}]}, 400, "tools.0.function.name"),
+    ("tool name twice", "chat/completions", {**CHAT, "tools": [TOOL, TOOL]}, 400, "tools"),
+    ("tool_choice without tools", "chat/completions", {**CHAT, "tool_choice": "required"}, 400, "tool_choice"),
+    ("tool_choice unknown function", "chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": {
+        "type": "function", "function": {"name": "other"}}}, 400, "tool_choice"),
+    ("tool_choice unknown value", "chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": "always"}, 400,
+     "tool_choice"),
+    ("tool_choice with response_format", "chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": "required",
+                                                              "response_format": {"type": "json_object"}}, 400,
+     "tool_choice"),
+    ("tool call arguments not JSON", "chat/completions", {"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                              "function": {"name": "f", "arguments": "{oops"}}]}]}, 400,
+     "messages.1.tool_calls"),
+    ("user message without content", "chat/completions", {"messages": [{"role": "user"}]}, 400, "messages.0.content"),
     ("suffix", "completions", {"prompt": "hi", "suffix": "end"}, 400, "suffix"),
     ("an unknown field", "completions", {"prompt": "hi", "frobnicate": True}, 400, "frobnicate"),
     ("logprobs > 20", "completions", {"prompt": "hi", "logprobs": 30}, 400, "logprobs"),
@@ -63,7 +83,6 @@ HTTP_CASES = [  # (id, path, body: dict | raw bytes, status, param)
     ("unknown role", "chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages.0.role"),
     ("missing prompt", "completions", {"max_tokens": 4}, 400, "prompt"),
     ("missing messages", "chat/completions", {"max_tokens": 4}, 400, "messages"),
-    ("missing content", "chat/completions", {"messages": [{"role": "user"}]}, 400, "messages.0.content"),
     ("empty messages", "chat/completions", {"messages": []}, 400, "messages"),
     ("invalid UTF-8", "completions", b'{"prompt": "caf\xe9"}', 400, "body"),
     ("oversized body", "completions", {"prompt": "x" * 70_000}, 413, "body"),

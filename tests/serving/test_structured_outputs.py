@@ -98,3 +98,41 @@ def test_grpc_structured_output(grpc_stub):
     parts = list(stream)
     assert "".join(p.text for p in parts) in ("red", "green", "blue")
     assert parts[-1].finish_reason == pb.FINISH_REASON_STOP
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"timezone": {"type": "string", "maxLength": 30}}, "required": ["timezone"],
+    "additionalProperties": False}}}
+
+
+def test_tool_call_round_trip(client):
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question, tools=[WEATHER, CLOCK],
+                                       tool_choice="required", parallel_tool_calls=False, max_tokens=80, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, choice.message
+    call = choice.message.tool_calls[0]
+    tool = {"get_weather": WEATHER, "get_time": CLOCK}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    # the call and its result go back into the conversation; "none": answer in words now
+    follow = question + [choice.message.model_dump(exclude_none=True),
+                         {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18, "unit": "C"}'}]
+    r2 = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=follow, tools=[WEATHER, CLOCK],
+                                        tool_choice="none", max_tokens=24, temperature=0)
+    assert r2.choices[0].message.tool_calls is None and r2.choices[0].message.content
+    alone = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question, max_tokens=1)
+    assert r2.usage.prompt_tokens > alone.usage.prompt_tokens + 25  # the call and its result were rendered
+
+
+def test_named_tool_call_streams(client):
+    stream = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "What time is it in Tokyo?"}],
+        tools=[WEATHER, CLOCK], tool_choice={"type": "function", "function": {"name": "get_time"}},
+        parallel_tool_calls=False, max_tokens=80, temperature=0, stream=True)
+    deltas = [c.choices[0] for c in stream if c.choices]
+    calls = [tc for d in deltas for tc in (d.delta.tool_calls or [])]
+    assert deltas[-1].finish_reason == "tool_calls" and [c.function.name for c in calls] == ["get_time"]
+    jsonschema.validate(json.loads(calls[0].function.arguments), CLOCK["function"]["parameters"])
