@@ -81,9 +81,10 @@ def mask_constrained(logits: torch.Tensor, grammars: list) -> torch.Tensor:
         fill_bitmask(grammars[i], bitmask[k])
     # [R, V] True where forbidden; little bit order = token 32w + j is bit j of word w (x86 is little-endian)
     forbidden = np.unpackbits(~bitmask.view(np.uint8), axis=-1, count=vocab, bitorder="little").view(np.bool_)
-    logits = logits.clone()
-    index = torch.tensor(rows, dtype=torch.long)
-    logits[index] = logits[index].masked_fill(torch.from_numpy(forbidden), float("-inf"))
+    logits = logits.clone()  # the caller's logits stay as the model made them (logprobs report those)
+    blocked = torch.from_numpy(forbidden)
+    for k, i in enumerate(rows):  # in place, row by row: no gather/scatter copies of the constrained rows
+        logits[i].masked_fill_(blocked[k], float("-inf"))
     return logits
 
 

@@ -24,7 +24,8 @@ from starlette.exceptions import HTTPException
 from cpuserve.serving import grpc_api
 from cpuserve.serving.config import ServeConfig
 from cpuserve.serving.metrics import build_serving_metrics, initialize_serving_metrics
-from cpuserve.serving.openai_api import ChatRequest, CompletionRequest, completion_body, parse_body, sse, usage
+from cpuserve.serving.openai_api import ChatRequest, CompletionRequest, parse_body
+from cpuserve.serving.openai_responses import completion_body, merge_samples, sse, total, usage
 from cpuserve.serving.protocol import (GRPC_CODE, HTTP_STATUS, NOT_FOUND, RESOURCE_EXHAUSTED, TOO_LARGE,
                                        UNAUTHENTICATED, UNAVAILABLE, RequestError, merge_chunks)
 from cpuserve.serving.telemetry import EngineStatsAggregator, RequestTimer
@@ -147,13 +148,18 @@ class IngressCore:
         tool_format = (await self._model_info())["tool_format"] if internal.get("tools") else None
         include_usage = parsed.stream_options is not None and parsed.stream_options.include_usage
         if parsed.stream and not tool_format:
-            return StreamingResponse(self._sse(rid, first, stream, chat, include_usage),
+            return StreamingResponse(self._sse(rid, first, stream, chat, include_usage, n=parsed.n),
                                      media_type="text/event-stream", headers=headers)
         try:
-            merged = merge_chunks([first] + [c async for c in stream])
+            samples = merge_samples([first] + [c async for c in stream])
         except RequestError as e:
             return _error_response(e)
-        calls = None
+        if len(samples) > 1:  # n samples: one choice each
+            body = completion_body(rid, self.model, samples[0], chat, final=True)
+            body["choices"] = [completion_body(rid, self.model, m, chat, final=True)["choices"][0] for m in samples]
+            body["usage"] = usage(total(samples))
+            return JSONResponse(body, headers=headers)
+        merged, calls = samples[0], None
         if tool_format:  # a call is known only once its text is complete: tool streams send it at the end
             merged["text"], calls = parse_tool_calls(tool_format, merged["text"])
         if parsed.stream:
@@ -163,19 +169,21 @@ class IngressCore:
                             headers=headers)
 
     async def _sse(self, rid: str, first: dict, stream: AsyncIterator[dict], chat: bool,
-                   include_usage: bool, tool_calls: list | None = None) -> AsyncIterator[bytes]:
-        chunk, text_offset = first, 0
+                   include_usage: bool, tool_calls: list | None = None, n: int = 1) -> AsyncIterator[bytes]:
+        chunk, text_offsets, last = first, {}, {}  # per sample index: where its text is, its latest chunk
         try:
             while True:
-                yield sse(completion_body(rid, self.model, chunk, chat, final=False, text_offset=text_offset,
-                                          tool_calls=tool_calls))
-                if chunk["finish_reason"]:
+                index = chunk.get("index", 0)
+                yield sse(completion_body(rid, self.model, chunk, chat, final=False,
+                                          text_offset=text_offsets.get(index, 0), tool_calls=tool_calls))
+                last[index] = chunk
+                if chunk["finish_reason"] and sum(c["finish_reason"] is not None for c in last.values()) == n:
                     break
-                text_offset += len(chunk["text"])
+                text_offsets[index] = text_offsets.get(index, 0) + len(chunk["text"])
                 chunk = await anext(stream)
             if include_usage:
                 yield sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                           "model": self.model, "choices": [], "usage": usage(chunk)})
+                           "model": self.model, "choices": [], "usage": usage(total(list(last.values())))})
             yield sse("[DONE]")
         except RequestError as e:  # after the 200 header: report in-stream, as OpenAI does
             yield sse({"error": e.to_dict()})

@@ -60,13 +60,57 @@ class LLMServer:
 
     # -- requests -------------------------------------------------------------------------------------------
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """Chunk dicts of one request; the first is {"error": ...} if the request is refused.
+        """Chunk dicts of one request; the first is {"error": ...} if the request is refused. With request["n"] > 1
+        the chunks of n samples interleave, each with its "index".
 
         Closing this generator early (client gone, deadline) aborts the request in the engine, which frees
         its KV blocks at the next step.
         """
         self._ensure_stats_task()
         request_id = request.get("request_id") or f"{self.replica_id}-{next(self._ids)}"
+        if request.get("n", 1) == 1:
+            async for chunk in self._generate_one(request, request_id):
+                yield chunk
+            return
+        async for chunk in self._generate_samples(request, request_id, request["n"]):
+            yield chunk
+
+    async def _generate_samples(self, request: dict[str, Any], request_id: str,
+                                n: int) -> AsyncIterator[dict[str, Any]]:
+        """n samples of one prompt. The first runs its prefill alone; the others start once it produced a token,
+        so the prefix cache hands them the prompt's KV blocks instead of computing them again."""
+        def sample(i: int) -> AsyncIterator[dict[str, Any]]:
+            sampling = dict(request["sampling"])
+            if sampling.get("seed") is not None:  # seeded samples still differ from each other
+                sampling["seed"] += i
+            return self._generate_one({**request, "sampling": sampling}, f"{request_id}-{i}")
+
+        streams = [sample(0)]
+        first = await anext(streams[0])
+        yield {**first, "index": 0}
+        if "error" in first:
+            return
+        streams += [sample(i) for i in range(1, n)]
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: AsyncIterator[dict[str, Any]]) -> None:
+            try:
+                async for chunk in stream:
+                    await queue.put({**chunk, "index": i})
+            finally:
+                await queue.put(None)
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            for _ in range(n):
+                while (chunk := await queue.get()) is not None:
+                    yield chunk
+        finally:  # the client left, or all are done: cancelling a pump closes its stream, which aborts its request
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _generate_one(self, request: dict[str, Any], request_id: str) -> AsyncIterator[dict[str, Any]]:
         try:
             prompt = self._prompt(request)
             sampling = dict(request["sampling"])

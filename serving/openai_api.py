@@ -1,4 +1,4 @@
-"""OpenAI-compatible request parsing and response shapes (/v1/completions, /v1/chat/completions).
+"""OpenAI-compatible request parsing (/v1/completions, /v1/chat/completions); responses: openai_responses.py.
 
 Parsing is strict: wrong JSON types are errors, never coerced, and every error names its field as OpenAI's
 `error.param`. Range checks are SamplingParams' own (protocol.check_sampling), so they exist once.
@@ -6,9 +6,7 @@ Parsing is strict: wrong JSON types are errors, never coerced, and every error n
 
 from __future__ import annotations
 
-import itertools
 import json
-import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -31,6 +29,9 @@ UNSUPPORTED = {
     "best_of": "best_of is not supported", "reasoning_effort": "this model has no reasoning mode",
     "web_search_options": "web search is not supported", "min_tokens": "min_tokens is not supported",
 }
+
+
+MAX_N = 16  # samples per request
 
 
 class _Strict(BaseModel):
@@ -143,8 +144,8 @@ class _Sampling(_Strict):
         return structured_output(kind, value, param), param
 
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
-        if self.n != 1:
-            raise RequestError(f"n={self.n} is not supported: only n=1", "n")
+        if not 1 <= self.n <= MAX_N:
+            raise RequestError(f"n={self.n} is invalid: must be in [1, {MAX_N}]", "n")
         values = {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                   "top_k": self.top_k, "min_p": self.min_p, "presence_penalty": self.presence_penalty,
                   "frequency_penalty": self.frequency_penalty, "logit_bias": self._logit_bias(),
@@ -168,7 +169,8 @@ class _Sampling(_Strict):
         """The internal request dict: sampling validated, errors in the client's own field names."""
         _, param = self.structured()
         rename = {**(rename or {}), **({"structured_output": param} if param else {})}
-        return {**request, "sampling": check_sampling(sampling, rename), "priority": self.priority, "rename": rename}
+        return {**request, "sampling": check_sampling(sampling, rename), "priority": self.priority, "rename": rename,
+                "n": self.n}
 
 
 class CompletionRequest(_Sampling):
@@ -204,6 +206,8 @@ class ChatRequest(_Sampling):
             if choice != "auto" and self.structured()[0] is not None:
                 raise RequestError("tool_choice: a required or named call cannot be combined with response_format "
                                    "or guided_*", "tool_choice")
+            if self.n > 1:
+                raise RequestError("n: tool calling takes n=1", "n")
             tools = {"tools": [t.model_dump(exclude_none=True) for t in self.tools],
                      "tool_choice": "auto" if choice == "auto" else {"name": only},  # name None = any of them
                      "parallel_tool_calls": self.parallel_tool_calls}
@@ -234,60 +238,3 @@ def parse_body(body: bytes, cls: type[_Sampling]) -> _Sampling:
         raise RequestError(f"{param}: {err['msg']}{got}", param) from None
     parsed.check_unknown_fields()
     return parsed
-
-
-# -- responses ----------------------------------------------------------------------------------------------
-def usage(chunk: dict[str, Any]) -> dict[str, Any]:
-    return {"prompt_tokens": chunk["prompt_tokens"], "completion_tokens": chunk["completion_tokens"],
-            "total_tokens": chunk["prompt_tokens"] + chunk["completion_tokens"],
-            "prompt_tokens_details": {"cached_tokens": chunk["cached_tokens"]}}
-
-
-def completion_logprobs(chunk: dict[str, Any], text_offset: int = 0) -> dict[str, Any] | None:
-    """OpenAI's completions logprobs; text_offset: where the chunk's text starts in the completion (streams)."""
-    if "logprobs" not in chunk:
-        return None
-    lps = chunk["logprobs"]  # [(id, token text, logprob, [(id, text, logprob), ...]), ...]
-    offsets = list(itertools.accumulate((len(lp[1]) for lp in lps[:-1]), initial=text_offset))
-    return {"tokens": [lp[1] for lp in lps], "token_logprobs": [lp[2] for lp in lps],
-            "top_logprobs": [{t[1]: t[2] for t in lp[3]} for lp in lps], "text_offset": offsets if lps else []}
-
-
-def chat_logprobs(chunk: dict[str, Any]) -> dict[str, Any] | None:
-    if "logprobs" not in chunk:
-        return None
-
-    def entry(text: str, logprob: float) -> dict[str, Any]:
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-    return {"content": [{**entry(lp[1], lp[2]), "top_logprobs": [entry(t[1], t[2]) for t in lp[3]]}
-                        for lp in chunk["logprobs"]]}
-
-
-def completion_body(rid: str, model: str, chunk: dict[str, Any], chat: bool, final: bool,
-                    text_offset: int = 0, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """A whole response (final=True, chunk = all chunks merged) or one SSE chunk, whose text starts at text_offset
-    in the completion. tool_calls: the calls parsed from the text (chunk["text"] is then the content before them,
-    or None)."""
-    reason = chunk["finish_reason"]
-    if chat:
-        content = {"role": "assistant", "content": chunk["text"]}
-        if tool_calls:
-            calls = tool_calls if final else [{"index": i, **c} for i, c in enumerate(tool_calls)]
-            content["tool_calls"] = calls
-            reason = "tool_calls" if reason == "stop" else reason
-        choice = {"index": 0, ("message" if final else "delta"): content, "logprobs": chat_logprobs(chunk),
-                  "finish_reason": reason}
-        kind = "chat.completion" if final else "chat.completion.chunk"
-    else:
-        choice = {"index": 0, "text": chunk["text"], "logprobs": completion_logprobs(chunk, text_offset),
-                  "finish_reason": reason}
-        kind = "text_completion"
-    body = {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [choice]}
-    if final:
-        body["usage"] = usage(chunk)
-    return body
-
-
-def sse(data: dict[str, Any] | str) -> bytes:
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()

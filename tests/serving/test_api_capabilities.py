@@ -1,4 +1,5 @@
-"""Structured outputs through the real stack (Ray Serve, the official openai client, a grpcio client, SmolLM2).
+"""What OpenAI-style clients send, through the real stack (Ray Serve, the official openai client, a grpcio client,
+SmolLM2): structured outputs, tool calls, n samples.
 
 Every output is checked with jsonschema / pydantic / re, independently of the engine's grammar library.
 """
@@ -136,3 +137,24 @@ def test_named_tool_call_streams(client):
     calls = [tc for d in deltas for tc in (d.delta.tool_calls or [])]
     assert deltas[-1].finish_reason == "tool_calls" and [c.function.name for c in calls] == ["get_time"]
     jsonschema.validate(json.loads(calls[0].function.arguments), CLOCK["function"]["parameters"])
+
+
+def test_n_samples_share_the_prompt_blocks(client):
+    long_prompt = "Here is a list of CPU cache facts. " * 12  # several KV blocks
+    r = client.completions.create(model="SmolLM2-135M-Instruct", prompt=long_prompt, n=3, max_tokens=6,
+                                  temperature=1.0, seed=11)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2] and all(c.finish_reason == "length" for c in r.choices)
+    assert r.usage.completion_tokens == 18
+    # samples 1 and 2 found the prompt's full blocks in the prefix cache that sample 0 filled
+    assert r.usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens
+    assert len({c.text for c in r.choices}) > 1  # seeds 11, 12, 13: different samples
+    stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=ASK, n=2, max_tokens=5,
+                                            temperature=1.0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    texts = {0: "", 1: ""}
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+    finished = [ch.index for c in chunks for ch in c.choices if ch.finish_reason]
+    assert sorted(finished) == [0, 1] and all(texts.values())
+    assert chunks[-1].usage.completion_tokens == 10
