@@ -12,7 +12,8 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from cpuserve.serving.protocol import DEFAULT_MAX_TOKENS, RequestError, check_sampling, structured_output
+from cpuserve.serving.protocol import (DEFAULT_MAX_TOKENS, MAX_N, RequestError, check_sampling,
+                                       structured_output, total)
 from cpuserve.v1 import inference_pb2 as pb
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Inference"]
@@ -86,6 +87,9 @@ def generate_request(req: Any, max_request_bytes: int) -> tuple[str, dict[str, A
     internal.update(sampling=check_sampling(sampling, rename), priority=req.priority, rename=rename)
     if req.request_id:
         internal["request_id"] = req.request_id
+    internal["n"] = req.n if req.HasField("n") else 1
+    if not 1 <= internal["n"] <= MAX_N:
+        raise RequestError(f"n={internal['n']} is invalid: must be in [1, {MAX_N}]", "n")
     return req.model, internal
 
 
@@ -115,13 +119,18 @@ def _logprobs(chunk: dict[str, Any]) -> list[Any]:
 def generate_response(request_id: str, chunk: dict[str, Any]) -> Any:
     return pb.GenerateResponse(request_id=request_id, text=chunk["text"], token_ids=chunk["ids"],
                                logprobs=_logprobs(chunk), finish_reason=FINISH_REASONS[chunk["finish_reason"]],
-                               usage=_usage(chunk))
+                               usage=_usage(chunk), index=chunk.get("index", 0))
 
 
-def complete_response(request_id: str, merged: dict[str, Any]) -> Any:
-    return pb.CompleteResponse(request_id=request_id, text=merged["text"], token_ids=merged["ids"],
-                               logprobs=_logprobs(merged), finish_reason=FINISH_REASONS[merged["finish_reason"]],
-                               usage=_usage(merged))
+def complete_response(request_id: str, samples: list[dict[str, Any]]) -> Any:
+    """samples: each sample's chunks merged, in index order (one for n = 1)."""
+    first = samples[0]
+    extra = [pb.Sample(index=i, text=m["text"], token_ids=m["ids"], logprobs=_logprobs(m),
+                       finish_reason=FINISH_REASONS[m["finish_reason"]]) for i, m in enumerate(samples)]
+    return pb.CompleteResponse(request_id=request_id, text=first["text"], token_ids=first["ids"],
+                               logprobs=_logprobs(first), finish_reason=FINISH_REASONS[first["finish_reason"]],
+                               usage=_usage(total(samples) if len(samples) > 1 else first),
+                               samples=extra if len(samples) > 1 else [])
 
 
 def _find_bad_utf8(raw: bytes, fields: dict[int, Any], pos: int = 0, end: int | None = None) -> str | None:

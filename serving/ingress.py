@@ -25,9 +25,9 @@ from cpuserve.serving import grpc_api
 from cpuserve.serving.config import ServeConfig
 from cpuserve.serving.metrics import build_serving_metrics, initialize_serving_metrics
 from cpuserve.serving.openai_api import ChatRequest, CompletionRequest, parse_body
-from cpuserve.serving.openai_responses import completion_body, merge_samples, sse, total, usage
+from cpuserve.serving.openai_responses import completion_body, sse, usage
 from cpuserve.serving.protocol import (GRPC_CODE, HTTP_STATUS, NOT_FOUND, RESOURCE_EXHAUSTED, TOO_LARGE,
-                                       UNAUTHENTICATED, UNAVAILABLE, RequestError, merge_chunks)
+                                       UNAUTHENTICATED, UNAVAILABLE, RequestError, merge_samples, total)
 from cpuserve.serving.telemetry import EngineStatsAggregator, RequestTimer
 from cpuserve.serving.tools import parse_tool_calls
 from cpuserve.v1 import inference_pb2 as pb
@@ -261,7 +261,7 @@ class IngressCore:
             chunks = [first] + [c async for c in stream]
         except RequestError as e:
             self._grpc_fail(grpc_context, e)
-        return grpc_api.complete_response(rid, merge_chunks(chunks))
+        return grpc_api.complete_response(rid, merge_samples(chunks))
 
     async def Tokenize(self, request: bytes, grpc_context: Any) -> Any:  # noqa: N802
         try:

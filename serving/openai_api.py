@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from cpuserve.serving.protocol import DEFAULT_MAX_TOKENS, RequestError, check_sampling, structured_output
+from cpuserve.serving.protocol import DEFAULT_MAX_TOKENS, MAX_N, RequestError, check_sampling, structured_output
 from cpuserve.serving.tools import NamedToolChoice, Tool, ToolCall, check_tools
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
@@ -29,9 +29,6 @@ UNSUPPORTED = {
     "best_of": "best_of is not supported", "reasoning_effort": "this model has no reasoning mode",
     "web_search_options": "web search is not supported", "min_tokens": "min_tokens is not supported",
 }
-
-
-MAX_N = 16  # samples per request
 
 
 class _Strict(BaseModel):

@@ -8,22 +8,6 @@ import json
 import time
 from typing import Any
 
-from cpuserve.serving.protocol import merge_chunks
-
-
-def merge_samples(chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """All chunks of a request merged per sample, in index order (one sample: one merged chunk)."""
-    by_index: dict[int, list[dict[str, Any]]] = {}
-    for c in chunks:
-        by_index.setdefault(c.get("index", 0), []).append(c)
-    return [merge_chunks(by_index[i]) for i in sorted(by_index)]
-
-
-def total(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    """Token counts of n samples: the prompt once, completions and cache hits summed over the samples."""
-    return {"prompt_tokens": samples[0]["prompt_tokens"],
-            "completion_tokens": sum(s["completion_tokens"] for s in samples),
-            "cached_tokens": sum(s["cached_tokens"] for s in samples)}
 
 
 def usage(chunk: dict[str, Any]) -> dict[str, Any]:

@@ -32,6 +32,7 @@ GRPC_CODE = {INVALID_ARGUMENT: "INVALID_ARGUMENT", NOT_FOUND: "NOT_FOUND", RESOU
 # max_tokens of a request that gives none: SamplingParams' default, OpenAI's 16 for /v1/completions (gRPC too);
 # chat requests leave it out and the replica fills the rest of the context (LLMServer.generate). README: the table
 DEFAULT_MAX_TOKENS = SamplingParams().max_tokens
+MAX_N = 16  # samples per request (OpenAI's n, gRPC's GenerateRequest.n)
 
 
 @dataclass(slots=True)
@@ -126,3 +127,18 @@ def merge_chunks(chunks: list[dict[str, Any]]) -> dict[str, Any]:
     if queue_times:
         merged["queue_time"] = queue_times[0]
     return merged
+
+
+def merge_samples(chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """All chunks of a request merged per sample, in index order (one sample: one merged chunk)."""
+    by_index: dict[int, list[dict[str, Any]]] = {}
+    for c in chunks:
+        by_index.setdefault(c.get("index", 0), []).append(c)
+    return [merge_chunks(by_index[i]) for i in sorted(by_index)]
+
+
+def total(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Token counts of n samples: the prompt once, completions and cache hits summed over the samples."""
+    return {"prompt_tokens": samples[0]["prompt_tokens"],
+            "completion_tokens": sum(s["completion_tokens"] for s in samples),
+            "cached_tokens": sum(s["cached_tokens"] for s in samples)}

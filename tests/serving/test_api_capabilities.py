@@ -158,3 +158,14 @@ def test_n_samples_share_the_prompt_blocks(client):
     finished = [ch.index for c in chunks for ch in c.choices if ch.finish_reason]
     assert sorted(finished) == [0, 1] and all(texts.values())
     assert chunks[-1].usage.completion_tokens == 10
+
+
+def test_grpc_n_samples(grpc_stub):
+    sampling = pb.SamplingParameters(max_tokens=4, temperature=1.0, seed=3)
+    r = grpc_stub.Complete(pb.GenerateRequest(text="A CPU cache is", sampling=sampling, n=3), timeout=120)
+    assert [s.index for s in r.samples] == [0, 1, 2] and all(len(s.token_ids) == 4 for s in r.samples)
+    assert r.text == r.samples[0].text and r.usage.completion_tokens == 12
+    parts = list(grpc_stub.Generate(pb.GenerateRequest(text="A CPU cache is", sampling=sampling, n=2), timeout=120))
+    ends = {p.index: p.finish_reason for p in parts if p.finish_reason}
+    assert ends == {0: pb.FINISH_REASON_LENGTH, 1: pb.FINISH_REASON_LENGTH}
+    assert sum(len(p.token_ids) for p in parts) == 8

@@ -186,6 +186,7 @@ GRPC_CASES = [  # (id, request: message | raw bytes, code, field named in the de
      "INVALID_ARGUMENT", "sampling.stop"),
     ("not a protobuf message", b"\xff\xff\xff\xff", "INVALID_ARGUMENT", "request"),
     ("oversized prompt", _text("x" * 70_000), "INVALID_ARGUMENT", "text"),
+    ("n = 17", pb.GenerateRequest(text="hi", n=17), "INVALID_ARGUMENT", "n"),
     ("bad JSON schema", _structured(json_schema='{"type": "foo"}'), "INVALID_ARGUMENT",
      "structured_output.json_schema"),
     ("JSON schema not JSON", _structured(json_schema="{type"), "INVALID_ARGUMENT", "structured_output.json_schema"),
