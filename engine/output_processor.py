@@ -2,7 +2,8 @@
 
 Each new token is detokenized (text_stream.py) and checked against every stop condition at once: eos, stop token
 ids, a finished grammar, max_tokens, the context length and stop strings. A constrained request's matcher takes
-each token first, so its next mask (engine/grammar.py) follows the output. The engine then tells the scheduler to finish the request.
+each token first, so its next mask (engine/grammar.py) follows the output. The engine then tells the scheduler to
+finish the request.
 """
 
 from __future__ import annotations

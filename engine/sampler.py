@@ -72,7 +72,8 @@ def mask_constrained(logits: torch.Tensor, grammars: list) -> torch.Tensor:
     """Logits [S, V] with every token a row's grammar forbids at -inf (a new tensor; rows without one unchanged).
 
     Each matcher writes its allowed tokens as bits (bit j of int32 word w = token 32w + j), one row per constrained
-    sequence; numpy unpacks them into bytes in one C loop (~40 us per row of 49152 tokens here).
+    sequence; numpy unpacks them into bytes in one C loop. Filling costs ~6 us a row, unpacking and writing -inf
+    35-170 us a row of 49152 tokens here (docs/structured-outputs.md).
     """
     rows = [i for i, g in enumerate(grammars) if g is not None]
     vocab = logits.shape[-1]
