@@ -11,6 +11,7 @@ import torch
 from cpuserve.engine.block_manager import BlockManager
 from cpuserve.engine.config import EngineConfig
 from cpuserve.engine.errors import InvalidRequest
+from cpuserve.engine.grammar import GrammarCompiler
 from cpuserve.engine.loader import load_checkpoint
 from cpuserve.engine.model_runner import kv_bytes_per_token
 from cpuserve.engine.output_processor import OutputProcessor
@@ -61,6 +62,8 @@ class LLMEngine:
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.outputs = OutputProcessor(self.tokenizer)
+        self.grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.args.vocab_size,
+                                        self.tokenizer.eos_token_ids)
         self._rng = torch.Generator().manual_seed(config.seed)
         self._next_id = 0
         self.last_step_seconds = 0.0
@@ -87,14 +90,19 @@ class LLMEngine:
             raise InvalidRequest("prompt", f"prompt is {len(ids)} tokens but the KV pool holds only "
                                            f"{self.block_manager.num_blocks * self.config.block_size}; raise "
                                            "kv_cache_gb")
+        bad = [t for t in params.logit_bias if t >= self.args.vocab_size]
+        if bad:
+            raise InvalidRequest("logit_bias", f"logit_bias: token id {bad[0]} is out of range: ids must be in "
+                                               f"[0, {self.args.vocab_size})")
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
         generator = torch.Generator()
         generator.manual_seed(params.seed if params.seed is not None else
                               int(torch.randint(0, 2**62, (1,), generator=self._rng)))
+        grammar = self.grammars.matcher(params.structured_output) if params.structured_output is not None else None
         return Request(request_id, ids, params, eos_token_ids=self.tokenizer.eos_token_ids,
-                       max_model_len=self.max_model_len, priority=priority, generator=generator)
+                       max_model_len=self.max_model_len, priority=priority, generator=generator, grammar=grammar)
 
     def add(self, request: Request) -> None:
         self.scheduler.add(request)

@@ -1,7 +1,9 @@
 """Where a request ends, decided in one place, and the StepOutputs the engine hands back.
 
 Each new token is detokenized (text_stream.py) and checked against every stop condition at once: eos, stop token
-ids, max_tokens, the context length and stop strings. The engine then tells the scheduler to finish the request.
+ids, a finished grammar, max_tokens, the context length and stop strings. A constrained request's matcher takes
+each token first, so its next mask (engine/grammar.py) follows the output. The engine then tells the scheduler to
+finish the request.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ def token_stop(request: Request) -> RequestStatus | None:
     if not params.ignore_eos and last in request.eos_token_ids:
         return RequestStatus.FINISHED_STOPPED
     if last in params.stop_token_ids:
+        return RequestStatus.FINISHED_STOPPED
+    if request.grammar is not None and request.grammar.is_stopped():  # the grammar allows nothing more
         return RequestStatus.FINISHED_STOPPED
     if request.num_output_tokens >= params.max_tokens or request.num_tokens >= request.max_model_len:
         return RequestStatus.FINISHED_LENGTH
@@ -39,6 +43,8 @@ class OutputProcessor:
 
     def decode(self, request: Request, token_id: int) -> tuple[str, RequestStatus | None]:
         """The text this token adds and, if the request ends with it, how: the one stop decision."""
+        if request.grammar is not None:
+            request.grammar.consume_token(token_id)  # the mask allowed it, so the matcher accepts it
         status = token_stop(request)
         text, hit_stop_string = self._streams[request.request_id].add(token_id, final=status is not None)
         return text, RequestStatus.FINISHED_STOPPED if hit_stop_string else status

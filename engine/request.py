@@ -53,6 +53,7 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     generator: object = None  # the runner's per-request RNG (a torch.Generator); opaque here
+    grammar: object = None  # an llguidance matcher when params.structured_output is set (engine/grammar.py)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from cpuserve.engine.outputs import ModelRunnerOutput, TokenLogprob
@@ -23,6 +24,7 @@ def sample(
     generators: list[torch.Generator | None],
     histories: list[list[int]],
     num_prompt_tokens: list[int],
+    grammars: list | None = None,
 ) -> SamplerOutput:
     """Pick one token per row.
 
@@ -33,7 +35,14 @@ def sample(
             depend on what else is in the batch.
         histories: every token of each sequence so far (prompt + output), for the penalties.
         num_prompt_tokens: where the output starts in each history (presence penalty counts output only).
+        grammars: per sequence, its llguidance matcher or None; a constrained row only samples tokens its grammar
+            allows. None (or all None): no row is constrained, and the step pays nothing for the feature.
     """
+    raw = logits
+    if any(p.logit_bias for p in params):
+        logits = add_logit_bias(logits, params)
+    if grammars is not None and any(g is not None for g in grammars):
+        logits = mask_constrained(logits, grammars)
     if all(p.is_greedy and not _has_penalty(p) for p in params):
         # fast path: the whole batch in one op. max's indices are argmax's (the first maximum) at 2.5x the speed on
         # CPU (1.1 ms -> 0.45 ms for 32 x 49152)
@@ -44,7 +53,7 @@ def sample(
         ]
     logprobs: list[TokenLogprob | None] = [None] * len(params)
     if any(p.logprobs is not None for p in params):
-        all_logprobs = torch.log_softmax(logits, dim=-1)  # of the model's raw distribution, as OpenAI reports
+        all_logprobs = torch.log_softmax(raw, dim=-1)  # of the model's raw distribution, as OpenAI reports
         for i, p in enumerate(params):
             if p.logprobs is not None:
                 logprobs[i] = _logprob_of(all_logprobs[i], token_ids[i], p.logprobs)
@@ -55,12 +64,48 @@ def sample_scheduled(logits: torch.Tensor, scheduled: list[ScheduledRequest]) ->
     """The one sampling path of every runner: logits [S, V] hold one row per item of `scheduled` that samples."""
     inputs = [item.sampling for item in scheduled if item.needs_sample]
     result = sample(logits, [i.params for i in inputs], [i.generator for i in inputs], [i.history for i in inputs],
-                    [i.num_prompt_tokens for i in inputs])
+                    [i.num_prompt_tokens for i in inputs], [i.grammar for i in inputs])
     return ModelRunnerOutput.place(scheduled, result.token_ids, result.logprobs)
 
 
+def mask_constrained(logits: torch.Tensor, grammars: list) -> torch.Tensor:
+    """Logits [S, V] with every token a row's grammar forbids at -inf (a new tensor; rows without one unchanged).
+
+    Each matcher writes its allowed tokens as bits (bit j of int32 word w = token 32w + j), one row per constrained
+    sequence; numpy unpacks them into bytes in one C loop. Filling costs ~6 us a row, unpacking and writing -inf
+    35-170 us a row of 49152 tokens here (docs/structured-outputs.md).
+    """
+    rows = [i for i, g in enumerate(grammars) if g is not None]
+    vocab = logits.shape[-1]
+    bitmask = np.empty((len(rows), (vocab + 31) // 32), dtype=np.int32)
+    for k, i in enumerate(rows):
+        fill_bitmask(grammars[i], bitmask[k])
+    # [R, V] True where forbidden; little bit order = token 32w + j is bit j of word w (x86 is little-endian)
+    forbidden = np.unpackbits(~bitmask.view(np.uint8), axis=-1, count=vocab, bitorder="little").view(np.bool_)
+    logits = logits.clone()  # the caller's logits stay as the model made them (logprobs report those)
+    blocked = torch.from_numpy(forbidden)
+    for k, i in enumerate(rows):  # in place, row by row: no gather/scatter copies of the constrained rows
+        logits[i].masked_fill_(blocked[k], float("-inf"))
+    return logits
+
+
+def fill_bitmask(matcher, row: np.ndarray) -> None:
+    """Write the matcher's allowed next tokens into one int32 row (llguidance's bitmask layout)."""
+    matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+
+
+def add_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """OpenAI's logit_bias: each row's biases added to its logits (a new tensor)."""
+    logits = logits.clone()
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+    return logits
+
+
 def _has_penalty(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 def _sample_row(
@@ -87,6 +132,9 @@ def apply_penalties(logits: torch.Tensor, p: SamplingParams, history: list[int],
     output = history[num_prompt:]
     if p.presence_penalty != 0.0 and output:
         logits[torch.tensor(sorted(set(output)), dtype=torch.long)] -= p.presence_penalty
+    if p.frequency_penalty != 0.0 and output:
+        counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=logits.numel())[:logits.numel()]
+        logits -= p.frequency_penalty * counts.to(logits.dtype)
     return logits
 
 

@@ -23,6 +23,7 @@ class SamplingInputs:
     generator: object  # the request's torch.Generator: a seeded request draws only from its own
     history: list[int]  # prompt + output so far, for the penalties; read during the step, never written
     num_prompt_tokens: int  # where the output starts in history (the presence penalty counts output only)
+    grammar: object = None  # the request's llguidance matcher when its output is constrained (engine/grammar.py)
 
 
 @dataclass(slots=True)
@@ -42,7 +43,7 @@ class ScheduledRequest:
         needs_sample = end == request.num_tokens
         num_blocks = -(-end // block_size)
         sampling = SamplingInputs(request.params, request.generator, request.all_token_ids,
-                                  request.num_prompt_tokens) if needs_sample else None
+                                  request.num_prompt_tokens, request.grammar) if needs_sample else None
         return cls(request.request_id, request.all_token_ids[start:end], start, needs_sample,
                    request.block_ids[:num_blocks], sampling)
 

@@ -12,18 +12,21 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from cpuserve.serving.protocol import DEFAULT_MAX_TOKENS, RequestError, check_sampling
+from cpuserve.serving.protocol import (DEFAULT_MAX_TOKENS, MAX_N, RequestError, check_sampling,
+                                       structured_output, total)
 from cpuserve.v1 import inference_pb2 as pb
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Inference"]
 FINISH_REASONS = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP,
                   "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 _OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                      "presence_penalty", "seed", "logprobs")
+                      "presence_penalty", "frequency_penalty", "seed", "logprobs")
 # string fields by field number, per message, to name the one holding invalid UTF-8 (submessages: a dict)
 _STRING_FIELDS: dict[int, Any] = {1: "model", 2: "text", 6: "request_id",
                                   4: {1: {1: "chat.messages.role", 2: "chat.messages.content"}},
-                                  5: {9: "sampling.stop"}}
+                                  5: {9: "sampling.stop"},
+                                  8: {1: "structured_output.json_schema", 3: "structured_output.regex",
+                                      4: "structured_output.grammar", 5: {1: "structured_output.choice"}}}
 
 
 def add_InferenceServicer_to_server(servicer: Any, server: grpc.Server) -> None:  # noqa: N802 (grpc's naming)
@@ -75,11 +78,31 @@ def generate_request(req: Any, max_request_bytes: int) -> tuple[str, dict[str, A
     s = req.sampling
     sampling = {name: getattr(s, name) for name in _OPTIONAL_SAMPLING if s.HasField(name)}
     sampling.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
-    sampling.update(stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos)
-    internal.update(sampling=check_sampling(sampling), priority=req.priority)
+    sampling.update(stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
+                    logit_bias=dict(s.logit_bias))
+    rename = {}
+    if req.HasField("structured_output"):
+        sampling["structured_output"], param = _structured(req.structured_output)
+        rename["structured_output"] = param
+    internal.update(sampling=check_sampling(sampling, rename), priority=req.priority, rename=rename)
     if req.request_id:
         internal["request_id"] = req.request_id
+    internal["n"] = req.n if req.HasField("n") else 1
+    if not 1 <= internal["n"] <= MAX_N:
+        raise RequestError(f"n={internal['n']} is invalid: must be in [1, {MAX_N}]", "n")
     return req.model, internal
+
+
+def _structured(so: Any) -> tuple[dict[str, Any], str]:
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        raise RequestError("structured_output: set one of json_schema, json_object, regex, grammar, choice",
+                           "structured_output")
+    param = f"structured_output.{kind}"
+    if kind == "json_object" and not so.json_object:
+        raise RequestError(f"{param}: set it to true (or leave structured_output unset for free text)", param)
+    value = list(so.choice.choices) if kind == "choice" else getattr(so, kind)
+    return structured_output(kind, value, param), param
 
 
 def _usage(chunk: dict[str, Any]) -> Any:
@@ -96,13 +119,18 @@ def _logprobs(chunk: dict[str, Any]) -> list[Any]:
 def generate_response(request_id: str, chunk: dict[str, Any]) -> Any:
     return pb.GenerateResponse(request_id=request_id, text=chunk["text"], token_ids=chunk["ids"],
                                logprobs=_logprobs(chunk), finish_reason=FINISH_REASONS[chunk["finish_reason"]],
-                               usage=_usage(chunk))
+                               usage=_usage(chunk), index=chunk.get("index", 0))
 
 
-def complete_response(request_id: str, merged: dict[str, Any]) -> Any:
-    return pb.CompleteResponse(request_id=request_id, text=merged["text"], token_ids=merged["ids"],
-                               logprobs=_logprobs(merged), finish_reason=FINISH_REASONS[merged["finish_reason"]],
-                               usage=_usage(merged))
+def complete_response(request_id: str, samples: list[dict[str, Any]]) -> Any:
+    """samples: each sample's chunks merged, in index order (one for n = 1)."""
+    first = samples[0]
+    extra = [pb.Sample(index=i, text=m["text"], token_ids=m["ids"], logprobs=_logprobs(m),
+                       finish_reason=FINISH_REASONS[m["finish_reason"]]) for i, m in enumerate(samples)]
+    return pb.CompleteResponse(request_id=request_id, text=first["text"], token_ids=first["ids"],
+                               logprobs=_logprobs(first), finish_reason=FINISH_REASONS[first["finish_reason"]],
+                               usage=_usage(total(samples) if len(samples) > 1 else first),
+                               samples=extra if len(samples) > 1 else [])
 
 
 def _find_bad_utf8(raw: bytes, fields: dict[int, Any], pos: int = 0, end: int | None = None) -> str | None:

@@ -24,10 +24,12 @@ from starlette.exceptions import HTTPException
 from cpuserve.serving import grpc_api
 from cpuserve.serving.config import ServeConfig
 from cpuserve.serving.metrics import build_serving_metrics, initialize_serving_metrics
-from cpuserve.serving.openai_api import ChatRequest, CompletionRequest, completion_body, parse_body, sse, usage
+from cpuserve.serving.openai_api import ChatRequest, CompletionRequest, parse_body
+from cpuserve.serving.openai_responses import completion_body, sse, usage
 from cpuserve.serving.protocol import (GRPC_CODE, HTTP_STATUS, NOT_FOUND, RESOURCE_EXHAUSTED, TOO_LARGE,
-                                       UNAUTHENTICATED, UNAVAILABLE, RequestError, merge_chunks)
+                                       UNAUTHENTICATED, UNAVAILABLE, RequestError, merge_samples, total)
 from cpuserve.serving.telemetry import EngineStatsAggregator, RequestTimer
+from cpuserve.serving.tools import parse_tool_calls
 from cpuserve.v1 import inference_pb2 as pb
 
 api = FastAPI(title="cpuserve", docs_url=None, redoc_url=None, openapi_url=None)
@@ -137,35 +139,51 @@ class IngressCore:
         try:
             self._authorize_http(request)
             parsed = parse_body(await self._read_body(request), cls)
-            rid, first, stream = await self._start(parsed.model, parsed.to_internal())
+            internal = parsed.to_internal()
+            rid, first, stream = await self._start(parsed.model, internal)
         except RequestError as e:
             return _error_response(e)
         rid = ("chatcmpl-" if chat else "cmpl-") + rid
         headers = {"x-cpuserve-replica": first.get("replica", "")}
-        if not parsed.stream:
-            try:
-                chunks = [first] + [c async for c in stream]
-            except RequestError as e:
-                return _error_response(e)
-            body = completion_body(rid, self.model, merge_chunks(chunks), chat, final=True)
-            return JSONResponse(body, headers=headers)
+        tool_format = (await self._model_info())["tool_format"] if internal.get("tools") else None
         include_usage = parsed.stream_options is not None and parsed.stream_options.include_usage
-        return StreamingResponse(self._sse(rid, first, stream, chat, include_usage), media_type="text/event-stream",
-                                 headers=headers)
+        if parsed.stream and not tool_format:
+            return StreamingResponse(self._sse(rid, first, stream, chat, include_usage, n=parsed.n),
+                                     media_type="text/event-stream", headers=headers)
+        try:
+            samples = merge_samples([first] + [c async for c in stream])
+        except RequestError as e:
+            return _error_response(e)
+        if len(samples) > 1:  # n samples: one choice each
+            body = completion_body(rid, self.model, samples[0], chat, final=True)
+            body["choices"] = [completion_body(rid, self.model, m, chat, final=True)["choices"][0] for m in samples]
+            body["usage"] = usage(total(samples))
+            return JSONResponse(body, headers=headers)
+        merged, calls = samples[0], None
+        if tool_format:  # a call is known only once its text is complete: tool streams send it at the end
+            merged["text"], calls = parse_tool_calls(tool_format, merged["text"])
+        if parsed.stream:
+            return StreamingResponse(self._sse(rid, merged, _no_chunks(), chat, include_usage, calls),
+                                     media_type="text/event-stream", headers=headers)
+        return JSONResponse(completion_body(rid, self.model, merged, chat, final=True, tool_calls=calls),
+                            headers=headers)
 
     async def _sse(self, rid: str, first: dict, stream: AsyncIterator[dict], chat: bool,
-                   include_usage: bool) -> AsyncIterator[bytes]:
-        chunk, text_offset = first, 0
+                   include_usage: bool, tool_calls: list | None = None, n: int = 1) -> AsyncIterator[bytes]:
+        chunk, text_offsets, last = first, {}, {}  # per sample index: where its text is, its latest chunk
         try:
             while True:
-                yield sse(completion_body(rid, self.model, chunk, chat, final=False, text_offset=text_offset))
-                if chunk["finish_reason"]:
+                index = chunk.get("index", 0)
+                yield sse(completion_body(rid, self.model, chunk, chat, final=False,
+                                          text_offset=text_offsets.get(index, 0), tool_calls=tool_calls))
+                last[index] = chunk
+                if chunk["finish_reason"] and sum(c["finish_reason"] is not None for c in last.values()) == n:
                     break
-                text_offset += len(chunk["text"])
+                text_offsets[index] = text_offsets.get(index, 0) + len(chunk["text"])
                 chunk = await anext(stream)
             if include_usage:
                 yield sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                           "model": self.model, "choices": [], "usage": usage(chunk)})
+                           "model": self.model, "choices": [], "usage": usage(total(list(last.values())))})
             yield sse("[DONE]")
         except RequestError as e:  # after the 200 header: report in-stream, as OpenAI does
             yield sse({"error": e.to_dict()})
@@ -243,7 +261,7 @@ class IngressCore:
             chunks = [first] + [c async for c in stream]
         except RequestError as e:
             self._grpc_fail(grpc_context, e)
-        return grpc_api.complete_response(rid, merge_chunks(chunks))
+        return grpc_api.complete_response(rid, merge_samples(chunks))
 
     async def Tokenize(self, request: bytes, grpc_context: Any) -> Any:  # noqa: N802
         try:
@@ -269,6 +287,11 @@ class IngressCore:
         ok, message = await self._is_healthy()
         status = pb.SERVING_STATUS_SERVING if ok else pb.SERVING_STATUS_NOT_SERVING
         return pb.HealthResponse(status=status, message=message)
+
+
+async def _no_chunks() -> AsyncIterator[dict]:
+    return
+    yield  # an async generator with nothing in it
 
 
 @serve.ingress(api)

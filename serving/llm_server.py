@@ -18,6 +18,7 @@ from cpuserve.engine.sampling_params import SamplingParams
 from cpuserve.serving.config import ServeConfig
 from cpuserve.serving.pacing import paced
 from cpuserve.serving.protocol import UNAVAILABLE, RequestError, chunk_from_step
+from cpuserve.serving.tools import MISTRAL, format_of, prepare_messages, template_knows_tools, tool_grammar
 
 log = logging.getLogger(__name__)
 
@@ -53,19 +54,68 @@ class LLMServer:
                                               self.config.socket_resource)
         self.engine = engine_cls.from_config(**options)
         self.tokenizer = self.engine.tokenizer
+        template = getattr(self.tokenizer, "chat_template", None)  # stand-in engines' tokenizers may have none
+        self.tool_format = format_of(template)
+        self._knows_tools = template_knows_tools(template)
 
     # -- requests -------------------------------------------------------------------------------------------
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """Chunk dicts of one request; the first is {"error": ...} if the request is refused.
+        """Chunk dicts of one request; the first is {"error": ...} if the request is refused. With request["n"] > 1
+        the chunks of n samples interleave, each with its "index".
 
         Closing this generator early (client gone, deadline) aborts the request in the engine, which frees
         its KV blocks at the next step.
         """
         self._ensure_stats_task()
         request_id = request.get("request_id") or f"{self.replica_id}-{next(self._ids)}"
+        if request.get("n", 1) == 1:
+            async for chunk in self._generate_one(request, request_id):
+                yield chunk
+            return
+        async for chunk in self._generate_samples(request, request_id, request["n"]):
+            yield chunk
+
+    async def _generate_samples(self, request: dict[str, Any], request_id: str,
+                                n: int) -> AsyncIterator[dict[str, Any]]:
+        """n samples of one prompt. The first runs its prefill alone; the others start once it produced a token,
+        so the prefix cache hands them the prompt's KV blocks instead of computing them again."""
+        def sample(i: int) -> AsyncIterator[dict[str, Any]]:
+            sampling = dict(request["sampling"])
+            if sampling.get("seed") is not None:  # seeded samples still differ from each other
+                sampling["seed"] += i
+            return self._generate_one({**request, "sampling": sampling}, f"{request_id}-{i}")
+
+        streams = [sample(0)]
+        first = await anext(streams[0])
+        yield {**first, "index": 0}
+        if "error" in first:
+            return
+        streams += [sample(i) for i in range(1, n)]
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: AsyncIterator[dict[str, Any]]) -> None:
+            try:
+                async for chunk in stream:
+                    await queue.put({**chunk, "index": i})
+            finally:
+                await queue.put(None)
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            for _ in range(n):
+                while (chunk := await queue.get()) is not None:
+                    yield chunk
+        finally:  # the client left, or all are done: cancelling a pump closes its stream, which aborts its request
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _generate_one(self, request: dict[str, Any], request_id: str) -> AsyncIterator[dict[str, Any]]:
         try:
             prompt = self._prompt(request)
             sampling = dict(request["sampling"])
+            if request.get("tools"):
+                self._tool_sampling(request, sampling)
             if "max_tokens" not in sampling:  # OpenAI chat's default: fill the rest of the context
                 ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
                 sampling["max_tokens"] = max(1, self.engine.max_model_len - len(ids))
@@ -79,8 +129,8 @@ class LLMServer:
             return
         except ValueError as e:  # InvalidRequest names the field: empty prompt, too long, bad token id, ...
             chat = "messages" in request
-            error = RequestError.from_value_error(e, "messages" if chat else "prompt",
-                                                  rename={"prompt": "messages"} if chat else None)
+            rename = {**request.get("rename", {}), **({"prompt": "messages"} if chat else {})}
+            error = RequestError.from_value_error(e, "messages" if chat else "prompt", rename=rename)
             yield {"error": error.to_dict()}
             return
         except EngineDeadError as e:
@@ -103,10 +153,26 @@ class LLMServer:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def _tool_sampling(self, request: dict[str, Any], sampling: dict[str, Any]) -> None:
+        """A required or named tool call is enforced by a grammar of the model's own call format."""
+        if self.tool_format == MISTRAL:
+            sampling["skip_special_tokens"] = False  # [TOOL_CALLS] is a special token: keep it to parse
+        choice = request["tool_choice"]
+        if choice != "auto":
+            token = self.tokenizer.token_to_id("[TOOL_CALLS]")
+            spec = tool_grammar(self.tool_format, request["tools"], choice["name"], request["parallel_tool_calls"],
+                                token if token is not None and self.tokenizer.is_special(token) else None)
+            sampling["structured_output"] = {"kind": "grammar", "spec": spec}
+            request.setdefault("rename", {})["structured_output"] = "tool_choice"
+
     def _prompt(self, request: dict[str, Any]) -> str | list[int]:
         if "messages" in request:
+            messages, tools = request["messages"], request.get("tools") or []
+            if tools or any(m["role"] == "tool" or "tool_calls" in m for m in messages):
+                messages = prepare_messages(messages, tools, self._knows_tools)
+            variables = {"tools": tools} if tools and self._knows_tools else {}
             try:
-                text = self.tokenizer.apply_chat_template(request["messages"], add_generation_prompt=True)
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **variables)
             except Exception as e:  # a template may reject a conversation (roles out of order, ...)
                 raise RequestError(f"messages: the chat template rejected them: {e}", "messages") from None
             # the template writes BOS itself
@@ -119,7 +185,7 @@ class LLMServer:
     async def info(self) -> dict[str, Any]:
         c = self.config
         return {"name": c.model_name, "max_model_len": self.engine.max_model_len, "weights": c.weights,
-                "kv_cache": c.kv_cache, "replicas": c.replicas}
+                "kv_cache": c.kv_cache, "replicas": c.replicas, "tool_format": self.tool_format}
 
     def stats(self) -> dict[str, Any]:
         """Engine gauges plus the step times since the last call (what the ingress turns into metrics)."""

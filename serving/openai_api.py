@@ -1,4 +1,4 @@
-"""OpenAI-compatible request parsing and response shapes (/v1/completions, /v1/chat/completions).
+"""OpenAI-compatible request parsing (/v1/completions, /v1/chat/completions); responses: openai_responses.py.
 
 Parsing is strict: wrong JSON types are errors, never coerced, and every error names its field as OpenAI's
 `error.param`. Range checks are SamplingParams' own (protocol.check_sampling), so they exist once.
@@ -6,20 +6,33 @@ Parsing is strict: wrong JSON types are errors, never coerced, and every error n
 
 from __future__ import annotations
 
-import itertools
 import json
-import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from cpuserve.serving.protocol import DEFAULT_MAX_TOKENS, RequestError, check_sampling
+from cpuserve.serving.protocol import DEFAULT_MAX_TOKENS, MAX_N, RequestError, check_sampling, structured_output
+from cpuserve.serving.tools import NamedToolChoice, Tool, ToolCall, check_tools
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
+# Top-level fields accepted and ignored because they cannot change the output (bookkeeping, routing, caching
+# hints). Any other field this server does not implement is refused with 400 naming it, never silently dropped.
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
+# fields that clients commonly send, refused with a reason (the rest get a generic one)
+UNSUPPORTED = {
+    "tools": "tools are for /v1/chat/completions", "tool_choice": "tools are for /v1/chat/completions",
+    "functions": "function calling is not supported", "function_call": "function calling is not supported",
+    "audio": "audio output is not supported", "modalities": "only text output is supported",
+    "prediction": "predicted outputs are not supported", "suffix": "suffix (insertion) is not supported",
+    "best_of": "best_of is not supported", "reasoning_effort": "this model has no reasoning mode",
+    "web_search_options": "web search is not supported", "min_tokens": "min_tokens is not supported",
+}
+
+
 class _Strict(BaseModel):
-    # unknown fields are ignored, as OpenAI clients send newer ones (user, metadata, ...)
+    # nested objects ignore fields they do not know (a message's "name", ...); requests check theirs (_Sampling)
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
@@ -33,15 +46,45 @@ class ContentPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[ContentPart]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # which call a tool message answers
 
-    def as_dict(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+    def as_dict(self, i: int) -> dict[str, Any]:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise RequestError(f"messages.{i}.content: only an assistant message with tool_calls may leave it out",
+                               f"messages.{i}.content")
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            for call in self.tool_calls:
+                try:
+                    json.loads(call.function.arguments)
+                except json.JSONDecodeError:
+                    raise RequestError(f"messages.{i}.tool_calls: arguments of {call.function.name!r} are not JSON",
+                                       f"messages.{i}.tool_calls") from None
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class JsonSchemaFormat(_Strict):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the output always follows the schema, strict or not
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Sampling(_Strict):
+    model_config = ConfigDict(strict=True, extra="allow")  # unknown fields are kept, then refused or ignored
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -59,21 +102,72 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = 0
+    logit_bias: dict[str, int | float] | None = None
+    skip_special_tokens: bool = True
+    # structured outputs: OpenAI's response_format, and vLLM's guided_* extensions (at most one of them)
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
+
+    def check_unknown_fields(self) -> None:
+        """400 for a field this server does not implement, unless it cannot change the output (IGNORED_FIELDS)."""
+        for name in self.model_extra or {}:
+            if name not in IGNORED_FIELDS:
+                why = UNSUPPORTED.get(name, "this server does not implement it, and it could change the result")
+                raise RequestError(f"{name}: {why}", name)
+
+    def structured(self) -> tuple[dict[str, Any] | None, str | None]:
+        """(the engine's structured_output or None, the client field that gave it)."""
+        forms = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            forms.append(("response_format", "json_object", None))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise RequestError("response_format: type json_schema needs json_schema.schema", "response_format")
+            forms.append(("response_format", "json_schema", rf.json_schema.schema_))
+        for kind in ("json", "regex", "grammar", "choice"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                forms.append((f"guided_{kind}", "json_schema" if kind == "json" else kind, value))
+        if len(forms) > 1:
+            raise RequestError(f"{forms[1][0]}: give one of response_format, guided_json, guided_regex, "
+                               f"guided_grammar, guided_choice, not both {forms[0][0]} and {forms[1][0]}", forms[1][0])
+        if not forms:
+            return None, None
+        param, kind, value = forms[0]
+        return structured_output(kind, value, param), param
 
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
-        if self.n != 1:
-            raise RequestError(f"n={self.n} is not supported: only n=1", "n")
-        if self.frequency_penalty:
-            raise RequestError(f"frequency_penalty={self.frequency_penalty} is not supported: use presence_penalty "
-                               "or repetition_penalty", "frequency_penalty")
+        if not 1 <= self.n <= MAX_N:
+            raise RequestError(f"n={self.n} is invalid: must be in [1, {MAX_N}]", "n")
         values = {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                   "top_k": self.top_k, "min_p": self.min_p, "presence_penalty": self.presence_penalty,
+                  "frequency_penalty": self.frequency_penalty, "logit_bias": self._logit_bias(),
                   "repetition_penalty": self.repetition_penalty, "seed": self.seed, "logprobs": logprobs,
                   "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
                   "stop_token_ids": self.stop_token_ids}
         sampling = {k: v for k, v in values.items() if v is not None}
-        sampling["ignore_eos"] = self.ignore_eos
+        sampling.update(ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens)
+        sampling["structured_output"], _ = self.structured()
         return sampling
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        bad = [k for k in self.logit_bias if not k.isdigit()]
+        if bad:
+            raise RequestError(f"logit_bias: key {bad[0]!r} is not a token id (a decimal integer)", "logit_bias")
+        return {int(k): float(v) for k, v in self.logit_bias.items()}
+
+    def internal(self, sampling: dict[str, Any], rename: dict[str, str] | None = None, **request: Any) -> dict[str, Any]:
+        """The internal request dict: sampling validated, errors in the client's own field names."""
+        _, param = self.structured()
+        rename = {**(rename or {}), **({"structured_output": param} if param else {})}
+        return {**request, "sampling": check_sampling(sampling, rename), "priority": self.priority, "rename": rename,
+                "n": self.n}
 
 
 class CompletionRequest(_Sampling):
@@ -85,8 +179,7 @@ class CompletionRequest(_Sampling):
         if self.echo:
             raise RequestError("echo=true is not supported", "echo")
         max_tokens = DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
-        sampling = self.sampling(max_tokens, self.logprobs)
-        return {"prompt": self.prompt, "sampling": check_sampling(sampling), "priority": self.priority}
+        return self.internal(self.sampling(max_tokens, self.logprobs), prompt=self.prompt)
 
 
 class ChatRequest(_Sampling):
@@ -94,15 +187,30 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def to_internal(self) -> dict[str, Any]:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         top = (self.top_logprobs or 0) if self.logprobs else None
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
+        only = check_tools(self.tools, self.tool_choice)
+        tools: dict[str, Any] = {}
+        if self.tools and self.tool_choice != "none":  # "none": the model sees no tools and calls none
+            choice = self.tool_choice or "auto"
+            if choice != "auto" and self.structured()[0] is not None:
+                raise RequestError("tool_choice: a required or named call cannot be combined with response_format "
+                                   "or guided_*", "tool_choice")
+            if self.n > 1:
+                raise RequestError("n: tool calling takes n=1", "n")
+            tools = {"tools": [t.model_dump(exclude_none=True) for t in self.tools],
+                     "tool_choice": "auto" if choice == "auto" else {"name": only},  # name None = any of them
+                     "parallel_tool_calls": self.parallel_tool_calls}
         # without max_tokens the replica fills the rest of the context, as OpenAI does
-        sampling = check_sampling(self.sampling(max_tokens, top), rename={"logprobs": "top_logprobs"})
-        return {"messages": [m.as_dict() for m in self.messages], "sampling": sampling, "priority": self.priority}
+        return self.internal(self.sampling(max_tokens, top), {"logprobs": "top_logprobs"},
+                             messages=[m.as_dict(i) for i, m in enumerate(self.messages)], **tools)
 
 
 def parse_body(body: bytes, cls: type[_Sampling]) -> _Sampling:
@@ -118,62 +226,12 @@ def parse_body(body: bytes, cls: type[_Sampling]) -> _Sampling:
     if not isinstance(data, dict):
         raise RequestError(f"body must be a JSON object, not {type(data).__name__}", "body")
     try:
-        return cls.model_validate(data)
+        parsed = cls.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
         path = [str(p) for p in err["loc"] if str(p) not in _TYPE_TAGS and "[" not in str(p)]
         param = ".".join(path) or None
         got = "" if err["type"] == "missing" else f" (got {json.dumps(err.get('input'))[:80]})"
         raise RequestError(f"{param}: {err['msg']}{got}", param) from None
-
-
-# -- responses ----------------------------------------------------------------------------------------------
-def usage(chunk: dict[str, Any]) -> dict[str, Any]:
-    return {"prompt_tokens": chunk["prompt_tokens"], "completion_tokens": chunk["completion_tokens"],
-            "total_tokens": chunk["prompt_tokens"] + chunk["completion_tokens"],
-            "prompt_tokens_details": {"cached_tokens": chunk["cached_tokens"]}}
-
-
-def completion_logprobs(chunk: dict[str, Any], text_offset: int = 0) -> dict[str, Any] | None:
-    """OpenAI's completions logprobs; text_offset: where the chunk's text starts in the completion (streams)."""
-    if "logprobs" not in chunk:
-        return None
-    lps = chunk["logprobs"]  # [(id, token text, logprob, [(id, text, logprob), ...]), ...]
-    offsets = list(itertools.accumulate((len(lp[1]) for lp in lps[:-1]), initial=text_offset))
-    return {"tokens": [lp[1] for lp in lps], "token_logprobs": [lp[2] for lp in lps],
-            "top_logprobs": [{t[1]: t[2] for t in lp[3]} for lp in lps], "text_offset": offsets if lps else []}
-
-
-def chat_logprobs(chunk: dict[str, Any]) -> dict[str, Any] | None:
-    if "logprobs" not in chunk:
-        return None
-
-    def entry(text: str, logprob: float) -> dict[str, Any]:
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-    return {"content": [{**entry(lp[1], lp[2]), "top_logprobs": [entry(t[1], t[2]) for t in lp[3]]}
-                        for lp in chunk["logprobs"]]}
-
-
-def completion_body(rid: str, model: str, chunk: dict[str, Any], chat: bool, final: bool,
-                    text_offset: int = 0) -> dict[str, Any]:
-    """A whole response (final=True, chunk = all chunks merged) or one SSE chunk, whose text starts at text_offset
-    in the completion."""
-    reason = chunk["finish_reason"]
-    if chat:
-        content = {"role": "assistant", "content": chunk["text"]}
-        choice = {"index": 0, ("message" if final else "delta"): content, "logprobs": chat_logprobs(chunk),
-                  "finish_reason": reason}
-        kind = "chat.completion" if final else "chat.completion.chunk"
-    else:
-        choice = {"index": 0, "text": chunk["text"], "logprobs": completion_logprobs(chunk, text_offset),
-                  "finish_reason": reason}
-        kind = "text_completion"
-    body = {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [choice]}
-    if final:
-        body["usage"] = usage(chunk)
-    return body
-
-
-def sse(data: dict[str, Any] | str) -> bytes:
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
+    parsed.check_unknown_fields()
+    return parsed

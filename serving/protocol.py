@@ -2,13 +2,15 @@
 
 Ingress -> LLMServer: a request dict
     {"request_id": str, "priority": int, "sampling": {SamplingParams kwargs},
-     one of "prompt": str | list[int]  or  "messages": [{"role", "content"}, ...]}
+     one of "prompt": str | list[int]  or  "messages": [{"role", "content"}, ...],
+     "rename": {engine param: client field} when the client named a field otherwise (response_format)}
 LLMServer -> ingress: a stream of chunk dicts (see `chunk_from_step`), or one {"error": ...} dict first when
 the replica rejects the request (bad prompt, engine stopped), so that no exception crosses Ray.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -30,6 +32,7 @@ GRPC_CODE = {INVALID_ARGUMENT: "INVALID_ARGUMENT", NOT_FOUND: "NOT_FOUND", RESOU
 # max_tokens of a request that gives none: SamplingParams' default, OpenAI's 16 for /v1/completions (gRPC too);
 # chat requests leave it out and the replica fills the rest of the context (LLMServer.generate). README: the table
 DEFAULT_MAX_TOKENS = SamplingParams().max_tokens
+MAX_N = 16  # samples per request (OpenAI's n, gRPC's GenerateRequest.n)
 
 
 @dataclass(slots=True)
@@ -65,6 +68,23 @@ class RequestError(Exception):
                 message = rename[param] + message[len(param):]
             param = rename[param]
         return cls(message, param)
+
+
+def structured_output(kind: str, value: Any, param: str) -> dict[str, Any]:
+    """The engine's structured_output for one client form (HTTP's response_format / guided_*, gRPC's oneof).
+
+    kind: json_schema (value: the schema as a dict or JSON text), json_object, regex, grammar (Lark or GBNF) or
+    choice (value: the allowed strings). param: the client's field, named by errors.
+    """
+    if kind == "json_schema":
+        spec = value if isinstance(value, str) else json.dumps(value)
+    elif kind == "choice":
+        if not value or not all(isinstance(c, str) and c for c in value):
+            raise RequestError(f"{param}: give a non-empty list of non-empty strings", param)
+        kind, spec = "grammar", "start: " + " | ".join(json.dumps(c) for c in value)  # Lark string literals
+    else:
+        spec = "" if kind == "json_object" else value
+    return {"kind": kind, "spec": spec}
 
 
 def check_sampling(sampling: dict[str, Any], rename: dict[str, str] | None = None) -> dict[str, Any]:
@@ -107,3 +127,18 @@ def merge_chunks(chunks: list[dict[str, Any]]) -> dict[str, Any]:
     if queue_times:
         merged["queue_time"] = queue_times[0]
     return merged
+
+
+def merge_samples(chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """All chunks of a request merged per sample, in index order (one sample: one merged chunk)."""
+    by_index: dict[int, list[dict[str, Any]]] = {}
+    for c in chunks:
+        by_index.setdefault(c.get("index", 0), []).append(c)
+    return [merge_chunks(by_index[i]) for i in sorted(by_index)]
+
+
+def total(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Token counts of n samples: the prompt once, completions and cache hits summed over the samples."""
+    return {"prompt_tokens": samples[0]["prompt_tokens"],
+            "completion_tokens": sum(s["completion_tokens"] for s in samples),
+            "cached_tokens": sum(s["cached_tokens"] for s in samples)}

@@ -81,3 +81,19 @@ def test_logprobs_are_the_model_distribution():
 def test_invalid_sampling_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=rf"^{field}="):
         SamplingParams(**{field: value})
+
+
+def test_frequency_penalty_counts_each_output_occurrence():
+    logits = torch.tensor([2.0, -2.0, 1.0, 0.5])
+    p = SamplingParams(temperature=0, frequency_penalty=0.5)
+    out = apply_penalties(logits, p, history=[3, 0, 2, 2], num_prompt=1)  # output: 0 once, 2 twice; 3 is prompt
+    assert out.tolist() == [1.5, -2.0, 0.0, 0.5]
+
+
+def test_logit_bias_moves_only_its_rows_tokens():
+    logits = torch.tensor([[3.0, 1.0, 0.0], [3.0, 1.0, 0.0]])
+    biased = SamplingParams(temperature=0, logit_bias={0: -100, 2: 2.5})
+    out = sample(logits, [biased, SamplingParams(temperature=0)], [None] * 2, [[]] * 2, [0] * 2)
+    assert out.token_ids == [2, 0]  # row 0: [-97, 1, 2.5]; row 1 untouched
+    with pytest.raises(ValueError):
+        SamplingParams(logit_bias={1: 101})

@@ -3,7 +3,7 @@ in the completion text, across the chunks of a stream too."""
 
 from __future__ import annotations
 
-from cpuserve.serving.openai_api import completion_body, completion_logprobs
+from cpuserve.serving.openai_responses import completion_body, completion_logprobs
 
 
 def chunk(*tokens: str) -> dict:

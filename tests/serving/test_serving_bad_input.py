@@ -15,6 +15,8 @@ pytestmark = pytest.mark.slow
 SERVE_CONFIG = dict(max_model_len=256, max_request_bytes=65536)
 LONG_TEXT = "word " * 400  # ~400 tokens > 256
 OK_COMPLETION = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 HTTP_CASES = [  # (id, path, body: dict | raw bytes, status, param)
     ("empty prompt", "completions", {"prompt": ""}, 400, "prompt"),
@@ -34,11 +36,42 @@ HTTP_CASES = [  # (id, path, body: dict | raw bytes, status, param)
     ("max_tokens = 0", "completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("presence_penalty > 2", "completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
     ("repetition_penalty = 0", "completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
-    ("frequency_penalty", "completions", {"prompt": "hi", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ("frequency_penalty > 2", "completions", {"prompt": "hi", "frequency_penalty": 3}, 400, "frequency_penalty"),
+    ("logit_bias key not a token id", "completions", {"prompt": "hi", "logit_bias": {"hello": 5}}, 400, "logit_bias"),
+    ("logit_bias over 100", "completions", {"prompt": "hi", "logit_bias": {"42": 500}}, 400, "logit_bias"),
+    ("logit_bias token out of range", "completions", {"prompt": "hi", "logit_bias": {"10000000": 5}}, 400,
+     "logit_bias"),
+    # fields that would change the result and are not implemented: refused, never ignored
+    ("tools on completions", "completions", {"prompt": "hi", "tools": [TOOL]}, 400, "tools"),
+    # tool calling: bad definitions and choices name the field
+    ("tool parameters not a schema", "chat/completions", {**CHAT, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]}, 400, "tools"),
+    ("tool name with spaces", "chat/completions", {**CHAT, "tools": [
+        {"type": "function", "function": {"name": "get weather"}}]}, 400, "tools.0.function.name"),
+    ("tool name twice", "chat/completions", {**CHAT, "tools": [TOOL, TOOL]}, 400, "tools"),
+    ("tool_choice without tools", "chat/completions", {**CHAT, "tool_choice": "required"}, 400, "tool_choice"),
+    ("tool_choice unknown function", "chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": {
+        "type": "function", "function": {"name": "other"}}}, 400, "tool_choice"),
+    ("tool_choice unknown value", "chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": "always"}, 400,
+     "tool_choice"),
+    ("tool_choice with response_format", "chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": "required",
+                                                              "response_format": {"type": "json_object"}}, 400,
+     "tool_choice"),
+    ("tool call arguments not JSON", "chat/completions", {"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                              "function": {"name": "f", "arguments": "{oops"}}]}]}, 400,
+     "messages.1.tool_calls"),
+    ("user message without content", "chat/completions", {"messages": [{"role": "user"}]}, 400, "messages.0.content"),
+    ("suffix", "completions", {"prompt": "hi", "suffix": "end"}, 400, "suffix"),
+    ("an unknown field", "completions", {"prompt": "hi", "frobnicate": True}, 400, "frobnicate"),
     ("logprobs > 20", "completions", {"prompt": "hi", "logprobs": 30}, 400, "logprobs"),
     ("top_logprobs > 20", "chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
                                                "top_logprobs": 30}, 400, "top_logprobs"),
-    ("n = 2", "completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("n = 0", "completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("n = 17", "completions", {"prompt": "hi", "n": 17}, 400, "n"),
+    ("n > 1 with tools", "chat/completions", {**CHAT, "n": 2, "tools": [TOOL]}, 400, "n"),
+    ("echo", "completions", {"prompt": "hi", "echo": True}, 400, "echo"),
     ("empty stop string", "completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
     ("negative stop token", "completions", {"prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     ("malformed JSON", "completions", b'{"prompt": "hi",', 400, "body"),
@@ -53,10 +86,26 @@ HTTP_CASES = [  # (id, path, body: dict | raw bytes, status, param)
     ("unknown role", "chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages.0.role"),
     ("missing prompt", "completions", {"max_tokens": 4}, 400, "prompt"),
     ("missing messages", "chat/completions", {"max_tokens": 4}, 400, "messages"),
-    ("missing content", "chat/completions", {"messages": [{"role": "user"}]}, 400, "messages.0.content"),
     ("empty messages", "chat/completions", {"messages": []}, 400, "messages"),
     ("invalid UTF-8", "completions", b'{"prompt": "caf\xe9"}', 400, "body"),
     ("oversized body", "completions", {"prompt": "x" * 70_000}, 413, "body"),
+    # structured outputs: a spec that cannot compile names the field that carried it
+    ("bad JSON schema", "chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "foo"}}}}, 400, "response_format"),
+    ("unsatisfiable JSON schema", "chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "minLength": 5, "maxLength": 2}}}}, 400, "response_format"),
+    ("json_schema without a schema", "chat/completions", {**CHAT, "response_format": {"type": "json_schema",
+                                                                                      "json_schema": {"name": "x"}}},
+     400, "response_format"),
+    ("unknown response_format type", "chat/completions", {**CHAT, "response_format": {"type": "xml"}}, 400,
+     "response_format.type"),
+    ("bad guided_json", "completions", {"prompt": "hi", "guided_json": {"$ref": "#/$defs/missing"}}, 400, "guided_json"),
+    ("bad guided_regex", "completions", {"prompt": "hi", "guided_regex": "("}, 400, "guided_regex"),
+    ("bad guided_grammar", "completions", {"prompt": "hi", "guided_grammar": "start: undefined_rule"}, 400,
+     "guided_grammar"),
+    ("empty guided_choice", "completions", {"prompt": "hi", "guided_choice": []}, 400, "guided_choice"),
+    ("two structured forms", "chat/completions", {**CHAT, "response_format": {"type": "json_object"},
+                                                  "guided_regex": "[0-9]+"}, 400, "guided_regex"),
 ]
 
 
@@ -78,6 +127,12 @@ def test_http_bad_input(http_url, path, body, status, param):
     _assert_still_serves(http_url)
 
 
+def test_fields_that_cannot_change_the_output_are_accepted(http_url):
+    body = {**OK_COMPLETION, "user": "u-1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto"}
+    r = httpx.post(f"{http_url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
 def test_http_stream_bad_input_is_an_error_status_not_a_stream(http_url):
     r = httpx.post(f"{http_url}/v1/completions", json={"prompt": "", "stream": True}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
@@ -93,6 +148,11 @@ def test_http_unknown_path_and_method(http_url):
 
 def _text(text: str, **sampling) -> pb.GenerateRequest:
     return pb.GenerateRequest(text=text, sampling=pb.SamplingParameters(**sampling))
+
+
+def _structured(**kind) -> pb.GenerateRequest:
+    return pb.GenerateRequest(text="hi", sampling=pb.SamplingParameters(max_tokens=4),
+                              structured_output=pb.StructuredOutput(**kind))
 
 
 GRPC_CASES = [  # (id, request: message | raw bytes, code, field named in the details)
@@ -111,6 +171,9 @@ GRPC_CASES = [  # (id, request: message | raw bytes, code, field named in the de
     ("presence_penalty < -2", _text("hi", presence_penalty=-3), "INVALID_ARGUMENT", "presence_penalty"),
     ("repetition_penalty = 0", _text("hi", repetition_penalty=0), "INVALID_ARGUMENT", "repetition_penalty"),
     ("logprobs > 20", _text("hi", logprobs=30), "INVALID_ARGUMENT", "logprobs"),
+    ("frequency_penalty > 2", _text("hi", frequency_penalty=3), "INVALID_ARGUMENT", "frequency_penalty"),
+    ("logit_bias over 100", _text("hi", logit_bias={42: 500}), "INVALID_ARGUMENT", "logit_bias"),
+    ("logit_bias token out of range", _text("hi", logit_bias={10_000_000: 1}), "INVALID_ARGUMENT", "logit_bias"),
     ("empty stop string", _text("hi", stop=[""]), "INVALID_ARGUMENT", "stop"),
     ("no chat messages", pb.GenerateRequest(chat=pb.ChatMessages()), "INVALID_ARGUMENT", "chat.messages"),
     ("unknown role", pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="robot", content="x")])),
@@ -123,6 +186,17 @@ GRPC_CASES = [  # (id, request: message | raw bytes, code, field named in the de
      "INVALID_ARGUMENT", "sampling.stop"),
     ("not a protobuf message", b"\xff\xff\xff\xff", "INVALID_ARGUMENT", "request"),
     ("oversized prompt", _text("x" * 70_000), "INVALID_ARGUMENT", "text"),
+    ("n = 17", pb.GenerateRequest(text="hi", n=17), "INVALID_ARGUMENT", "n"),
+    ("bad JSON schema", _structured(json_schema='{"type": "foo"}'), "INVALID_ARGUMENT",
+     "structured_output.json_schema"),
+    ("JSON schema not JSON", _structured(json_schema="{type"), "INVALID_ARGUMENT", "structured_output.json_schema"),
+    ("bad regex", _structured(regex="("), "INVALID_ARGUMENT", "structured_output.regex"),
+    ("bad grammar", _structured(grammar="root ::= undefined"), "INVALID_ARGUMENT", "structured_output.grammar"),
+    ("empty choice", _structured(choice=pb.Choices()), "INVALID_ARGUMENT", "structured_output.choice"),
+    ("json_object false", _structured(json_object=False), "INVALID_ARGUMENT", "structured_output.json_object"),
+    ("empty structured_output", _structured(), "INVALID_ARGUMENT", "structured_output"),
+    ("invalid UTF-8 in regex", _structured(regex="abc").SerializeToString().replace(b"abc", b"a\xffc"),
+     "INVALID_ARGUMENT", "structured_output.regex"),
 ]
 
 

@@ -170,7 +170,7 @@ HTTP_CASES = [  # (id, path, body, status, param)
     ("max_tokens = 0", "completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("top_logprobs > 20", "chat", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
                                    "top_logprobs": 30}, 400, "top_logprobs"),
-    ("n = 2", "completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("n = 0", "completions", {"prompt": "hi", "n": 0}, 400, "n"),
     ("wrong type", "completions", {"prompt": "hi", "max_tokens": 1.5}, 400, "max_tokens"),
     ("malformed JSON", "completions", b'{"prompt": "hi",', 400, "body"),
     ("oversized body", "completions", {"prompt": "x" * 5000}, 413, "body"),
