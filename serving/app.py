@@ -81,7 +81,8 @@ def start_serving(config: ServeConfig, blocking_timeout_s: float = 600) -> None:
         if config.ray_address:
             ray.init(address=config.ray_address, log_to_driver=False)
         else:
-            ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+            # address="local": always a cluster of our own, never one another process left running on this machine
+            ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
                      num_cpus=max(config.replicas * config.cpus_per_replica, len(os.sched_getaffinity(0))),
                      resources={config.socket_resource: config.replicas * config.ranks_per_replica}
                      if config.socket_resource else None)
