@@ -16,13 +16,15 @@ import gguf
 import numpy as np
 import torch
 
+from cpuserve.engine.layers.linear.coded import CodedWeight
+from cpuserve.engine.loader.gguf_codes import CODED_TYPES, decode_codes
 from cpuserve.engine.loader.gguf_tokenizer import build_gguf_tokenizer
 from cpuserve.engine.loader.rope import rope_scaling_from_freqs
 from cpuserve.engine.models.args import ModelArgs
 from cpuserve.engine.tokenizer import Tokenizer
 
 QT = gguf.GGMLQuantizationType
-SUPPORTED_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1)
+SUPPORTED_TYPES = (QT.F32, QT.F16, QT.BF16) + CODED_TYPES  # block types: their codes are kept (gguf_codes.py)
 # qwen2 GGUFs keep HF's row order (llama.cpp runs them with NEOX RoPE), so only llama needs un-permuting
 SUPPORTED_ARCHS = {"llama": {"permuted_qk": True, "qkv_bias": False}, "qwen2": {"permuted_qk": False, "qkv_bias": True}}
 
@@ -142,7 +144,8 @@ def check_tensors(reader: gguf.GGUFReader, path: str) -> None:
 
 
 class GGUFWeights:
-    """Streams a GGUF's tensors as fp32 torch tensors in HF naming, one at a time (the file is memory-mapped)."""
+    """Streams a GGUF's tensors in HF naming, one at a time (the file is memory-mapped): F32 / F16 / BF16 and 1-D
+    tensors as fp32, 2-D block-quantized ones as CodedWeight (the file's codes and group scales)."""
 
     def __init__(self, reader: gguf.GGUFReader, args: ModelArgs):
         self.reader = reader
@@ -162,18 +165,25 @@ class GGUFWeights:
         start = offset - offset % mmap.PAGESIZE
         mapped.madvise(mmap.MADV_DONTNEED, start, offset + size - start)
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor | CodedWeight]]:
         for t in self.tensors:
             # numpy shape is GGUF's ne reversed: [out_features, in_features], as torch.nn.Linear stores it
             shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-            weight = _dequantize_rows(t.data, t.tensor_type, shape)
+            if len(shape) == 2 and t.tensor_type in CODED_TYPES:
+                weight = decode_codes(t.data, t.tensor_type, shape)
+            else:
+                weight = _dequantize_rows(t.data, t.tensor_type, shape)
             self._drop_pages(t.data_offset, t.n_bytes)
             name = hf_name(t.name)
             if self.permuted_qk and ".q_proj." in name:
-                weight = unpermute_qk(weight, self.args.n_heads)
+                weight = _map_rows(weight, lambda w: unpermute_qk(w, self.args.n_heads))
             elif self.permuted_qk and ".k_proj." in name:
-                weight = unpermute_qk(weight, self.args.n_kv_heads)
+                weight = _map_rows(weight, lambda w: unpermute_qk(w, self.args.n_kv_heads))
             yield name, weight
+
+
+def _map_rows(weight, fn):
+    return weight.map_rows(fn) if isinstance(weight, CodedWeight) else fn(weight)
 
 
 DEQUANTIZE_ROWS = 2048  # rows per dequantization call: its numpy temporaries stay a few MB for any tensor size

@@ -9,6 +9,7 @@ import torch
 from tqdm import tqdm
 
 from cpuserve.engine.layers.linear import QuantLinear, build_linear
+from cpuserve.engine.layers.linear.coded import as_float, concat_rows
 from cpuserve.engine.models.llama import MLP, Attention, LlamaModel, TransformerBlock
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -30,16 +31,18 @@ def lm_head_format(weights: str) -> str:
 
 def build_model(checkpoint, weights: str, group_size: int, show_progress: bool = True,
                 activations: str = "bf16") -> LlamaModel:
-    """checkpoint: a loader Checkpoint (args + iter_weights of fp32 tensors in Hugging Face Llama naming);
-    activations: what int4 / int8 weights multiply (build_linear's)."""
+    """checkpoint: a loader Checkpoint (args + iter_weights of fp32 tensors in Hugging Face Llama naming; where it
+    has iter_native_weights, a GGUF's block-quantized tensors come as CodedWeight and build_linear may keep their
+    codes); activations: what int4 / int8 weights multiply (build_linear's)."""
     args = checkpoint.args
     dtype = activation_dtype(weights)
     pending: dict[int, dict[str, torch.Tensor]] = defaultdict(dict)
     layers: dict[int, TransformerBlock] = {}
     top: dict[str, torch.Tensor] = {}
     lm_head = None
-    stream = tqdm(checkpoint.iter_weights(), total=checkpoint.num_tensors, desc=f"loading and converting to {weights}",
-                  unit="tensor", disable=not show_progress, leave=False)
+    native = getattr(checkpoint, "iter_native_weights", None)  # a rank's shard (sharding.py) streams floats
+    stream = tqdm(native() if native else checkpoint.iter_weights(), total=checkpoint.num_tensors,
+                  desc=f"loading and converting to {weights}", unit="tensor", disable=not show_progress, leave=False)
     for name, tensor in stream:
         match = _LAYER.fullmatch(name)
         # the vocabulary-sized tensors are converted as they arrive, so their fp32 copies are never held together
@@ -47,7 +50,7 @@ def build_model(checkpoint, weights: str, group_size: int, show_progress: bool =
         if name == "lm_head.weight" or (name == "model.embed_tokens.weight" and args.tie_embeddings):
             lm_head = build_linear(tensor, None, lm_head_format(weights), group_size, activations=activations)
         if name == "model.embed_tokens.weight":
-            tensor = tensor.to(dtype)
+            tensor = as_float(tensor).to(dtype)
         elif name == "lm_head.weight":
             tensor = None  # kept only as lm_head: the name marks it as present
         if match is None:
@@ -79,10 +82,10 @@ def _build_block(args, parts: dict[str, torch.Tensor], weights: str, group_size:
     def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> QuantLinear:
         return build_linear(weight, bias, weights, group_size, activations=activations)
 
-    qkv_weight = torch.cat([parts[f"self_attn.{p}_proj.weight"] for p in "qkv"])  # [(H + 2 Hkv) D, dim]
+    qkv_weight = concat_rows([parts[f"self_attn.{p}_proj.weight"] for p in "qkv"])  # [(H + 2 Hkv) D, dim]
     qkv_bias = torch.cat([parts[f"self_attn.{p}_proj.bias"] for p in "qkv"]) if args.qkv_bias else None
     attention = Attention(args, linear(qkv_weight, qkv_bias), linear(parts["self_attn.o_proj.weight"]))
-    gate_up = torch.cat([parts["mlp.gate_proj.weight"], parts["mlp.up_proj.weight"]])  # [2 ffn, dim]
+    gate_up = concat_rows([parts["mlp.gate_proj.weight"], parts["mlp.up_proj.weight"]])  # [2 ffn, dim]
     mlp = MLP(linear(gate_up), linear(parts["mlp.down_proj.weight"]))
     block = TransformerBlock(args, attention, mlp, dtype)
     block.attention_norm.weight.data = parts["input_layernorm.weight"].to(dtype)

@@ -1,0 +1,104 @@
+"""A quantized weight kept as a file stored it: unsigned integer codes, one scale and one offset per group along K.
+
+    w[n, k] = codes[n, k] * scale[n, k // group] + zoff[n, k // group]
+
+That is the form of every GGUF block type the loader keeps (engine/loader/gguf_codes.py) and the form the int8-
+activation kernels multiply (act_int8.py: unsigned codes, w = code * scale + zoff, one scale per activation group),
+so a file's 4-bit codes reach the VNNI kernel unchanged and the engine computes with the file's own weights.
+`to_linear` builds that layer; anything else (bf16 activations, bf16 / fp32 weights) dequantizes first.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from cpuserve.engine.layers.linear.act_int8 import (BLOCK_N, W4A8Linear, W8A8Linear, _blocked, pack_int4,
+                                                     pack_int8)
+
+DEQUANTIZE_ROWS = 2048  # rows per float64 pass: bounded temporaries for any tensor size
+
+
+@dataclass
+class CodedWeight:
+    """codes [N, K] uint8 below 2**bits; scale, zoff [N, K // group] fp32; source: the file's type (e.g. "Q4_K")."""
+
+    codes: Tensor
+    scale: Tensor
+    zoff: Tensor
+    group: int
+    bits: int  # 4 or 8: the narrowest storage that holds every code
+    source: str
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def dequantize(self) -> Tensor:
+        """fp32 [N, K]: each value computed exactly (float64) and rounded once, as a file's own decoder does."""
+        n, k = self.codes.shape
+        out = torch.empty(n, k, dtype=torch.float32)
+        for start in range(0, n, DEQUANTIZE_ROWS):
+            rows = slice(start, start + DEQUANTIZE_ROWS)
+            c = self.codes[rows].double().reshape(-1, k // self.group, self.group)  # c: [rows, G, group]
+            w = c * self.scale[rows].double()[..., None] + self.zoff[rows].double()[..., None]
+            out[rows] = w.reshape(-1, k).float()
+        return out
+
+    def map_rows(self, fn: Callable[[Tensor], Tensor]) -> "CodedWeight":
+        """The same weight with its rows rearranged by fn (applied to codes, scales and offsets alike)."""
+        return CodedWeight(fn(self.codes), fn(self.scale), fn(self.zoff), self.group, self.bits, self.source)
+
+    def regroup(self, group: int) -> "CodedWeight":
+        """The same values with a finer group (a divisor of self.group): each scale repeated, exactly."""
+        if group == self.group:
+            return self
+        assert self.group % group == 0, (self.group, group)
+        rep = self.group // group
+        return CodedWeight(self.codes, self.scale.repeat_interleave(rep, 1), self.zoff.repeat_interleave(rep, 1),
+                           group, self.bits, self.source)
+
+
+def as_float(weight: Tensor | CodedWeight) -> Tensor:
+    return weight.dequantize() if isinstance(weight, CodedWeight) else weight
+
+
+def concat_rows(parts: list[Tensor | CodedWeight]) -> Tensor | CodedWeight:
+    """Stack weights along N (a fused qkv or gate/up). Coded parts keep their codes: the finest group and the widest
+    storage of the parts (a Q4_K_M file's Q4_K q / k beside its Q6_K v become 8-bit codes in groups of 16, exactly).
+    A float part among coded ones makes the whole fused weight float."""
+    if not all(isinstance(p, CodedWeight) for p in parts):
+        return torch.cat([as_float(p) for p in parts])
+    group = min(p.group for p in parts)
+    if any(p.group % group for p in parts):
+        return torch.cat([as_float(p) for p in parts])
+    coded = [p.regroup(group) for p in parts]
+    sources = "+".join(dict.fromkeys(p.source for p in parts))
+    return CodedWeight(torch.cat([p.codes for p in coded]), torch.cat([p.scale for p in coded]),
+                       torch.cat([p.zoff for p in coded]), group, max(p.bits for p in parts), sources)
+
+
+def coded_misfit(weight: CodedWeight) -> str:
+    """Why the VNNI kernel cannot take the codes as they are, or "" when it can."""
+    n, k = weight.shape
+    if n % BLOCK_N:
+        return f"N={n} is not a multiple of {BLOCK_N}"
+    if weight.group % 16 or k % weight.group:
+        return f"group={weight.group} is not a multiple of 16 dividing K={k}"
+    return ""
+
+
+def to_linear(weight: CodedWeight, fmt: str) -> W4A8Linear | W8A8Linear:
+    """The int8-activation layer over the file's own codes: 4-bit storage when fmt is "int4" and every code fits
+    in 4 bits, else 8-bit (never fewer bits than the file). Activation groups are the file's groups."""
+    n, k = weight.shape
+    bits = 4 if fmt == "int4" and weight.bits == 4 else 8
+    cls = W4A8Linear if bits == 4 else W8A8Linear
+    layer = cls(k, n, "int4" if bits == 4 else "int8", weight.group)
+    layer.act_group = weight.group
+    layer.register_buffer("packed", pack_int4(weight.codes) if bits == 4 else pack_int8(weight.codes))
+    layer.register_buffer("scales", _blocked(weight.scale))
+    layer.register_buffer("zoffs", _blocked(weight.zoff))
+    return layer

@@ -1,0 +1,112 @@
+"""GGUF block types kept as codes + group scales (engine/loader/gguf_codes.py), held to gguf's own decoder.
+
+Blocks are real layouts: gguf's own quantizer where it has one (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), else valid blocks
+built byte by byte (random codes and sub-block scales, sane fp16 super-block scales: bench/kquant_recipe.py).
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from cpuserve.engine.layers import native
+from cpuserve.engine.layers.linear import build_linear
+from cpuserve.engine.layers.linear.act_int8 import W4A8Linear, W8A8Linear
+from cpuserve.engine.layers.linear.coded import concat_rows
+from cpuserve.engine.layers.linear.int4 import Int4Linear
+from cpuserve.engine.loader.gguf_codes import CODED_TYPES, decode_codes
+
+QT = gguf.GGMLQuantizationType
+GGUF_QUANTIZES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+KQUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+FOUR_BIT = ("Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K")  # codes that fit int4 storage
+needs_vnni = pytest.mark.skipif(not native.vnni_gemm_enabled(),
+                                reason="the int8-activation kernels (AVX-512 VNNI) are not built on this CPU")
+
+
+def bench_module(name: str):
+    folder = Path(__file__).resolve().parents[2] / "bench"
+    sys.path.insert(0, str(folder))  # bench scripts import each other by bare name
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def real_blocks(qtype: str, shape: tuple[int, int], seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if qtype in GGUF_QUANTIZES:
+        return gguf.quants.quantize(rng.normal(0, 0.02, size=shape).astype(np.float32), QT[qtype])
+    return bench_module("kquant_recipe").random_blocks(QT[qtype], shape, rng)
+
+
+def test_every_block_type_is_covered():
+    assert {t.name for t in CODED_TYPES} == set(GGUF_QUANTIZES) | set(KQUANTS)
+
+
+@pytest.mark.parametrize("qtype", GGUF_QUANTIZES + KQUANTS)
+def test_codes_decode_to_ggufs_own_values_bit_for_bit(qtype):
+    shape = (48, 512)
+    raw = real_blocks(qtype, shape)
+    ref = torch.from_numpy(gguf.quants.dequantize(raw, QT[qtype]))
+    coded = decode_codes(raw, QT[qtype], shape)
+    assert torch.equal(coded.dequantize(), ref)
+    assert coded.codes.dtype == torch.uint8 and int(coded.codes.max()) < 2 ** coded.bits
+    assert coded.bits == (4 if qtype in FOUR_BIT else 8)
+    assert coded.group == (16 if qtype in ("Q2_K", "Q3_K", "Q6_K") else 32)
+    assert coded.scale.shape == (48, 512 // coded.group)
+
+
+def test_q4_k_m_fused_qkv_keeps_both_types_exactly():
+    """A Q4_K_M layer's q, k (Q4_K) beside v (Q6_K): one fused weight, 8-bit codes in groups of 16, same values."""
+    shapes = {"Q4_K": (64, 256), "Q6_K": (32, 256)}
+    parts = [("Q4_K", 1), ("Q4_K", 2), ("Q6_K", 3)]
+    raws = [(q, real_blocks(q, shapes[q], seed)) for q, seed in parts]
+    fused = concat_rows([decode_codes(raw, QT[q], shapes[q]) for q, raw in raws])
+    ref = torch.cat([torch.from_numpy(gguf.quants.dequantize(raw, QT[q])) for q, raw in raws])
+    assert (fused.group, fused.bits, fused.source) == (16, 8, "Q4_K+Q6_K")
+    assert torch.equal(fused.dequantize(), ref)
+
+
+def _x(k: int, rows: int = 5) -> torch.Tensor:
+    return torch.randn(rows, k, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+
+
+def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.double() - ref).norm() / ref.norm()).item()
+
+
+@needs_vnni
+@pytest.mark.parametrize("qtype", GGUF_QUANTIZES + KQUANTS)
+def test_int8_activation_layer_multiplies_the_files_own_weights(qtype):
+    shape = (64, 512)
+    raw = real_blocks(qtype, shape)
+    ref = torch.from_numpy(gguf.quants.dequantize(raw, QT[qtype])).double()
+    layer = build_linear(decode_codes(raw, QT[qtype], shape), None, "int4", activations="int8")
+    assert isinstance(layer, W4A8Linear if qtype in FOUR_BIT else W8A8Linear)
+    # the layer's effective weights are the file's (codes * scale + offset, rounded once to fp32)
+    torch.testing.assert_close(layer.dequantize().double(), ref, rtol=1e-6, atol=1e-9)
+    x = _x(shape[1])
+    y = layer(x)
+    # the kernel against its plain-torch reference (exact integer sums), then against the file's weights in fp64:
+    # what remains is the activations' int8 rounding (groups of 16 / 32 inputs) and the bf16 output
+    torch.testing.assert_close(y.float(), layer.reference(x).to(torch.bfloat16).float(), rtol=0.01, atol=1e-3)
+    assert _rel_err(y, x.double() @ ref.T) < 0.01
+
+
+@pytest.mark.parametrize("qtype", FOUR_BIT[:2] + ("Q4_K",))
+def test_bf16_activation_path_requantizes_4bit_codes_within_bf16_scale_error(qtype):
+    """Without int8 activations the codes are re-quantized by RTN into torch's int4 layout (bf16 scales/zeros):
+    a 4-bit group's min/max grid is found again, so the error is the bf16 rounding of scale and zero."""
+    shape = (64, 512)
+    raw = real_blocks(qtype, shape)
+    ref = torch.from_numpy(gguf.quants.dequantize(raw, QT[qtype])).double()
+    layer = build_linear(decode_codes(raw, QT[qtype], shape), None, "int4", activations="bf16")
+    assert isinstance(layer, Int4Linear)
+    err = (layer.dequantize().double() - ref).abs().max().item()
+    assert err < 2 ** -8 * ref.abs().max().item()
