@@ -58,11 +58,11 @@ def build_model(checkpoint, weights: str, group_size: int, show_progress: bool =
             continue
         index, part = int(match.group(1)), match.group(2)
         pending[index][part] = tensor
-        if all(p in pending[index] for p in _LAYER_PARTS) and (not args.qkv_bias or _has_biases(pending[index])):
+        if all(p in pending[index] for p in _parts(args)):
             layers[index] = _build_block(args, pending.pop(index), weights, group_size, dtype, activations)
     missing = [i for i in range(args.n_layers) if i not in layers]
     if missing:
-        raise ValueError(f"checkpoint is missing tensors of layer(s) {missing[:5]}: expected {list(_LAYER_PARTS)}")
+        raise ValueError(f"checkpoint is missing tensors of layer(s) {missing[:5]}: expected {_parts(args)}")
     required = ("model.embed_tokens.weight", "model.norm.weight") + (() if args.tie_embeddings else ("lm_head.weight",))
     for name in required:
         if name not in top:
@@ -73,8 +73,11 @@ def build_model(checkpoint, weights: str, group_size: int, show_progress: bool =
     return model.eval()
 
 
-def _has_biases(parts: dict[str, torch.Tensor]) -> bool:
-    return all(f"self_attn.{p}_proj.bias" in parts for p in "qkv")
+def _parts(args) -> list[str]:
+    """The tensors a layer of this model needs before it can be built."""
+    extra = [f"self_attn.{p}_proj.bias" for p in "qkv"] if args.qkv_bias else []
+    extra += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"] if args.qk_norm else []
+    return [*_LAYER_PARTS, *extra]
 
 
 def _build_block(args, parts: dict[str, torch.Tensor], weights: str, group_size: int, dtype,
@@ -85,6 +88,9 @@ def _build_block(args, parts: dict[str, torch.Tensor], weights: str, group_size:
     qkv_weight = concat_rows([parts[f"self_attn.{p}_proj.weight"] for p in "qkv"])  # [(H + 2 Hkv) D, dim]
     qkv_bias = torch.cat([parts[f"self_attn.{p}_proj.bias"] for p in "qkv"]) if args.qkv_bias else None
     attention = Attention(args, linear(qkv_weight, qkv_bias), linear(parts["self_attn.o_proj.weight"]))
+    if args.qk_norm:  # in the activation dtype, as the block's norms
+        attention.q_norm.weight.data = parts["self_attn.q_norm.weight"].to(dtype)
+        attention.k_norm.weight.data = parts["self_attn.k_norm.weight"].to(dtype)
     gate_up = concat_rows([parts["mlp.gate_proj.weight"], parts["mlp.up_proj.weight"]])  # [2 ffn, dim]
     mlp = MLP(linear(gate_up), linear(parts["mlp.down_proj.weight"]))
     block = TransformerBlock(args, attention, mlp, dtype)

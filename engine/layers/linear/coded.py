@@ -5,7 +5,8 @@
 That is the form of every GGUF block type the loader keeps (engine/loader/gguf_codes.py) and the form the int8-
 activation kernels multiply (act_int8.py: unsigned codes, w = code * scale + zoff, one scale per activation group),
 so a file's 4-bit codes reach the VNNI kernel unchanged and the engine computes with the file's own weights.
-`to_linear` builds that layer; anything else (bf16 activations, bf16 / fp32 weights) dequantizes first.
+`to_linear` builds that layer. With bf16 activations, 4-bit codes in groups of 32 keep their codes in torch's int4
+layout (`to_int4pack_linear`: scale and zero rounded to bf16, which that kernel reads); anything else dequantizes.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from torch import Tensor
 
 from cpuserve.engine.layers.linear.act_int8 import (BLOCK_N, W4A8Linear, W8A8Linear, _blocked, pack_int4,
                                                      pack_int8)
+from cpuserve.engine.layers.linear.int4 import INNER_K_TILES, Int4Linear
 
 DEQUANTIZE_ROWS = 2048  # rows per float64 pass: bounded temporaries for any tensor size
 
@@ -101,4 +103,23 @@ def to_linear(weight: CodedWeight, fmt: str) -> W4A8Linear | W8A8Linear:
     layer.register_buffer("packed", pack_int4(weight.codes) if bits == 4 else pack_int8(weight.codes))
     layer.register_buffer("scales", _blocked(weight.scale))
     layer.register_buffer("zoffs", _blocked(weight.zoff))
+    return layer
+
+
+def int4pack_misfit(weight: CodedWeight) -> str:
+    """Why torch's int4 layout cannot hold the codes as they are, or "" when it can."""
+    if weight.bits != 4 or weight.group < 32:
+        return f"{weight.bits}-bit codes in groups of {weight.group} (it takes 4-bit codes in groups of >= 32)"
+    return Int4Linear.misfit(*weight.shape, weight.group)
+
+
+def to_int4pack_linear(weight: CodedWeight) -> Int4Linear:
+    """bf16 activations over the file's 4-bit codes: w = (code - 8) * scale + zero, scale and zero in bf16."""
+    n, k = weight.shape
+    layer = Int4Linear(k, n, "int4", weight.group)
+    scale = weight.scale.to(torch.bfloat16)
+    zero = (weight.zoff.double() + 8 * weight.scale.double()).to(torch.bfloat16)
+    codes = weight.codes.to(torch.int32)
+    layer.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, INNER_K_TILES))
+    layer.register_buffer("scales_and_zeros", torch.stack([scale, zero], -1).transpose(0, 1).contiguous())
     return layer

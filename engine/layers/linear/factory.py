@@ -11,7 +11,8 @@ from cpuserve.engine.config import ACTIVATION_FORMATS, GROUP_SIZES, WEIGHT_FORMA
 from cpuserve.engine.layers import native
 from cpuserve.engine.layers.linear.act_int8 import W4A8Linear, W8A8Linear
 from cpuserve.engine.layers.linear.base import QuantLinear
-from cpuserve.engine.layers.linear.coded import CodedWeight, coded_misfit, to_linear
+from cpuserve.engine.layers.linear.coded import (CodedWeight, coded_misfit, int4pack_misfit, to_int4pack_linear,
+                                                 to_linear)
 from cpuserve.engine.layers.linear.dense import DenseLinear
 from cpuserve.engine.layers.linear.int4 import Int4Linear
 from cpuserve.engine.layers.linear.int8 import Int8Linear
@@ -57,6 +58,10 @@ def build_linear(weight: Tensor | CodedWeight, bias: Tensor | None, fmt: str, gr
             if _keeps_codes(weight, fmt, use_fallback, activations):
                 linear = to_linear(weight, fmt)
                 return _with_bias(linear, bias)
+            if fmt == "int4" and not use_fallback and not int4pack_misfit(weight):  # bf16 activations, same codes
+                return _with_bias(to_int4pack_linear(weight), bias)
+            if fmt == "int4" and weight.bits > 4:  # never fewer bits than the file: 5..8-bit codes re-quantize to int8
+                fmt = "int8"
             weight = weight.dequantize()
         if _int8_activations(weight, fmt, group_size, use_fallback, activations):
             linear = _INT8_ACT_CLASSES[fmt].from_float(weight.detach(), fmt, group_size)
