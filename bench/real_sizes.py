@@ -57,3 +57,34 @@ def memory_bandwidth(threads: int, reps: int = 5) -> float:
 def bandwidth_share(tok_s: float | None, path: str, bandwidth_gb_s: float) -> float | None:
     """tokens/s x bytes read per token over the measured bandwidth (1.0: decode reads at the memory's speed)."""
     return None if not tok_s else tok_s * bytes_per_token(path) / 1e9 / bandwidth_gb_s
+
+
+def measure(sizes: list[str], cfg: dict, cache_dir: str, compare, peer_engines, log=print) -> dict:
+    """Decode at every batch of cfg, cpuserve and llama.cpp on each size's file (compare / peer_engines are
+    bench/engine.py's), plus the memory bandwidth and each file's bytes per token."""
+    raw = {"bandwidth_gb_s": memory_bandwidth(cfg["threads"]), "real_files": {}}
+    for size in sizes:
+        path = synthetic_real(size, cache_dir, log)
+        raw["real_files"][size] = {"path": path, "bytes_per_token": bytes_per_token(path)}
+        engines = peer_engines(["llama.cpp"], dict(cfg, model=path, prefill_len=0), f"_{size}")
+        raw.update(compare(engines, [("decode", (b,), list(engines)) for b in cfg["batches"]], cfg["reps"]))
+    return raw
+
+
+def rows(raw: dict, peer_rows, row) -> list[dict]:
+    """bench/engine.py's rows for each size (peer_rows / row are its helpers) and the bandwidth shares at batch 1."""
+    out = []
+    bandwidth = raw.get("bandwidth_gb_s")
+    for size, info in raw.get("real_files", {}).items():
+        ours, theirs = raw.get(f"cpuserve_{size}", {}), raw.get(f"llama_cpp_{size}", {"error": "skipped"})
+        out += peer_rows(dict(raw, llama_cpp=theirs), ours, "llama_cpp", raw["sizes"]["batches"],
+                         prefix=f"{size.upper()} Q4_K_M ")
+        shares = [bandwidth_share(_b1(answer), info["path"], bandwidth) for answer in (ours, theirs)]
+        out.append(row(f"{size.upper()} Q4_K_M decode b1 share of bandwidth", shares[0], shares[1], theirs,
+                       f"tok/s x {info['bytes_per_token'] / 1e9:.2f} GB per token / {bandwidth:.1f} GB/s measured"))
+    return out
+
+
+def _b1(answer: dict) -> float | None:
+    entry = answer.get("decode", {}).get("1") if isinstance(answer, dict) else None
+    return entry["median"] if entry else None

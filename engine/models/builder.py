@@ -9,7 +9,7 @@ import torch
 from tqdm import tqdm
 
 from cpuserve.engine.layers.linear import QuantLinear, build_linear
-from cpuserve.engine.layers.linear.coded import as_float, concat_rows
+from cpuserve.engine.layers.linear.coded import CodedWeight, concat_rows
 from cpuserve.engine.models.llama import MLP, Attention, LlamaModel, TransformerBlock
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -49,8 +49,8 @@ def build_model(checkpoint, weights: str, group_size: int, show_progress: bool =
         # with the layers' (a 1B model's embedding and lm_head are 262 MB each in fp32)
         if name == "lm_head.weight" or (name == "model.embed_tokens.weight" and args.tie_embeddings):
             lm_head = build_linear(tensor, None, lm_head_format(weights), group_size, activations=activations)
-        if name == "model.embed_tokens.weight":
-            tensor = as_float(tensor).to(dtype)
+        if name == "model.embed_tokens.weight":  # the lookup table, in the activation dtype
+            tensor = tensor.dequantize(False, dtype) if isinstance(tensor, CodedWeight) else tensor.to(dtype)
         elif name == "lm_head.weight":
             tensor = None  # kept only as lm_head: the name marks it as present
         if match is None:
