@@ -130,12 +130,16 @@ def main(argv: list[str] | None = None) -> None:
         with open(ids_file) as f:
             print(perplexity(engine, model, json.load(f), weights))
         return
+    print(json.dumps(run(args.out_dir or tempfile.mkdtemp(prefix="kquant-check-"), args.tokens), indent=1))
+
+
+def run(folder: str, num_tokens: int) -> dict:
+    """{"fp32": ppl, recipe: {"types", "cpuserve", "llama.cpp", "vs_llama.cpp", "vs_fp32", "llama.cpp_vs_fp32"}}."""
     from cpuserve.engine.loader import default_model_path
 
-    folder = args.out_dir or tempfile.mkdtemp(prefix="kquant-check-")
     ids_file = os.path.join(folder, "ids.json")
     with open(ids_file, "w") as f:
-        json.dump(text_ids(args.tokens), f)
+        json.dump(text_ids(num_tokens), f)
     f32 = os.path.join(folder, "smollm2-f32.gguf")
     write_f32(default_model_path(), f32)
     results = {"fp32": _run("cpuserve", f32, ids_file, "fp32")}
@@ -144,8 +148,9 @@ def main(argv: list[str] | None = None) -> None:
         quantize(f32, path, ftype)
         ours, theirs = _run("cpuserve", path, ids_file), _run("llama.cpp", path, ids_file)
         results[recipe] = {"types": tensor_types(path), "cpuserve": ours, "llama.cpp": theirs,
-                           "vs_llama.cpp": ours / theirs - 1, "vs_fp32": ours / results["fp32"] - 1}
-    print(json.dumps(results, indent=1))
+                           "vs_llama.cpp": ours / theirs - 1, "vs_fp32": ours / results["fp32"] - 1,
+                           "llama.cpp_vs_fp32": theirs / results["fp32"] - 1}
+    return results
 
 
 if __name__ == "__main__":

@@ -31,17 +31,16 @@ def lm_head_format(weights: str) -> str:
 
 def build_model(checkpoint, weights: str, group_size: int, show_progress: bool = True,
                 activations: str = "bf16") -> LlamaModel:
-    """checkpoint: a loader Checkpoint (args + iter_weights of fp32 tensors in Hugging Face Llama naming; where it
-    has iter_native_weights, a GGUF's block-quantized tensors come as CodedWeight and build_linear may keep their
-    codes); activations: what int4 / int8 weights multiply (build_linear's)."""
+    """checkpoint: a loader Checkpoint or a rank's ShardedCheckpoint (args + iter_native_weights: tensors in Hugging
+    Face Llama naming, fp32, a GGUF's block-quantized ones as CodedWeight whose codes build_linear may keep);
+    activations: what int4 / int8 weights multiply (build_linear's)."""
     args = checkpoint.args
     dtype = activation_dtype(weights)
     pending: dict[int, dict[str, torch.Tensor]] = defaultdict(dict)
     layers: dict[int, TransformerBlock] = {}
     top: dict[str, torch.Tensor] = {}
     lm_head = None
-    native = getattr(checkpoint, "iter_native_weights", None)  # a rank's shard (sharding.py) streams floats
-    stream = tqdm(native() if native else checkpoint.iter_weights(), total=checkpoint.num_tensors,
+    stream = tqdm(checkpoint.iter_native_weights(), total=checkpoint.num_tensors,
                   desc=f"loading and converting to {weights}", unit="tensor", disable=not show_progress, leave=False)
     for name, tensor in stream:
         match = _LAYER.fullmatch(name)

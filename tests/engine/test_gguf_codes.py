@@ -105,3 +105,16 @@ def test_bf16_activation_path_never_gives_wider_codes_fewer_bits(qtype):
     assert isinstance(layer, Int8Linear)
     step = ref.abs().amax(1, keepdim=True) / 127
     assert ((layer.dequantize().double() - ref).abs() <= 0.51 * step * (1 + 2 ** -7)).all()
+
+
+def test_a_ranks_cut_keeps_the_codes_and_refuses_to_split_a_group():
+    """Replica groups cut weights by rows and whole groups of columns (sharding.py); zero rows pad the vocabulary."""
+    shape = (64, 512)
+    coded = decode_codes(real_blocks("Q6_K", shape), QT.Q6_K, shape)
+    full = coded.dequantize()
+    assert torch.equal(coded.slice_with(lambda t: t[:, 128:384]).dequantize(), full[:, 128:384])
+    assert torch.equal(coded.slice_with(lambda t: t[16:48]).dequantize(), full[16:48])
+    padded = coded.slice_with(lambda t: torch.cat([t[:8], t.new_zeros(4, t.shape[1])])).dequantize()
+    assert torch.equal(padded[:8], full[:8]) and not padded[8:].any()
+    with pytest.raises(ValueError, match="splits its groups of 16 columns"):
+        coded.slice_with(lambda t: t[:, 8:72])

@@ -56,6 +56,21 @@ class CodedWeight:
         """The same weight with its rows rearranged by fn (applied to codes, scales and offsets alike)."""
         return CodedWeight(fn(self.codes), fn(self.scale), fn(self.zoff), self.group, self.bits, self.source)
 
+    def slice_with(self, fn: Callable[[Tensor], Tensor]) -> "CodedWeight":
+        """The weight cut by fn, a function that cuts an [N, K] tensor (rows, whole groups of columns, zero rows
+        appended): codes directly; scales and offsets through their [N, K] expansion, so fn sees one layout.
+
+        Raises:
+            ValueError: fn cuts through a group.
+        """
+        g = self.group
+        n, k = self.codes.shape
+        ids = fn(torch.arange(k // g, dtype=torch.int32).repeat_interleave(g).expand(n, k))[:1]  # group id per column
+        if ids.shape[1] % g or not torch.equal(ids.view(-1, g), ids.view(-1, g)[:, :1].expand(-1, g)):
+            raise ValueError(f"a cut of this {self.source} weight splits its groups of {g} columns")
+        part = lambda t: fn(t.repeat_interleave(g, 1))[:, ::g].contiguous()  # noqa: E731 - [rows, K'] -> [rows, G']
+        return CodedWeight(fn(self.codes).contiguous(), part(self.scale), part(self.zoff), g, self.bits, self.source)
+
     def regroup(self, group: int) -> "CodedWeight":
         """The same values with a finer group (a divisor of self.group): each scale repeated, exactly."""
         if group == self.group:
