@@ -7,7 +7,8 @@
     python bench/engine.py --peers llama.cpp --skip-1b --real-sizes 1b,3b,8b   # Llama 3.x Q4_K_M at real sizes
 
 Every engine runs the same model with the same threads, each in its own process (its peak RSS is its own);
-cpuserve with its defaults (int4 weights, int8 KV cache). llama.cpp and OpenVINO GenAI load the GGUF itself; vLLM
+cpuserve with its defaults (int4 weights, int8 activations and KV cache) and, as the `cpuserve` command runs,
+Intel's OpenMP preloaded. llama.cpp and OpenVINO GenAI load the GGUF itself; vLLM
 gets a Hugging Face folder made from it, W8A8 by default (peer_vllm.py). vLLM and OpenVINO run with the python
 of their own venvs (peer_envs.py: $CPUSERVE_BENCH_PEERS_DIR, default ~/.cache/cpuserve-bench/peers), installed
 on first use if `make bench-peers` did not. Numbers are medians of --reps repetitions after a warm-up,
@@ -261,13 +262,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--real-sizes", default="", help="comma-separated of 1b,3b,8b: synthetic Llama 3.x Q4_K_M files "
                     "(written once into ~/.cache/cpuserve-bench), decode against llama.cpp and memory bandwidth")
     ap.add_argument("--profile", action="store_true", help="profile cpuserve decode at batch 1 and 32 instead")
+    ap.add_argument("--weights", default="int4", choices=("int4", "int8"),
+                    help="cpuserve's weight format (int8: per-channel, as vLLM's W8A8 peer)")
     a = ap.parse_args(argv)
     from cpuserve.engine.loader import default_model_path
 
     model = a.model or default_model_path()
-    cfg = sizes(a.quick, a.reps, a.threads)
+    cfg = dict(sizes(a.quick, a.reps, a.threads), weights=a.weights)
     if a.profile:
-        answer = run_worker("profile", dict(cfg, model=model, batches=[1, 32]))
+        answer = run_worker("profile", dict(cfg, model=model, batches=[1, 32]), env=peer_envs.launch("cpuserve", 1)[1])
         for batch, prof in answer.get("profile", {}).items():
             print(f"\n== cpuserve decode, batch {batch}: {prof['tok_s_under_profiler']:.1f} tok/s under the profiler")
             print(prof["table"])
@@ -288,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     raw = collect(cfg, model, peers, a.skip_1b, save=save, real=real)
     errors = {k: v["error"] for k, v in raw.items() if isinstance(v, dict) and v.get("error", "skipped") != "skipped"}
     print(f"cpuserve / peer, {cfg['threads']} threads, medians of {cfg['reps']} runs after a warm-up; "
-          f"model {os.path.basename(model)}; decode: {cfg['prompt_len']}-token prompts, {cfg['gen_tokens']} "
+          f"model {os.path.basename(model)}, cpuserve weights {a.weights}; decode: {cfg['prompt_len']}-token prompts, {cfg['gen_tokens']} "
           f"new tokens each; {tree_state()}")
     print(format_table(build_rows(raw), errors))
 

@@ -73,8 +73,9 @@ def load_cpuserve(cfg: dict):
     args = load_checkpoint(cfg["model"], show_progress=False).args
     tokens = kv_tokens(cfg) + 16 * max(cfg["batches"], default=1)
     kv_gb = tokens * kv_bytes_per_token(args, "int8") / (1 << 30)
-    # otherwise the engine's defaults: int4 weights, int8 KV cache
-    return LLM(model=cfg["model"], num_threads=cfg["threads"], kv_cache_gb=kv_gb, show_progress=False)
+    # otherwise the engine's defaults: int8 activations and KV cache; weights int4 unless the bench asks for int8
+    return LLM(model=cfg["model"], num_threads=cfg["threads"], kv_cache_gb=kv_gb, show_progress=False,
+               weights=cfg.get("weights", "int4"))
 
 
 class CpuserveSession:
@@ -150,15 +151,18 @@ def _error(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e)[:200]}"
 
 
-def run_worker(task: str, cfg: dict, timeout: float | None = None, python: str | None = None) -> dict:
+def run_worker(task: str, cfg: dict, timeout: float | None = None, python: str | None = None,
+               env: dict | None = None) -> dict:
     """Run a one-shot TASK in a fresh Python process; returns its numbers, or {"error": why} if it failed.
 
-    python: the interpreter (a peer's venv, see peer_envs.py); default ours. The child's stderr (progress,
+    python: the interpreter (a peer's venv, see peer_envs.py); default ours; env: variables the process must
+    start with, as Worker takes them. The child's stderr (progress,
     tracebacks) goes straight to ours; its answer is the last JSON line of stdout.
     """
     try:
         proc = subprocess.run([python or sys.executable, os.path.join(HERE, "engine_workers.py"), task],
-                              input=json.dumps(cfg), stdout=subprocess.PIPE, text=True, timeout=timeout)
+                              input=json.dumps(cfg), stdout=subprocess.PIPE, text=True, timeout=timeout,
+                              env={**os.environ, **env} if env else None)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     answers = [line for line in proc.stdout.splitlines() if line.startswith("{")]

@@ -113,6 +113,10 @@ def install(name: str) -> str:
 def launch(engine: str, threads: int) -> tuple[str | None, dict]:
     """(python, environment) a session worker of `engine` starts with: ours and nothing for engines of our venv;
     a peer's venv (installed now if it is not yet) and its settings otherwise. Raises if it cannot be installed."""
+    if engine == "cpuserve":  # as the `cpuserve` command runs it: Intel's OpenMP preloaded (engine/threads.py)
+        from cpuserve.engine.threads import openmp_env
+
+        return None, openmp_env()
     if engine not in PEERS:
         return None, {}
     python = install(engine)

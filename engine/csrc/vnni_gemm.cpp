@@ -11,10 +11,16 @@
 //           one load gives two operands); codes 0..15, zoff = zero - 8 * scale, one scale per group along K.
 //   bits 8  packed [N/16][K/4][64]: byte 4c + j = code(c, k0 + j) = w + 128; zoff = -128 * scale, one scale per
 //           output channel.
-//   scales, zoffs [N/16][S][16] fp32, S = K / group (per group) or 1 (per channel).
+//   scales, zoffs [N/16][S][16] fp32 or fp16 (both the same), S = K / group (per group) or 1 (per channel). At
+//           decode the kernel streams codes and scales from memory: fp16 makes 32 int4 weights 20 bytes, not 24.
 //
 // Per activation group g (act_group inputs; x ~= ax[g] * q, axs[g] = ax[g] * sum of q over g):
 //     y += float(sum code * q) * scale * ax[g] + zoff * axs[g]
+// With one scale per output channel (int8) the weights' terms come out of the sum: per group only
+//     y' += float(sum code * q) * ax[g],   then once   y = y' * scale + zoff * (sum over g of axs[g]).
+// vpdpbusd and the fp32 multiplies share Zen 4's two 512-bit pipes (measured: 8 vpdpbusd + 4 FMAs take 12 cycles),
+// so every epilogue instruction saved per group is a dot product gained: the per-group form costs 3 of them per 8
+// vpdpbusd (int4, groups of 32), the per-channel form 1.
 // Packing happens once at load (engine/layers/linear/act_int8.py, with the plain-torch reference). Integer sums
 // are exact and each output element's epilogue runs in the same order (groups in k order) whatever the register
 // block, task or thread that computes it: a row's result depends neither on the batch, the tiling nor the threads.
@@ -34,6 +40,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 namespace {
 
@@ -41,6 +48,11 @@ using bf16 = at::BFloat16;
 constexpr int64_t kPrefetch = 1024;  // bytes ahead in a column block's stream (tasks interleave between threads)
 constexpr int64_t kQuantRowsPerTask = 8;
 constexpr int kCols = 2;  // column blocks per register block: 4 rows x 2 blocks = 8 int32 + 8 fp32 accumulators
+// Up to kFewRows rows (decode) a task is one column block in register blocks of 8 rows x 1 block: one sequential
+// stream of weights per thread, each loaded once for 8 rows. One thread, CPU time, SmolLM2's 30 layers of int4
+// weights, against 4 rows x 2 blocks: 1.14-1.4x at 1-8 rows, 1.04-1.08x at 12-16,
+// none at 32.
+constexpr int64_t kFewRows = 16;
 
 bool vnni_gemm_supported() {
 #if defined(CPUSERVE_VNNI)
@@ -51,17 +63,19 @@ bool vnni_gemm_supported() {
 }
 
 #if defined(CPUSERVE_VNNI)
+using cpuserve_simd::load16;
 using cpuserve_simd::to_bf16;
 
 inline __m512i bcast4(const int8_t* p) { return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p)); }
 
 // One GEMM's operands; block<R, C>(m, b) computes rows m..m+R-1 of column blocks b..b+C-1.
-template <int Bits>
+template <int Bits, typename Scale>
 struct Gemm {
   const int8_t* q;            // [M, K] activation codes
   const float *ax, *axs;      // [M, K / act_group]
+  const float* axt;           // [M]: sum of the row's axs (the per-channel form's zero term)
   const uint8_t* w;           // packed
-  const float *sc, *zo;       // [N/16, S, 16]
+  const Scale *sc, *zo;       // [N/16, S, 16] float or at::Half
   int64_t K, act_group, S, N;
   bf16* out;
 
@@ -70,6 +84,7 @@ struct Gemm {
     const int64_t A = K / act_group, wstride = K * 2 * Bits;  // packed bytes per column block
     const int8_t* qm = q + m * K;
     const __m512i low = _mm512_set1_epi8(0x0F);
+    const bool per_channel = S == 1;
     __m512 y[R][C];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) y[r][c] = _mm512_setzero_ps();
@@ -99,10 +114,15 @@ struct Gemm {
           }
         }
       }
-      const int64_t s = S == 1 ? 0 : g;  // per channel, or the weights' group (act_group = group)
-      for (int c = 0; c < C; ++c) {
-        const __m512 sv = _mm512_loadu_ps(sc + ((b + c) * S + s) * 16);
-        const __m512 zv = _mm512_loadu_ps(zo + ((b + c) * S + s) * 16);
+      if (per_channel) {
+        for (int r = 0; r < R; ++r) {
+          const __m512 a = _mm512_set1_ps(ax[(m + r) * A + g]);
+          for (int c = 0; c < C; ++c) y[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), a, y[r][c]);
+        }
+        continue;
+      }
+      for (int c = 0; c < C; ++c) {  // the weights' group g (act_group = group)
+        const __m512 sv = load16(sc + ((b + c) * S + g) * 16), zv = load16(zo + ((b + c) * S + g) * 16);
         for (int r = 0; r < R; ++r) {
           const __m512 t = _mm512_mul_ps(sv, _mm512_set1_ps(ax[(m + r) * A + g]));
           y[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), t, y[r][c]);
@@ -110,45 +130,66 @@ struct Gemm {
         }
       }
     }
+    if (per_channel) {
+      for (int c = 0; c < C; ++c) {
+        const __m512 sv = load16(sc + (b + c) * 16), zv = load16(zo + (b + c) * 16);
+        for (int r = 0; r < R; ++r)
+          y[r][c] = _mm512_fmadd_ps(y[r][c], sv, _mm512_mul_ps(zv, _mm512_set1_ps(axt[m + r])));
+      }
+    }
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m + r) * N + (b + c) * 16), to_bf16(y[r][c]));
   }
 
-  // Every row through column blocks b..b+C-1 (C = kCols or 1): 4 rows per register block, then the last 1-3
-  template <int C>
+  // Every row through column blocks b..b+C-1: R rows per register block, then one block of the last M % R
+  template <int R, int C>
   void all_rows(int64_t M, int64_t b) const {
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) block<4, C>(m, b);
-    switch (M - m) {
-      case 3: block<3, C>(m, b); break;
-      case 2: block<2, C>(m, b); break;
-      case 1: block<1, C>(m, b); break;
+    for (; m + R <= M; m += R) block<R, C>(m, b);
+    rest<R - 1, C>(m, M - m, b);
+  }
+
+  template <int R, int C>
+  void rest(int64_t m, int64_t left, int64_t b) const {  // left < R + 1 rows
+    if constexpr (R > 0) {
+      if (left == R) return block<R, C>(m, b);
+      rest<R - 1, C>(m, left, b);
     }
   }
 
   void run(int64_t M) const {
     const int64_t num_blocks = N / 16;
+    if (M <= kFewRows) {  // decode: a task is one column block, its weights read once for up to 8 rows at a time
+      cpuserve_tasks::share_tasks(num_blocks, [&](const auto& next) {
+        for (int64_t b; (b = next()) >= 0;) all_rows<8, 1>(M, b);
+      });
+      return;
+    }
     cpuserve_tasks::share_tasks((num_blocks + kCols - 1) / kCols, [&](const auto& next) {
       for (int64_t t; (t = next()) >= 0;) {
         const int64_t b = t * kCols;
         if (b + kCols <= num_blocks) {
-          all_rows<kCols>(M, b);
+          all_rows<4, kCols>(M, b);
         } else {
-          for (int64_t bb = b; bb < num_blocks; ++bb) all_rows<1>(M, bb);
+          for (int64_t bb = b; bb < num_blocks; ++bb) all_rows<4, 1>(M, bb);
         }
       }
     });
   }
 };
 
-// x [M, K] bf16 -> q [M, K] int8, ax and axs per act_group; rows shared between threads when there are many
-void quantize_rows(const bf16* x, int64_t M, int64_t K, int64_t act_group, int8_t* q, float* ax, float* axs) {
+// x [M, K] bf16 -> q [M, K] int8, ax and axs per act_group, axt per row; rows shared between threads when there
+// are many
+void quantize_rows(const bf16* x, int64_t M, int64_t K, int64_t act_group, int8_t* q, float* ax, float* axs,
+                   float* axt) {
   const int64_t A = K / act_group;
   const auto rows = [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       cpuserve_act::quantize_row(x + m * K, K, act_group, q + m * K, ax + m * A);
       cpuserve_act::group_sums(q + m * K, ax + m * A, K, act_group, axs + m * A);
+      axt[m] = 0.f;
+      for (int64_t a = 0; a < A; ++a) axt[m] += axs[m * A + a];
     }
   };
   if (M < 2 * kQuantRowsPerTask) return rows(0, M);
@@ -158,7 +199,7 @@ void quantize_rows(const bf16* x, int64_t M, int64_t K, int64_t act_group, int8_
 }
 #endif
 
-// x [M, K] bf16; packed [N/16, K*bits/32, 64] uint8; scales, zoffs [N/16, S, 16] fp32 -> out [M, N] bf16
+// x [M, K] bf16; packed [N/16, K*bits/32, 64] uint8; scales, zoffs [N/16, S, 16] fp32 or fp16 -> out [M, N] bf16
 at::Tensor& vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                           const at::Tensor& zoffs, int64_t bits, int64_t act_group, at::Tensor& out) {
   TORCH_CHECK(vnni_gemm_supported(), "the int8 dot-product GEMMs need AVX-512 VNNI (this CPU's build has none)");
@@ -171,8 +212,11 @@ at::Tensor& vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const a
   TORCH_CHECK(S == 1 || S == K / act_group, "scales must have 1 (per channel) or K/act_group=", K / act_group,
               " groups, got ", S);
   for (const auto* t : {&scales, &zoffs})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->sizes() == at::IntArrayRef({N / 16, S, 16}),
-                "scales and zoffs must be contiguous fp32 [N/16, S, 16]");
+    TORCH_CHECK((t->scalar_type() == at::kFloat || t->scalar_type() == at::kHalf) &&
+                    t->scalar_type() == scales.scalar_type() && t->is_contiguous() &&
+                    t->sizes() == at::IntArrayRef({N / 16, S, 16}),
+                "scales and zoffs must be contiguous [N/16, S, 16], both fp32 or both fp16; got ",
+                scales.scalar_type(), " ", scales.sizes(), " and ", zoffs.scalar_type(), " ", zoffs.sizes());
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous() && x.size(1) == K,
               "x must be contiguous bf16 [M, ", K, "], got ", x.scalar_type(), " ", x.sizes());
   const int64_t M = x.size(0);
@@ -180,16 +224,21 @@ at::Tensor& vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const a
               "out must be contiguous bf16 [", M, ", ", N, "], got ", out.scalar_type(), " ", out.sizes());
 #if defined(CPUSERVE_VNNI)
   auto q = at::empty({M, K}, x.options().dtype(at::kChar));
-  auto terms = at::empty({2, M, K / act_group}, x.options().dtype(at::kFloat));  // ax, axs
-  float *ax = terms[0].data_ptr<float>(), *axs = terms[1].data_ptr<float>();
-  quantize_rows(x.data_ptr<bf16>(), M, K, act_group, q.data_ptr<int8_t>(), ax, axs);
+  const int64_t A = K / act_group;
+  auto terms = at::empty({M * (2 * A + 1)}, x.options().dtype(at::kFloat));  // ax, axs [M, A]; axt [M]
+  float *ax = terms.data_ptr<float>(), *axs = ax + M * A, *axt = axs + M * A;
+  quantize_rows(x.data_ptr<bf16>(), M, K, act_group, q.data_ptr<int8_t>(), ax, axs, axt);
   const auto args = [&](auto gemm) {
-    gemm.q = q.data_ptr<int8_t>(), gemm.ax = ax, gemm.axs = axs, gemm.w = packed.data_ptr<uint8_t>();
-    gemm.sc = scales.data_ptr<float>(), gemm.zo = zoffs.data_ptr<float>();
+    using Scale = std::remove_const_t<std::remove_pointer_t<decltype(gemm.sc)>>;
+    gemm.q = q.data_ptr<int8_t>(), gemm.ax = ax, gemm.axs = axs, gemm.axt = axt, gemm.w = packed.data_ptr<uint8_t>();
+    gemm.sc = scales.data_ptr<Scale>(), gemm.zo = zoffs.data_ptr<Scale>();
     gemm.K = K, gemm.act_group = act_group, gemm.S = S, gemm.N = N, gemm.out = out.data_ptr<bf16>();
     return gemm;
   };
-  bits == 4 ? args(Gemm<4>{}).run(M) : args(Gemm<8>{}).run(M);
+  if (scales.scalar_type() == at::kHalf)
+    bits == 4 ? args(Gemm<4, at::Half>{}).run(M) : args(Gemm<8, at::Half>{}).run(M);
+  else
+    bits == 4 ? args(Gemm<4, float>{}).run(M) : args(Gemm<8, float>{}).run(M);
 #endif
   return out;
 }

@@ -7,12 +7,13 @@ import torch.nn.functional as F
 from cpuserve.engine.config import EngineConfig
 from cpuserve.engine.layers import native
 from cpuserve.engine.layers.linear import build_linear
-from cpuserve.engine.layers.linear.act_int8 import (W4A8Linear, W8A8Linear, pack_int4, pack_int8, quantize_rows,
-                                                    unpack_int4, unpack_int8)
+from cpuserve.engine.layers.linear.act_int8 import (W4A8Linear, W8A8Linear, _unblocked, compact_scales, pack_int4,
+                                                    pack_int8, quantize_rows, unpack_int4, unpack_int8)
 from cpuserve.engine.layers.linear.int4 import dequantize_int4, quantize_int4
 
 pytestmark = pytest.mark.skipif(not native.vnni_gemm_enabled(), reason="needs the AVX-512 VNNI kernels")
-ROWS = [1, 2, 3, 4, 5, 8, 17, 40]  # whole 4-row register blocks and every remainder
+# decode (<= 16 rows: 8-row register blocks and every remainder) and beyond (4-row blocks, every remainder)
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 17, 18, 19, 40]
 
 
 def make_weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -105,7 +106,29 @@ def test_packing_round_trips_and_dequantize_is_the_int4_weight():
     q = torch.randint(0, 256, (32, 64), dtype=torch.int32)
     assert torch.equal(unpack_int8(pack_int8(q)), q)
     m = build_linear(w, None, "int4", 64, activations="int8")
-    torch.testing.assert_close(m.dequantize(), dequantize_int4(codes, scale, zero, 64), rtol=0, atol=1e-6)
+    assert m.scales.dtype == m.zoffs.dtype == torch.float16
+    zoff_rounding = 2 ** -11 * (zero.float() - 8 * scale.float()).abs().max().item()  # zoff is kept in fp16
+    torch.testing.assert_close(m.dequantize(), dequantize_int4(codes, scale, zero, 64), rtol=0, atol=zoff_rounding)
+
+
+@pytest.mark.parametrize("fmt,bits", [("int4", 4), ("int8", 8)])
+def test_fp16_and_fp32_scales_give_the_same_bits(fmt, bits):
+    m = build_linear(make_weight(192, 576), None, fmt, 32, activations="int8")
+    x = make_x(9, 576)
+    s16, z16 = m.scales.half(), m.zoffs.half()
+    y16 = torch.ops.cpuserve.vnni_gemm(x, m.packed, s16, z16, bits, m.act_group)
+    assert torch.equal(y16, torch.ops.cpuserve.vnni_gemm(x, m.packed, s16.float(), z16.float(), bits, m.act_group))
+    with pytest.raises(RuntimeError, match="both fp32 or both fp16"):
+        torch.ops.cpuserve.vnni_gemm(x, m.packed, s16, z16.float(), bits, m.act_group)
+
+
+def test_scales_are_fp16_only_where_fp16_holds_them_exactly():
+    d = torch.rand(32, 4).half().float()  # a GGUF block's fp16 scale and min convert exactly
+    scale, zoff = compact_scales(d, -d)
+    assert scale.dtype == zoff.dtype == torch.float16
+    scale, zoff = compact_scales(d, d / 3)  # not representable in fp16: both stay fp32
+    assert scale.dtype == zoff.dtype == torch.float32
+    assert torch.equal(_unblocked(zoff), d / 3)
 
 
 def test_row_quantization_reference():
