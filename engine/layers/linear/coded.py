@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from cpuserve.engine.layers.linear.act_int8 import (BLOCK_N, W4A8Linear, W8A8Linear, _blocked, pack_int4,
+from cpuserve.engine.layers.linear.act_int8 import (BLOCK_N, W4A8Linear, W8A8Linear, compact_scales, pack_int4,
                                                      pack_int8)
 from cpuserve.engine.layers.linear.int4 import INNER_K_TILES, Int4Linear
 
@@ -119,8 +119,9 @@ def to_linear(weight: CodedWeight, fmt: str) -> W4A8Linear | W8A8Linear:
     layer = cls(k, n, "int4" if bits == 4 else "int8", weight.group)
     layer.act_group = weight.group
     layer.register_buffer("packed", pack_int4(weight.codes) if bits == 4 else pack_int8(weight.codes))
-    layer.register_buffer("scales", _blocked(weight.scale))
-    layer.register_buffer("zoffs", _blocked(weight.zoff))
+    scales, zoffs = compact_scales(weight.scale, weight.zoff)  # fp16 where it holds them exactly (Q4_0, Q4_1, Q8_0)
+    layer.register_buffer("scales", scales)
+    layer.register_buffer("zoffs", zoffs)
     return layer
 
 
