@@ -1,4 +1,5 @@
-"""GGUF checkpoints (llama.cpp's format): hyper-parameters, tokenizer and dequantized weights.
+"""GGUF checkpoints (llama.cpp's format): hyper-parameters, tokenizer, and weights: float tensors as fp32, block-
+quantized ones as their own codes and group scales (gguf_codes.py).
 
 Weights come out in Hugging Face Llama naming and layout, so the model has one load path for both formats.
 The one layout quirk: llama.cpp's converter permutes the rows of Q and K in every head from HF's
