@@ -66,7 +66,7 @@ def measure(sizes: list[str], cfg: dict, cache_dir: str, compare, peer_engines, 
     for size in sizes:
         path = synthetic_real(size, cache_dir, log)
         raw["real_files"][size] = {"path": path, "bytes_per_token": bytes_per_token(path)}
-        engines = peer_engines(["llama.cpp"], dict(cfg, model=path, prefill_len=0), f"_{size}")
+        engines = peer_engines(["llama.cpp"], dict(cfg, model=path, prefill_len=0), f"_q4km_{size}")
         raw.update(compare(engines, [("decode", (b,), list(engines)) for b in cfg["batches"]], cfg["reps"]))
     return raw
 
@@ -76,7 +76,8 @@ def rows(raw: dict, peer_rows, row) -> list[dict]:
     out = []
     bandwidth = raw.get("bandwidth_gb_s")
     for size, info in raw.get("real_files", {}).items():
-        ours, theirs = raw.get(f"cpuserve_{size}", {}), raw.get(f"llama_cpp_{size}", {"error": "skipped"})
+        # keys apart from engine.py's own synthetic 1B ("cpuserve_1b"), whose rows would otherwise repeat these
+        ours, theirs = raw.get(f"cpuserve_q4km_{size}", {}), raw.get(f"llama_cpp_q4km_{size}", {"error": "skipped"})
         out += peer_rows(dict(raw, llama_cpp=theirs), ours, "llama_cpp", raw["sizes"]["batches"],
                          prefix=f"{size.upper()} Q4_K_M ")
         shares = [bandwidth_share(_b1(answer), info["path"], bandwidth) for answer in (ours, theirs)]
