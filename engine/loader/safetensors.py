@@ -12,14 +12,17 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer as BackendTokenizer
 
+from cpuserve.engine.loader.fused import FUSED, split_fused
 from cpuserve.engine.models.args import ModelArgs, RopeScaling
 from cpuserve.engine.tokenizer import END_OF_TURN_TEXTS, Tokenizer
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                           "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3"}
 SUPPORTED_DTYPES = ("F32", "F16", "BF16")
 _WEIGHT_RE = re.compile(
     r"model\.embed_tokens\.weight|model\.norm\.weight|lm_head\.weight|model\.layers\.\d+\.("
-    r"input_layernorm|post_attention_layernorm|mlp\.(gate|up|down)_proj|self_attn\.o_proj"
+    r"input_layernorm|post_attention_layernorm|mlp\.(gate|up|down|gate_up)_proj|self_attn\.(o|qkv)_proj|"
+    r"self_attn\.[qk]_norm"
     r")\.weight|model\.layers\.\d+\.self_attn\.[qkv]_proj\.(weight|bias)"
 )
 _IGNORED_RE = re.compile(r".*rotary_emb\.inv_freq")  # old checkpoints saved this buffer; it is recomputed
@@ -58,10 +61,18 @@ def build_model_args(config: dict[str, Any], path: str) -> ModelArgs:
     arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise ValueError(f"{path}/config.json: architectures={archs} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
-    if arch == "llama" and config.get("attention_bias"):
-        raise ValueError(f"{path}/config.json: attention_bias=true is not supported for Llama models")
+    if arch in ("llama", "qwen3") and config.get("attention_bias"):
+        raise ValueError(f"{path}/config.json: attention_bias=true is not supported for {archs[0]}")
+    if float(config.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(f"{path}/config.json: partial_rotary_factor={config['partial_rotary_factor']} is not "
+                         "supported; only full-head RoPE (1.0)")
     theta, scaling = _rope(config, path)
     n_heads = int(config["num_attention_heads"])
+    max_len = int(config["max_position_embeddings"])
+    if config.get("sliding_window") and (config.get("use_sliding_window", True)):
+        # Mistral v0.1, Phi-3: attention over the last `sliding_window` tokens; within that many tokens it is
+        # full causal attention, which is what the engine computes, so the context stops there
+        max_len = min(max_len, int(config["sliding_window"]))
     return ModelArgs(
         arch=arch,
         dim=int(config["hidden_size"]),
@@ -71,12 +82,13 @@ def build_model_args(config: dict[str, Any], path: str) -> ModelArgs:
         head_dim=int(config.get("head_dim") or config["hidden_size"] // n_heads),
         ffn_dim=int(config["intermediate_size"]),
         vocab_size=int(config["vocab_size"]),
-        max_seq_len=int(config["max_position_embeddings"]),
+        max_seq_len=max_len,
         norm_eps=float(config.get("rms_norm_eps", 1e-5)),
         rope_theta=theta,
         rope_scaling=scaling,
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
     )
 
 
@@ -133,6 +145,7 @@ class SafetensorsWeights:
     """Streams the folder's tensors as fp32, one at a time (safetensors files are memory-mapped)."""
 
     def __init__(self, folder: str, args: ModelArgs):
+        self.args = args
         self.files = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors"))
         if not self.files:
             raise ValueError(f"{folder}: no *.safetensors files (only safetensors weights are supported, not .bin)")
@@ -155,14 +168,14 @@ class SafetensorsWeights:
             raise ValueError(f"{file}: tensor {name!r} has dtype {dtype}; supported: {', '.join(SUPPORTED_DTYPES)}")
 
     def __len__(self) -> int:
-        return len(self.names)
+        return sum(3 if name.endswith(FUSED[0]) else 2 if name.endswith(FUSED[1]) else 1 for _, name in self.names)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         handles: dict[str, Any] = {}
         for file, name in self.names:
             if file not in handles:
                 handles = {file: safe_open(file, framework="pt")}  # one shard open at a time
-            yield name, handles[file].get_tensor(name).to(torch.float32)
+            yield from split_fused(name, handles[file].get_tensor(name).to(torch.float32), self.args)
 
 
 def load_hf_folder(folder: str) -> tuple[ModelArgs, Tokenizer, SafetensorsWeights]:

@@ -17,7 +17,7 @@ class RopeScaling:
 
 @dataclass(slots=True)
 class ModelArgs:
-    arch: str  # "llama"
+    arch: str  # "llama", "qwen2", "qwen3", "phi3"
     dim: int  # hidden size
     n_layers: int
     n_heads: int
@@ -31,6 +31,7 @@ class ModelArgs:
     rope_scaling: RopeScaling | None = None
     tie_embeddings: bool = False  # lm_head shares token embeddings
     qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and k before RoPE
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:

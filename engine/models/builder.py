@@ -9,6 +9,7 @@ import torch
 from tqdm import tqdm
 
 from cpuserve.engine.layers.linear import QuantLinear, build_linear
+from cpuserve.engine.layers.linear.coded import CodedWeight, concat_rows
 from cpuserve.engine.models.llama import MLP, Attention, LlamaModel, TransformerBlock
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -30,7 +31,8 @@ def lm_head_format(weights: str) -> str:
 
 def build_model(checkpoint, weights: str, group_size: int, show_progress: bool = True,
                 activations: str = "bf16") -> LlamaModel:
-    """checkpoint: a loader Checkpoint (args + iter_weights of fp32 tensors in Hugging Face Llama naming);
+    """checkpoint: a loader Checkpoint or a rank's ShardedCheckpoint (args + iter_native_weights: tensors in Hugging
+    Face Llama naming, fp32, a GGUF's block-quantized ones as CodedWeight whose codes build_linear may keep);
     activations: what int4 / int8 weights multiply (build_linear's)."""
     args = checkpoint.args
     dtype = activation_dtype(weights)
@@ -38,16 +40,16 @@ def build_model(checkpoint, weights: str, group_size: int, show_progress: bool =
     layers: dict[int, TransformerBlock] = {}
     top: dict[str, torch.Tensor] = {}
     lm_head = None
-    stream = tqdm(checkpoint.iter_weights(), total=checkpoint.num_tensors, desc=f"loading and converting to {weights}",
-                  unit="tensor", disable=not show_progress, leave=False)
+    stream = tqdm(checkpoint.iter_native_weights(), total=checkpoint.num_tensors,
+                  desc=f"loading and converting to {weights}", unit="tensor", disable=not show_progress, leave=False)
     for name, tensor in stream:
         match = _LAYER.fullmatch(name)
         # the vocabulary-sized tensors are converted as they arrive, so their fp32 copies are never held together
         # with the layers' (a 1B model's embedding and lm_head are 262 MB each in fp32)
         if name == "lm_head.weight" or (name == "model.embed_tokens.weight" and args.tie_embeddings):
             lm_head = build_linear(tensor, None, lm_head_format(weights), group_size, activations=activations)
-        if name == "model.embed_tokens.weight":
-            tensor = tensor.to(dtype)
+        if name == "model.embed_tokens.weight":  # the lookup table, in the activation dtype
+            tensor = tensor.dequantize(False, dtype) if isinstance(tensor, CodedWeight) else tensor.to(dtype)
         elif name == "lm_head.weight":
             tensor = None  # kept only as lm_head: the name marks it as present
         if match is None:
@@ -55,11 +57,11 @@ def build_model(checkpoint, weights: str, group_size: int, show_progress: bool =
             continue
         index, part = int(match.group(1)), match.group(2)
         pending[index][part] = tensor
-        if all(p in pending[index] for p in _LAYER_PARTS) and (not args.qkv_bias or _has_biases(pending[index])):
+        if all(p in pending[index] for p in _parts(args)):
             layers[index] = _build_block(args, pending.pop(index), weights, group_size, dtype, activations)
     missing = [i for i in range(args.n_layers) if i not in layers]
     if missing:
-        raise ValueError(f"checkpoint is missing tensors of layer(s) {missing[:5]}: expected {list(_LAYER_PARTS)}")
+        raise ValueError(f"checkpoint is missing tensors of layer(s) {missing[:5]}: expected {_parts(args)}")
     required = ("model.embed_tokens.weight", "model.norm.weight") + (() if args.tie_embeddings else ("lm_head.weight",))
     for name in required:
         if name not in top:
@@ -70,8 +72,11 @@ def build_model(checkpoint, weights: str, group_size: int, show_progress: bool =
     return model.eval()
 
 
-def _has_biases(parts: dict[str, torch.Tensor]) -> bool:
-    return all(f"self_attn.{p}_proj.bias" in parts for p in "qkv")
+def _parts(args) -> list[str]:
+    """The tensors a layer of this model needs before it can be built."""
+    extra = [f"self_attn.{p}_proj.bias" for p in "qkv"] if args.qkv_bias else []
+    extra += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"] if args.qk_norm else []
+    return [*_LAYER_PARTS, *extra]
 
 
 def _build_block(args, parts: dict[str, torch.Tensor], weights: str, group_size: int, dtype,
@@ -79,10 +84,13 @@ def _build_block(args, parts: dict[str, torch.Tensor], weights: str, group_size:
     def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> QuantLinear:
         return build_linear(weight, bias, weights, group_size, activations=activations)
 
-    qkv_weight = torch.cat([parts[f"self_attn.{p}_proj.weight"] for p in "qkv"])  # [(H + 2 Hkv) D, dim]
+    qkv_weight = concat_rows([parts[f"self_attn.{p}_proj.weight"] for p in "qkv"])  # [(H + 2 Hkv) D, dim]
     qkv_bias = torch.cat([parts[f"self_attn.{p}_proj.bias"] for p in "qkv"]) if args.qkv_bias else None
     attention = Attention(args, linear(qkv_weight, qkv_bias), linear(parts["self_attn.o_proj.weight"]))
-    gate_up = torch.cat([parts["mlp.gate_proj.weight"], parts["mlp.up_proj.weight"]])  # [2 ffn, dim]
+    if args.qk_norm:  # in the activation dtype, as the block's norms
+        attention.q_norm.weight.data = parts["self_attn.q_norm.weight"].to(dtype)
+        attention.k_norm.weight.data = parts["self_attn.k_norm.weight"].to(dtype)
+    gate_up = concat_rows([parts["mlp.gate_proj.weight"], parts["mlp.up_proj.weight"]])  # [2 ffn, dim]
     mlp = MLP(linear(gate_up), linear(parts["mlp.down_proj.weight"]))
     block = TransformerBlock(args, attention, mlp, dtype)
     block.attention_norm.weight.data = parts["input_layernorm.weight"].to(dtype)

@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, Mistral, SmolLM, TinyLlama; Qwen2 with qkv bias) over a paged KV pool.
+"""The Llama family (Llama 2/3, Mistral, SmolLM, TinyLlama; Qwen2 with qkv bias; Qwen3 with q/k norms; Phi-3,
+whose fused projections the loaders split) over a paged KV pool.
 
 Tokens of all sequences in a step are flattened into one batch [N, dim]: decodes first (one token each),
 then prefill chunks. Linear layers see the whole batch; attention splits it by sequence.
@@ -57,11 +58,17 @@ class Attention(nn.Module):
         self.qkv = qkv  # q, k and v projections fused into one matmul
         self.o_proj = o_proj
         self.kv: LayerKV | None = None  # bound by the runner once the pool exists
+        # Qwen3: per-head RMSNorm of q and k (weights [D], shared by the heads); the builder sets the weights
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps, torch.float32) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps, torch.float32) if args.qk_norm else None
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
         h, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.qkv(x).view(n, h + 2 * hkv, d)  # qkv: [N, H + 2 Hkv, D]
+        if self.q_norm is not None:
+            qkv[:, :h] = self.q_norm(qkv[:, :h])
+            qkv[:, h:h + hkv] = self.k_norm(qkv[:, h:h + hkv])
         kv = self.kv
         ops.rope_write_kv(qkv, meta.cos, meta.sin, h, kv, meta.slot_mapping)  # RoPE on q and k, K and V into the pool
         q = qkv[:, :h]  # q: [N, H, D]

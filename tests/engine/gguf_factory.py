@@ -152,16 +152,21 @@ def add_spm_tokenizer(writer: gguf.GGUFWriter) -> None:
     writer.add_add_bos_token(True)
 
 
-def add_llama_metadata(writer: gguf.GGUFWriter, shape: Shape, vocab_size: int, theta: float = 10000.0) -> None:
+def add_llama_metadata(writer: gguf.GGUFWriter, shape: Shape, vocab_size: int, theta: float = 10000.0,
+                       head_dim: int | None = None, norm_eps: float = 1e-5) -> None:
+    """head_dim: written as key/value length when it is not dim / n_heads (Qwen3)."""
+    if head_dim is not None:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_context_length(shape.ctx)
     writer.add_embedding_length(shape.dim)
     writer.add_block_count(shape.n_layers)
     writer.add_feed_forward_length(shape.ffn_dim)
     writer.add_head_count(shape.n_heads)
     writer.add_head_count_kv(shape.n_kv_heads)
-    writer.add_rope_dimension_count(shape.dim // shape.n_heads)
+    writer.add_rope_dimension_count(head_dim or shape.dim // shape.n_heads)
     writer.add_rope_freq_base(theta)
-    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_layer_norm_rms_eps(norm_eps)
     writer.add_vocab_size(vocab_size)
 
 

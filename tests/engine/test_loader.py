@@ -189,20 +189,22 @@ def test_unsupported_architecture(tmp_path):
     path = tmp_path / "gpt2.gguf"
     tokens, _, _ = gf.tiny_vocab()
     gf.write_llama_gguf(path, gf.make_llama_weights(gf.TINY, len(tokens)), gf.TINY, arch="gpt2")
-    with pytest.raises(ValueError, match=r"gpt2\.gguf: general.architecture='gpt2' is not supported; supported: \['llama', 'qwen2'\]"):
+    with pytest.raises(ValueError, match=r"gpt2\.gguf: general.architecture='gpt2' is not supported; supported: \['llama', 'phi3', 'qwen2', 'qwen3'\]"):
         load_checkpoint(str(path))
 
 
 def test_unsupported_tensor_type(tmp_path):
-    path = tmp_path / "q6k.gguf"
+    path = tmp_path / "iq4_nl.gguf"
     tokens, _, _ = gf.tiny_vocab()
     weights = gf.make_llama_weights(gf.TINY, len(tokens))
-    # Q6_K: 210-byte blocks of 256 values; random bytes are enough, the loader must refuse before reading them
+    # IQ4_NL: 18-byte blocks of 32 values; random bytes are enough, the loader must refuse before reading them
     del weights["model.layers.1.mlp.down_proj.weight"]
-    block_bytes, block_size = gguf.GGML_QUANT_SIZES[QT.Q6_K][1], gguf.GGML_QUANT_SIZES[QT.Q6_K][0]
-    raw = np.zeros((gf.TINY.dim, 256 // block_size * block_bytes), dtype=np.uint8)
-    gf.write_llama_gguf(path, weights, gf.TINY, raw_tensors={"blk.1.ffn_down.weight": (raw, QT.Q6_K)})
-    with pytest.raises(ValueError, match=r"tensor 'blk.1.ffn_down.weight' has type Q6_K; supported types: F32, F16, BF16, Q8_0, Q4_0, Q4_1"):
+    block_size, block_bytes = gguf.GGML_QUANT_SIZES[QT.IQ4_NL]
+    raw = np.zeros((gf.TINY.dim, gf.TINY.ffn_dim // block_size * block_bytes), dtype=np.uint8)
+    gf.write_llama_gguf(path, weights, gf.TINY, raw_tensors={"blk.1.ffn_down.weight": (raw, QT.IQ4_NL)})
+    with pytest.raises(ValueError, match=r"iq4_nl.gguf: tensor 'blk.1.ffn_down.weight' has type IQ4_NL; supported "
+                                         r"types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, "
+                                         r"Q5_K, Q6_K"):
         load_checkpoint(str(path))
 
 

@@ -4,6 +4,7 @@
     dense.py    fp32 / bf16, and the dequantized fallback for shapes the int4 / int8 kernels refuse
     int4.py     group-wise RTN int4 in torch's int4pack layout, our GEMM or torch's
     int8.py     per-channel int8, our GEMM or torch's
+    coded.py    CodedWeight: a GGUF tensor's own codes + group scales, kept by the int8-activation layers
     factory.py  build_linear(weight, bias, fmt, group_size): validates and picks the class
 
 The formats and group sizes are listed once, in engine/config.py (WEIGHT_FORMATS, GROUP_SIZES).

@@ -11,6 +11,8 @@ from cpuserve.engine.config import ACTIVATION_FORMATS, GROUP_SIZES, WEIGHT_FORMA
 from cpuserve.engine.layers import native
 from cpuserve.engine.layers.linear.act_int8 import W4A8Linear, W8A8Linear
 from cpuserve.engine.layers.linear.base import QuantLinear
+from cpuserve.engine.layers.linear.coded import (CodedWeight, coded_misfit, int4pack_misfit, to_int4pack_linear,
+                                                 to_linear)
 from cpuserve.engine.layers.linear.dense import DenseLinear
 from cpuserve.engine.layers.linear.int4 import Int4Linear
 from cpuserve.engine.layers.linear.int8 import Int8Linear
@@ -21,12 +23,15 @@ assert tuple(_CLASSES) == WEIGHT_FORMATS, "every weight format needs a class"
 log = logging.getLogger(__name__)
 
 
-def build_linear(weight: Tensor, bias: Tensor | None, fmt: str, group_size: int = 32,
+def build_linear(weight: Tensor | CodedWeight, bias: Tensor | None, fmt: str, group_size: int = 32,
                  use_fallback: bool = False, activations: str = "bf16") -> QuantLinear:
-    """Quantize a float weight into the runtime format.
+    """Quantize a float weight into the runtime format, or keep a file's codes.
 
     Args:
-        weight: [N (out_features), K (in_features)] float.
+        weight: [N (out_features), K (in_features)] float, or a CodedWeight (a GGUF's block-quantized tensor). Its
+            codes are kept as they are (group_size is then the file's) when fmt is int4 / int8 and activations
+            int8 on the VNNI kernels: 4-bit codes as int4 if fmt is int4, wider ones as int8. Else it is
+            dequantized and quantized like a float weight.
         bias: [N] or None.
         fmt: one of WEIGHT_FORMATS.
         group_size: int4 group along K, one of GROUP_SIZES (validated for every fmt).
@@ -43,19 +48,41 @@ def build_linear(weight: Tensor, bias: Tensor | None, fmt: str, group_size: int 
         raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size!r}")
     if activations not in ACTIVATION_FORMATS:
         raise ValueError(f"activations must be one of {ACTIVATION_FORMATS}, got {activations!r}")
-    if weight.dim() != 2:
+    if len(weight.shape) != 2:
         raise ValueError(f"weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
     n = weight.shape[0]
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
     with torch.no_grad():
+        if isinstance(weight, CodedWeight):
+            if _keeps_codes(weight, fmt, use_fallback, activations):
+                linear = to_linear(weight, fmt)
+                return _with_bias(linear, bias)
+            if fmt == "int4" and not use_fallback and not int4pack_misfit(weight):  # bf16 activations, same codes
+                return _with_bias(to_int4pack_linear(weight), bias)
+            if fmt == "int4" and weight.bits > 4:  # never fewer bits than the file: 5..8-bit codes re-quantize to int8
+                fmt = "int8"
+            weight = weight.dequantize()
         if _int8_activations(weight, fmt, group_size, use_fallback, activations):
             linear = _INT8_ACT_CLASSES[fmt].from_float(weight.detach(), fmt, group_size)
         else:
             linear = _CLASSES[fmt].from_float(weight.detach(), fmt, group_size, use_fallback)
-        if bias is not None:
-            linear.bias = bias.detach().to(linear.act_dtype).contiguous()
+        return _with_bias(linear, bias)
+
+
+def _with_bias(linear: QuantLinear, bias: Tensor | None) -> QuantLinear:
+    if bias is not None:
+        linear.bias = bias.detach().to(linear.act_dtype).contiguous()
     return linear
+
+
+def _keeps_codes(weight: CodedWeight, fmt: str, use_fallback: bool, activations: str) -> bool:
+    if activations != "int8" or fmt not in _INT8_ACT_CLASSES or use_fallback:
+        return False
+    if not native.vnni_gemm_enabled():
+        _warn_no_vnni()
+        return False
+    return not coded_misfit(weight)
 
 
 def _int8_activations(weight: Tensor, fmt: str, group_size: int, use_fallback: bool, activations: str) -> bool:

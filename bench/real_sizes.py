@@ -1,0 +1,91 @@
+"""The models users bring, at their real sizes: random-weight Q4_K_M GGUFs of Llama 3.2 1B / 3B and Llama 3.1 8B
+(the real shapes and vocabulary, llama.cpp's Q4_K_M type per tensor: kquant_recipe.py), and the machine's memory
+bandwidth, so decode at batch 1 can be read as a share of what the memory can deliver.
+
+bench/engine.py --real-sizes 1b,3b,8b measures cpuserve and llama.cpp on the same file in the same run.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+REAL = {"1b": "llama3.2-1b", "3b": "llama3.2-3b", "8b": "llama3.1-8b"}
+BANDWIDTH_BYTES = 1 << 30  # 1 GiB read per measurement: far beyond any cache
+
+
+def synthetic_real(size: str, cache_dir: str, log=print) -> str:
+    """The Q4_K_M GGUF of REAL[size], written once into cache_dir (1B ~1 GB, 3B ~2 GB, 8B ~5 GB)."""
+    from synthetic_gguf import PRESETS, REAL_TIED, REAL_VOCAB, write_synthetic_llama
+
+    preset = REAL[size]
+    path = os.path.join(cache_dir, f"{preset}-q4_k_m.gguf")
+    if not os.path.exists(path):
+        log(f"writing the synthetic {preset} Q4_K_M to {path} (once)")
+        os.makedirs(cache_dir, exist_ok=True)
+        write_synthetic_llama(path + ".part", **PRESETS[preset], vocab_size=REAL_VOCAB[preset], ctx=8192,
+                              qtype="Q4_K_M", tie_embeddings=REAL_TIED[preset])
+        os.replace(path + ".part", path)
+    return path
+
+
+def bytes_per_token(path: str) -> int:
+    """The file's bytes one decode step must read: every weight matrix, the output projection included; of the
+    embedding table only its rows (nothing) unless it is also the output projection (tied)."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    return sum(int(t.n_bytes) for t in reader.tensors if t.name != "token_embd.weight" or tied)
+
+
+def memory_bandwidth(threads: int, reps: int = 5) -> float:
+    """Read bandwidth in GB/s: torch summing a 1 GiB fp32 tensor with `threads` threads, median of reps."""
+    import torch
+
+    torch.set_num_threads(threads)
+    x = torch.ones(BANDWIDTH_BYTES // 4)
+    x.sum()  # pages touched, threads up
+    runs = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        x.sum()
+        runs.append(BANDWIDTH_BYTES / (time.perf_counter() - start) / 1e9)
+    return statistics.median(runs)
+
+
+def bandwidth_share(tok_s: float | None, path: str, bandwidth_gb_s: float) -> float | None:
+    """tokens/s x bytes read per token over the measured bandwidth (1.0: decode reads at the memory's speed)."""
+    return None if not tok_s else tok_s * bytes_per_token(path) / 1e9 / bandwidth_gb_s
+
+
+def measure(sizes: list[str], cfg: dict, cache_dir: str, compare, peer_engines, log=print) -> dict:
+    """Decode at every batch of cfg, cpuserve and llama.cpp on each size's file (compare / peer_engines are
+    bench/engine.py's), plus the memory bandwidth and each file's bytes per token."""
+    raw = {"bandwidth_gb_s": memory_bandwidth(cfg["threads"]), "real_files": {}}
+    for size in sizes:
+        path = synthetic_real(size, cache_dir, log)
+        raw["real_files"][size] = {"path": path, "bytes_per_token": bytes_per_token(path)}
+        engines = peer_engines(["llama.cpp"], dict(cfg, model=path, prefill_len=0), f"_q4km_{size}")
+        raw.update(compare(engines, [("decode", (b,), list(engines)) for b in cfg["batches"]], cfg["reps"]))
+    return raw
+
+
+def rows(raw: dict, peer_rows, row) -> list[dict]:
+    """bench/engine.py's rows for each size (peer_rows / row are its helpers) and the bandwidth shares at batch 1."""
+    out = []
+    bandwidth = raw.get("bandwidth_gb_s")
+    for size, info in raw.get("real_files", {}).items():
+        # keys apart from engine.py's own synthetic 1B ("cpuserve_1b"), whose rows would otherwise repeat these
+        ours, theirs = raw.get(f"cpuserve_q4km_{size}", {}), raw.get(f"llama_cpp_q4km_{size}", {"error": "skipped"})
+        out += peer_rows(dict(raw, llama_cpp=theirs), ours, "llama_cpp", raw["sizes"]["batches"],
+                         prefix=f"{size.upper()} Q4_K_M ")
+        shares = [bandwidth_share(_b1(answer), info["path"], bandwidth) for answer in (ours, theirs)]
+        out.append(row(f"{size.upper()} Q4_K_M decode b1 share of bandwidth", shares[0], shares[1], theirs,
+                       f"tok/s x {info['bytes_per_token'] / 1e9:.2f} GB per token / {bandwidth:.1f} GB/s measured"))
+    return out
+
+
+def _b1(answer: dict) -> float | None:
+    entry = answer.get("decode", {}).get("1") if isinstance(answer, dict) else None
+    return entry["median"] if entry else None

@@ -1,0 +1,144 @@
+"""A quantized weight kept as a file stored it: unsigned integer codes, one scale and one offset per group along K.
+
+    w[n, k] = codes[n, k] * scale[n, k // group] + zoff[n, k // group]
+
+That is the form of every GGUF block type the loader keeps (engine/loader/gguf_codes.py) and the form the int8-
+activation kernels multiply (act_int8.py: unsigned codes, w = code * scale + zoff, one scale per activation group),
+so a file's 4-bit codes reach the VNNI kernel unchanged and the engine computes with the file's own weights.
+`to_linear` builds that layer. With bf16 activations, 4-bit codes in groups of 32 keep their codes in torch's int4
+layout (`to_int4pack_linear`: scale and zero rounded to bf16, which that kernel reads); anything else dequantizes.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from cpuserve.engine.layers.linear.act_int8 import (BLOCK_N, W4A8Linear, W8A8Linear, compact_scales, pack_int4,
+                                                     pack_int8)
+from cpuserve.engine.layers.linear.int4 import INNER_K_TILES, Int4Linear
+
+DEQUANTIZE_ROWS = 2048  # rows per float64 pass: bounded temporaries for any tensor size
+
+
+@dataclass
+class CodedWeight:
+    """codes [N, K] uint8 below 2**bits; scale, zoff [N, K // group] fp32; source: the file's type (e.g. "Q4_K")."""
+
+    codes: Tensor
+    scale: Tensor
+    zoff: Tensor
+    group: int
+    bits: int  # 4 or 8: the narrowest storage that holds every code
+    source: str
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def dequantize(self, exact: bool = True, dtype: torch.dtype = torch.float32) -> Tensor:
+        """[N, K] in dtype. exact: each value computed in float64 and rounded once to fp32, as a file's own decoder
+        does (a 6-bit code times a 19-bit Q6_K scale can round in fp32); else in fp32 (3x faster: for a bf16
+        embedding table, whose own rounding is far coarser)."""
+        n, k = self.codes.shape
+        work = torch.float64 if exact else torch.float32
+        out = torch.empty(n, k, dtype=dtype)
+        for start in range(0, n, DEQUANTIZE_ROWS):
+            rows = slice(start, start + DEQUANTIZE_ROWS)
+            c = self.codes[rows].to(work).reshape(-1, k // self.group, self.group)  # c: [rows, G, group]
+            w = c * self.scale[rows].to(work)[..., None] + self.zoff[rows].to(work)[..., None]
+            out[rows] = w.reshape(-1, k).float().to(dtype)
+        return out
+
+    def map_rows(self, fn: Callable[[Tensor], Tensor]) -> "CodedWeight":
+        """The same weight with its rows rearranged by fn (applied to codes, scales and offsets alike)."""
+        return CodedWeight(fn(self.codes), fn(self.scale), fn(self.zoff), self.group, self.bits, self.source)
+
+    def slice_with(self, fn: Callable[[Tensor], Tensor]) -> "CodedWeight":
+        """The weight cut by fn, a function that cuts an [N, K] tensor (rows, whole groups of columns, zero rows
+        appended): codes directly; scales and offsets through their [N, K] expansion, so fn sees one layout.
+
+        Raises:
+            ValueError: fn cuts through a group.
+        """
+        g = self.group
+        n, k = self.codes.shape
+        ids = fn(torch.arange(k // g, dtype=torch.int32).repeat_interleave(g).expand(n, k))[:1]  # group id per column
+        if ids.shape[1] % g or not torch.equal(ids.view(-1, g), ids.view(-1, g)[:, :1].expand(-1, g)):
+            raise ValueError(f"a cut of this {self.source} weight splits its groups of {g} columns")
+        part = lambda t: fn(t.repeat_interleave(g, 1))[:, ::g].contiguous()  # noqa: E731 - [rows, K'] -> [rows, G']
+        return CodedWeight(fn(self.codes).contiguous(), part(self.scale), part(self.zoff), g, self.bits, self.source)
+
+    def regroup(self, group: int) -> "CodedWeight":
+        """The same values with a finer group (a divisor of self.group): each scale repeated, exactly."""
+        if group == self.group:
+            return self
+        assert self.group % group == 0, (self.group, group)
+        rep = self.group // group
+        return CodedWeight(self.codes, self.scale.repeat_interleave(rep, 1), self.zoff.repeat_interleave(rep, 1),
+                           group, self.bits, self.source)
+
+
+def as_float(weight: Tensor | CodedWeight) -> Tensor:
+    return weight.dequantize() if isinstance(weight, CodedWeight) else weight
+
+
+def concat_rows(parts: list[Tensor | CodedWeight]) -> Tensor | CodedWeight:
+    """Stack weights along N (a fused qkv or gate/up). Coded parts keep their codes: the finest group and the widest
+    storage of the parts (a Q4_K_M file's Q4_K q / k beside its Q6_K v become 8-bit codes in groups of 16, exactly).
+    A float part among coded ones makes the whole fused weight float."""
+    if not all(isinstance(p, CodedWeight) for p in parts):
+        return torch.cat([as_float(p) for p in parts])
+    group = min(p.group for p in parts)
+    if any(p.group % group for p in parts):
+        return torch.cat([as_float(p) for p in parts])
+    coded = [p.regroup(group) for p in parts]
+    sources = "+".join(dict.fromkeys(p.source for p in parts))
+    return CodedWeight(torch.cat([p.codes for p in coded]), torch.cat([p.scale for p in coded]),
+                       torch.cat([p.zoff for p in coded]), group, max(p.bits for p in parts), sources)
+
+
+def coded_misfit(weight: CodedWeight) -> str:
+    """Why the VNNI kernel cannot take the codes as they are, or "" when it can."""
+    n, k = weight.shape
+    if n % BLOCK_N:
+        return f"N={n} is not a multiple of {BLOCK_N}"
+    if weight.group % 16 or k % weight.group:
+        return f"group={weight.group} is not a multiple of 16 dividing K={k}"
+    return ""
+
+
+def to_linear(weight: CodedWeight, fmt: str) -> W4A8Linear | W8A8Linear:
+    """The int8-activation layer over the file's own codes: 4-bit storage when fmt is "int4" and every code fits
+    in 4 bits, else 8-bit (never fewer bits than the file). Activation groups are the file's groups."""
+    n, k = weight.shape
+    bits = 4 if fmt == "int4" and weight.bits == 4 else 8
+    cls = W4A8Linear if bits == 4 else W8A8Linear
+    layer = cls(k, n, "int4" if bits == 4 else "int8", weight.group)
+    layer.act_group = weight.group
+    layer.register_buffer("packed", pack_int4(weight.codes) if bits == 4 else pack_int8(weight.codes))
+    scales, zoffs = compact_scales(weight.scale, weight.zoff)  # fp16 where it holds them exactly (Q4_0, Q4_1, Q8_0)
+    layer.register_buffer("scales", scales)
+    layer.register_buffer("zoffs", zoffs)
+    return layer
+
+
+def int4pack_misfit(weight: CodedWeight) -> str:
+    """Why torch's int4 layout cannot hold the codes as they are, or "" when it can."""
+    if weight.bits != 4 or weight.group < 32:
+        return f"{weight.bits}-bit codes in groups of {weight.group} (it takes 4-bit codes in groups of >= 32)"
+    return Int4Linear.misfit(*weight.shape, weight.group)
+
+
+def to_int4pack_linear(weight: CodedWeight) -> Int4Linear:
+    """bf16 activations over the file's 4-bit codes: w = (code - 8) * scale + zero, scale and zero in bf16."""
+    n, k = weight.shape
+    layer = Int4Linear(k, n, "int4", weight.group)
+    scale = weight.scale.to(torch.bfloat16)
+    zero = (weight.zoff.double() + 8 * weight.scale.double()).to(torch.bfloat16)
+    codes = weight.codes.to(torch.int32)
+    layer.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, INNER_K_TILES))
+    layer.register_buffer("scales_and_zeros", torch.stack([scale, zero], -1).transpose(0, 1).contiguous())
+    return layer

@@ -1,0 +1,103 @@
+"""Tiny random-weight models of every supported architecture, built by Hugging Face transformers from a config,
+saved as a safetensors folder and written as a GGUF the way llama.cpp's converter writes that architecture.
+
+    model = build_hf_model("qwen3")                  # transformers' own model: the reference
+    folder = save_hf_folder(model, tmp_path / "hf")  # config.json + model.safetensors + tokenizer files
+    path = write_gguf(model, tmp_path / "m.gguf")    # llama.cpp names, metadata and layouts
+"""
+from __future__ import annotations
+
+import json
+
+import gguf
+import gguf_factory as gf
+import numpy as np
+import torch
+
+QT = gguf.GGMLQuantizationType
+DIM, LAYERS, HEADS, KV_HEADS, FFN, CTX = 128, 2, 4, 2, 256, 256
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # all three bands at head_dim 32
+ARCHS = {
+    # name: (transformers config class, extra config, GGUF architecture)
+    "llama3": ("LlamaConfig", dict(rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True), "llama"),
+    "mistral": ("MistralConfig", dict(sliding_window=None, rope_theta=1e6), "llama"),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True), "qwen2"),
+    "qwen3": ("Qwen3Config", dict(head_dim=48, tie_word_embeddings=True), "qwen3"),  # H * D != dim
+    "phi3": ("Phi3Config", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2), "phi3"),
+}
+_GGUF_LAYER = {**gf._TO_GGUF, "self_attn.q_norm.weight": "attn_q_norm.weight",
+               "self_attn.k_norm.weight": "attn_k_norm.weight", "self_attn.qkv_proj.weight": "attn_qkv.weight",
+               "mlp.gate_up_proj.weight": "ffn_up.weight"}
+
+
+def tiny_tokenizer(tmp_path):
+    from cpuserve.engine.loader import load_checkpoint
+
+    gf.write_llama_gguf(tmp_path / "tok.gguf", {}, gf.TINY)
+    return load_checkpoint(str(tmp_path / "tok.gguf"), show_progress=False).tokenizer
+
+
+def build_hf_model(name: str, seed: int = 0):
+    import transformers
+
+    cls, extra, _ = ARCHS[name]
+    vocab = len(gf.tiny_vocab()[0])
+    config = getattr(transformers, cls)(
+        vocab_size=vocab, hidden_size=DIM, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS, intermediate_size=FFN, max_position_embeddings=CTX, rms_norm_eps=1e-5,
+        initializer_range=0.1, **extra)  # 0.1: logits far enough apart that greedy picks are no near-ties
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls.replace("Config", "ForCausalLM"))(config).float().eval()
+    with torch.no_grad():  # norms away from 1, so a loader that skips one is caught
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def save_hf_folder(model, folder, tokenizer) -> str:
+    model.save_pretrained(str(folder))
+    (folder / "tokenizer.json").write_text(tokenizer.backend.to_str())
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": gf.CHAT_TEMPLATE,
+                                                              "eos_token": "<|im_end|>"}))
+    return str(folder)
+
+
+def write_gguf(model, path, name: str) -> str:
+    """The model as llama.cpp's convert_hf_to_gguf writes it: llama permutes Q/K rows, the others keep HF's."""
+    arch = ARCHS[name][2]
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer = gguf.GGUFWriter(str(path), arch)
+    shape = gf.Shape(dim=cfg.hidden_size, n_layers=cfg.num_hidden_layers, n_heads=cfg.num_attention_heads,
+                     n_kv_heads=cfg.num_key_value_heads, ffn_dim=cfg.intermediate_size, ctx=cfg.max_position_embeddings)
+    rope = cfg.rope_parameters or {}
+    gf.add_llama_metadata(writer, shape, cfg.vocab_size, float(rope.get("rope_theta", 10000.0)), head_dim,
+                          cfg.rms_norm_eps)
+    gf.add_tiny_tokenizer(writer)
+    state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    for hf, array in state.items():
+        if "rotary_emb" in hf or (cfg.tie_word_embeddings and hf == "lm_head.weight"):
+            continue
+        if arch == "llama" and hf.endswith("q_proj.weight"):
+            array = gf.permute_qk(array, cfg.num_attention_heads)
+        elif arch == "llama" and hf.endswith("k_proj.weight"):
+            array = gf.permute_qk(array, cfg.num_key_value_heads)
+        writer.add_tensor(_gguf_name(hf), np.ascontiguousarray(array))
+    if rope.get("rope_type") == "llama3":  # the converter stores the scaled frequencies' divisors, not the params
+        inv = model.model.rotary_emb.inv_freq.double()
+        base = 1.0 / rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        writer.add_tensor("rope_freqs.weight", (base / inv).float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def _gguf_name(hf: str) -> str:
+    if hf in _GGUF_LAYER:
+        return _GGUF_LAYER[hf]
+    _, _, layer, rest = hf.split(".", 3)
+    return f"blk.{layer}.{_GGUF_LAYER[rest]}"
