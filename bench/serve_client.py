@@ -20,6 +20,7 @@ import numpy as np
 class Level:
     """One concurrency level: each finished request's TTFT and output tokens, and why the others failed."""
     concurrency: int
+    max_tokens: int
     wall: float = 0.0
     ttft: list[float] = field(default_factory=list)  # seconds
     tokens: list[int] = field(default_factory=list)
@@ -30,12 +31,13 @@ class Level:
         pct = (lambda q: float(np.percentile(self.ttft, q)) * 1e3) if self.ttft else (lambda q: float("nan"))
         return {"tok_s": sum(self.tokens) / self.wall if self.wall else 0.0, "ttft_p50": pct(50),
                 "ttft_p99": pct(99), "done": len(self.tokens), "failed": len(self.errors),
+                "short": sum(t != self.max_tokens for t in self.tokens),  # ignore-eos not honoured
                 "error": self.errors[0] if self.errors else ""}
 
 
 async def run_level(send, prompts: list[list[int]], concurrency: int, max_tokens: int) -> Level:
     """Send every prompt, at most `concurrency` in flight; send(prompt, max_tokens) -> (ttft s, output tokens)."""
-    level, gate = Level(concurrency), asyncio.Semaphore(concurrency)
+    level, gate = Level(concurrency, max_tokens), asyncio.Semaphore(concurrency)
 
     async def one(p):
         async with gate:

