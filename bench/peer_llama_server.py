@@ -12,6 +12,7 @@ serving benchmark. Its build lives in <root>/llama-server (root as bench/peer_en
 """
 from __future__ import annotations
 
+import fcntl
 import glob
 import os
 import subprocess
@@ -39,11 +40,15 @@ def version() -> str:
 
 
 def build() -> str:
-    """Download the sdist, build `llama-server` alone (native CPU flags, no UI download, no TLS); returns its path.
-    Raises RuntimeError naming the step and the log on failure."""
-    if os.access(binary(), os.X_OK):
-        return binary()
+    """Download the sdist, build `llama-server` alone (native CPU flags, no UI download, no TLS), once; returns
+    its path. Raises RuntimeError naming the step and the log on failure."""
     os.makedirs(folder(), exist_ok=True)
+    with open(os.path.join(folder(), ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a second caller waits for the first one's build
+        return binary() if os.access(binary(), os.X_OK) else _build()
+
+
+def _build() -> str:
     log_path = os.path.join(folder(), "build.log")
     sdist = f"llama_cpp_python-{version()}"
     source = os.path.join(folder(), sdist, "vendor", "llama.cpp")
