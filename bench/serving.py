@@ -1,226 +1,184 @@
-"""Serving benchmark: throughput, TTFT and inter-token latency at 1, 8 and 32 concurrent streams.
+"""Served speed: what one neutral client sees from cpuserve and each peer server at 1, 8 and 32 streams.
 
-Three targets, one after another on the same CPUs, same model, same threads, same prompts and token counts:
-  engine   AsyncLLMEngine called directly in this process (the ceiling);
-  serve    `cpuserve serve`'s app (1 replica) over gRPC streams, through Ray Serve's proxy;
-  llamacpp llama.cpp's own server (`python -m llama_cpp.server`) over its OpenAI-compatible HTTP (SSE).
-Every request generates exactly --max-tokens tokens (ignore_eos; llama.cpp gets a large negative EOS bias).
+Every server runs alone on the same CPUs (started, measured, stopped; serve_servers.py) and gets the same random
+prompts of --prompt-len tokens (as token ids), --max-tokens output tokens, ignore-eos, temperature 0, from the
+same streaming client (serve_client.py: output tokens from `usage`, TTFT to the first text). A level sends
+--prompts-per-stream x concurrency prompts with at most `concurrency` in flight, as `vllm bench serve
+--max-concurrency` does. Rounds are interleaved (each round starts every server once, in a rotated order) and the
+table gives the medians over --rounds. The engine alone (AsyncLLMEngine in this process, tokens counted from its
+steps) is the ceiling the served path is held to.
 
-    .venv/bin/python bench/serving.py [--streams 1,8,32] [--max-tokens 64] [--threads 2] [--skip llamacpp]
+    .venv/bin/python bench/serving.py [--servers cpuserve,llamacpp,vllm,openvino] [--streams 1,8,32]
+                                      [--rounds 3] [--prompts-per-stream 3] [--no-engine] [--json out.json]
                                       [--serve-options "stream_messages_per_s=0;stream_interval_ms=200"]
-(--serve-options: one serve target per `;`-separated set of ServeConfig fields, `,` between fields)
+(--servers "" with --serve-options measures only the cpuserve variants given there)
 """
-
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 import uuid
 
 import numpy as np
 
-TOPICS = ["the sea", "bicycles", "prime numbers", "Rome", "vaccines", "cats", "autumn", "light", "bread",
-          "volcanoes", "lighthouses", "chess", "the moon", "jazz", "bees", "glaciers"]
+from serve_client import run_level
+from serve_servers import SERVERS
+from workload import make_prompts
+
+TARGET_RATIO, ENGINE_SHARE = 1.2, 0.85  # issue 14 item 4: >= 1.2x the best peer; >= 85% of the engine at 32
 
 
-def prompt(i: int) -> str:
-    return f"Write a short essay about {TOPICS[i % len(TOPICS)]} (part {i})."
-
-
-class Run:
-    """Timings of one concurrency level: per-stream token arrival times."""
-
-    def __init__(self):
-        self.streams: list[tuple[float, list[float]]] = []  # (start, [arrival of each token])
-
-    def row(self, wall: float) -> dict[str, float]:
-        ttft = [arr[0] - s for s, arr in self.streams if arr]
-        itl = [b - a for _, arr in self.streams for a, b in zip(arr, arr[1:])]
-        tokens = sum(len(arr) for _, arr in self.streams)
-        return {"tok_s": tokens / wall, "ttft_p50": np.percentile(ttft, 50) * 1e3,
-                "ttft_p99": np.percentile(ttft, 99) * 1e3, "itl_p50": np.percentile(itl, 50) * 1e3 if itl else 0,
-                "itl_p99": np.percentile(itl, 99) * 1e3 if itl else 0, "tokens": tokens}
-
-
-async def measure(one, n: int, max_tokens: int) -> dict[str, float]:
-    run = Run()
-
-    async def stream(i):
-        start, arrivals = time.perf_counter(), []
-        async for num_tokens in one(i, max_tokens):
-            arrivals.extend([time.perf_counter()] * num_tokens)
-        run.streams.append((start, arrivals))
-
-    start = time.perf_counter()
-    await asyncio.gather(*(stream(i) for i in range(n)))
-    return run.row(time.perf_counter() - start)
-
-
-# -- targets ------------------------------------------------------------------------------------------------
-def bench_engine(levels, max_tokens, threads) -> dict[int, dict]:
+@contextlib.contextmanager
+def engine_alone(model: str, threads: int, max_streams: int):
     from cpuserve.engine.async_engine import AsyncLLMEngine
     from cpuserve.engine.sampling_params import SamplingParams
 
-    engine = AsyncLLMEngine.from_config(num_threads=threads, kv_cache_gb=0.5, show_progress=False)
+    engine = AsyncLLMEngine.from_config(model=model, num_threads=threads, kv_cache_gb=0.5, show_progress=False)
 
-    async def one(i, n):
-        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-        async for chunk in engine.generate(prompt(i), params, uuid.uuid4().hex):
-            yield len(chunk.new_token_ids)
+    async def send(prompt, max_tokens):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        start, ttft, tokens = time.perf_counter(), None, 0
+        async for step in engine.generate(prompt, params, uuid.uuid4().hex):
+            if ttft is None and step.new_token_ids:
+                ttft = time.perf_counter() - start
+            tokens += len(step.new_token_ids)
+        return ttft, tokens
+
+    @contextlib.asynccontextmanager
+    async def target():
+        yield send
 
     try:
-        asyncio.run(measure(one, 2, 4))  # warm-up
-        return {n: asyncio.run(measure(one, n, max_tokens)) for n in levels}
+        yield {"engine alone": target}
     finally:
         engine.shutdown()
 
 
-def bench_serve(levels, max_tokens, threads, options: dict | None = None) -> dict[int, dict]:
-    import grpc
-
-    from cpuserve.serving.app import start_serving, stop_serving
-    from cpuserve.serving.config import ServeConfig
-    from cpuserve.v1 import inference_pb2 as pb
-    from cpuserve.v1 import inference_pb2_grpc as pbg
-
-    config = ServeConfig(replicas=1, cpus_per_rank=threads, kv_cache_gb=0.5, max_num_seqs=64, grpc_port=free_port(),
-                         http_port=free_port(), metrics_port=free_port(), **(options or {}))
-    start_serving(config)
-    try:
-        async def run(n, tokens):
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{config.grpc_port}") as channel:
-                stub = pbg.InferenceStub(channel)
-                await stub.Health(pb.HealthRequest(), wait_for_ready=True, timeout=300)
-
-                async def one(i, m):
-                    sampling = pb.SamplingParameters(max_tokens=m, temperature=0, ignore_eos=True)
-                    async for r in stub.Generate(pb.GenerateRequest(text=prompt(i), sampling=sampling)):
-                        yield len(r.token_ids)
-
-                return await measure(one, n, tokens)
-
-        asyncio.run(run(2, 4))
-        return {n: asyncio.run(run(n, max_tokens)) for n in levels}
-    finally:
-        stop_serving()
+async def measure(target, levels: list[int], args, round_: int) -> dict[int, dict]:
+    async with target() as send:
+        await run_level(send, make_prompts(2, args.prompt_len, 10_000 + round_), 2, 4)  # warm-up
+        rows = {}
+        for n in levels:
+            prompts = make_prompts(n * args.prompts_per_stream, args.prompt_len, 1000 * round_ + n)
+            rows[n] = (await run_level(send, prompts, n, args.max_tokens)).row()
+            print(f"  {n:>3} streams: {json.dumps(rows[n])}", file=sys.stderr, flush=True)
+        return rows
 
 
-# `python -m llama_cpp.server` with ggml's extra buffer types off, as bench/peers.py loads llama.cpp: its AMX
-# path crashes on VMs that advertise AMX (CPUSERVE_BENCH_LLAMA_EXTRA_BUFTS=1 keeps them on).
-LLAMA_SERVER = """
-import os, runpy, sys
-import llama_cpp.llama_cpp as C
-default = C.llama_model_default_params
-def params():
-    p = default()
-    p.use_extra_bufts = os.environ.get("CPUSERVE_BENCH_LLAMA_EXTRA_BUFTS") == "1"
-    return p
-C.llama_model_default_params = params
-sys.argv[0] = "llama_cpp.server"
-runpy.run_module("llama_cpp.server", run_name="__main__", alter_sys=True)
-"""
+def run(args) -> tuple[dict, dict]:
+    """results[label][streams] = rows of every round; failures[name] = why a server gave no numbers."""
+    levels = [int(x) for x in args.streams.split(",")]
+    servers = {"engine": engine_alone, **SERVERS}
+    for options in filter(None, args.serve_options.split(";")):  # more cpuserve servers, other ServeConfigs
+        fields = dict(kv.split("=", 1) for kv in options.split(","))
+        servers[f"cpuserve {options}"] = functools.partial(SERVERS["cpuserve"], options=fields)
+    variants = list(servers)[1 + len(SERVERS):]
+    names = ([] if args.no_engine else ["engine"]) + list(filter(None, args.servers.split(","))) + variants
+    results, failures = {}, {}
+    for r in range(args.rounds):
+        order = names[r % len(names):] + names[:r % len(names)]  # interleaved: each round starts elsewhere
+        for name in order:
+            print(f"round {r + 1}: {name} ...", file=sys.stderr, flush=True)
+            try:
+                with servers[name](args.model, args.threads, max(levels)) as targets:
+                    for label, target in targets.items():
+                        rows = asyncio.run(measure(target, levels, args, r))
+                        for n, row in rows.items():
+                            results.setdefault(label, {}).setdefault(n, []).append(row)
+            except Exception as e:  # noqa: BLE001 - one server failing must not lose the others' numbers
+                failures[name] = f"{type(e).__name__}: {str(e)[:300]}"
+                print(f"{name} failed: {failures[name]}", file=sys.stderr, flush=True)
+    return results, failures
 
 
-def bench_llamacpp(levels, max_tokens, threads) -> dict[int, dict]:
-    import httpx
-
-    from cpuserve.engine.loader import default_model_path
-
-    port = free_port()
-    cmd = [sys.executable, "-c", LLAMA_SERVER, "--model", default_model_path(), "--host", "127.0.0.1",
-           "--port", str(port), "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "8192",
-           "--interrupt_requests", "False"]  # its default: a new request cuts off the running stream
-    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}  # llama.cpp with its own OpenMP runtime
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    url = f"http://127.0.0.1:{port}/v1/completions"
-    try:
-        wait_http(f"http://127.0.0.1:{port}/v1/models")
-
-        async def run(n, tokens):
-            async with httpx.AsyncClient(timeout=600) as client:
-                async def one(i, m):
-                    body = {"prompt": prompt(i), "max_tokens": m, "temperature": 0, "stream": True,
-                            "logit_bias": {"0": -100, "2": -100}}  # SmolLM2's EOS ids: never stop early
-                    async with client.stream("POST", url, json=body) as r:
-                        async for line in r.aiter_lines():
-                            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
-                                yield 1
-
-                return await measure(one, n, tokens)
-
-        asyncio.run(run(1, 4))
-        return {n: asyncio.run(run(n, max_tokens)) for n in levels}
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+def medians(rows: list[dict]) -> dict:
+    out = {k: float(np.median([r[k] for r in rows])) for k in ("tok_s", "ttft_p50", "ttft_p99")}
+    out.update(failed=sum(r["failed"] for r in rows), sent=sum(r["done"] + r["failed"] for r in rows),
+               short=sum(r["short"] for r in rows),
+               error=next((r["error"] for r in rows if r["error"]), ""))
+    return out
 
 
-# -- helpers ------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, timeout: float = 120) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} did not answer in {timeout} s")
+def table(results: dict, failures: dict, args) -> str:
+    levels = [int(x) for x in args.streams.split(",")]
+    med = {label: {n: medians(rows) for n, rows in by_n.items()} for label, by_n in results.items()}
+    lines = [f"{args.prompt_len}-token prompts, {args.max_tokens} output tokens, ignore-eos, temperature 0; "
+             f"{args.threads} threads; medians of {args.rounds} rounds; TTFT in ms",
+             "| server | streams | output tok/s | TTFT p50 | TTFT p99 | failed |", "|---|---:|---:|---:|---:|---:|"]
+    for label, by_n in med.items():
+        for n, m in by_n.items():
+            failed = f"{m['failed']} of {m['sent']}" + (f" ({m['error'][:60]})" if m["error"] else "")
+            failed += f"; {m['short']} short of {args.max_tokens} tokens" if m["short"] else ""
+            lines.append(f"| {label} | {n} | {m['tok_s']:.1f} | {m['ttft_p50']:.0f} | {m['ttft_p99']:.0f} | "
+                         f"{failed} |")
+    lines += [f"| {name} | - | failed: {why} | | | |" for name, why in failures.items()]
+    peers = [label for label in med if not label.startswith(("cpuserve", "engine"))]
+    ours = [label for label in med if label.startswith("cpuserve")]
+    lines += ["", f"Targets (issue 14 item 4): served tok/s >= {TARGET_RATIO}x the best peer at each level with "
+              f"TTFT p99 no worse than that peer's; at {max(levels)} streams >= {ENGINE_SHARE:.0%} of the engine",
+              "| streams | best peer | its tok/s | its TTFT p99 | " + " | ".join(f"{o} / best" for o in ours) + " |",
+              "|---:|---|---:|---:|" + "---:|" * len(ours)]
+    for n in levels:
+        ranked = sorted((p for p in peers if n in med[p]), key=lambda p: -med[p][n]["tok_s"])
+        if not ranked:
+            continue
+        best = med[ranked[0]][n]
+        cells = []
+        for o in ours:
+            if n in med[o]:
+                ratio, p99 = med[o][n]["tok_s"] / best["tok_s"], med[o][n]["ttft_p99"]
+                ok = ratio >= TARGET_RATIO and p99 <= best["ttft_p99"]
+                cells.append(f"{ratio:.2f}x, p99 {p99:.0f} ms {'met' if ok else 'missed'}")
+        lines.append(f"| {n} | {ranked[0]} | {best['tok_s']:.1f} | {best['ttft_p99']:.0f} | " + " | ".join(cells)
+                     + " |")
+    top = max(levels)
+    if "engine alone" in med and top in med["engine alone"]:
+        engine = med["engine alone"][top]["tok_s"]
+        for o in ours:
+            if top in med[o]:
+                share = med[o][top]["tok_s"] / engine
+                lines.append(f"{o} at {top} streams: {share:.0%} of the engine alone ({engine:.1f} tok/s): "
+                             f"{'met' if share >= ENGINE_SHARE else 'missed'}")
+    return "\n".join(lines)
 
 
 def main() -> None:
-    # as `cpuserve serve` runs: Intel's OpenMP preloaded, so the in-process engine steps in its thread at full speed
+    # as `cpuserve serve` runs: Intel's OpenMP preloaded (peer servers get an environment without it)
     from cpuserve.engine.threads import reexec_with_intel_openmp
 
     reexec_with_intel_openmp()
+    from cpuserve.engine.loader import default_model_path
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated, of: {', '.join(SERVERS)}")
     p.add_argument("--streams", default="1,8,32")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--prompts-per-stream", type=int, default=3)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    p.add_argument("--skip", default="", help="comma-separated targets to skip: engine, serve, llamacpp")
+    p.add_argument("--model", default=None, help="a GGUF file (default: the packaged SmolLM2)")
     p.add_argument("--serve-options", default="",
-                   help="serve targets with other ServeConfig values: `;` between targets, `,` between key=value "
-                        "fields (default: one target with the server's defaults)")
+                   help="more cpuserve servers with other ServeConfig values: `;` between servers, `,` between "
+                        "key=value fields, e.g. \"stream_messages_per_s=0;stream_interval_ms=200\"")
+    p.add_argument("--no-engine", action="store_true", help="skip the engine-alone ceiling")
+    p.add_argument("--json", default=None, help="also write every round's rows here")
     args = p.parse_args()
-    levels = [int(x) for x in args.streams.split(",")]
-    targets = {"engine": bench_engine, "serve": bench_serve, "llamacpp": bench_llamacpp}
-    if args.serve_options:
-        serve = {f"serve {o}": functools.partial(bench_serve, options=dict(kv.split("=") for kv in o.split(",")))
-                 for o in args.serve_options.split(";")}
-        targets = {"engine": bench_engine, **serve, "llamacpp": bench_llamacpp}
-    results = {}
-    for name, fn in targets.items():
-        if name.split()[0] not in args.skip.split(","):
-            print(f"running {name} ...", file=sys.stderr, flush=True)
-            try:
-                results[name] = fn(levels, args.max_tokens, args.threads)
-            except Exception as e:  # one target failing must not lose the others' numbers
-                print(f"{name} failed: {e!r}", file=sys.stderr, flush=True)
-                continue
-            print(name, json.dumps(results[name]), file=sys.stderr, flush=True)
-    print(f"\n{args.max_tokens} tokens per stream, {args.threads} threads; latencies in ms")
-    print("| target | streams | tok/s | vs engine | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for name, rows in results.items():
-        for n, r in rows.items():
-            ratio = f"{r['tok_s'] / results['engine'][n]['tok_s']:.0%}" if "engine" in results else "-"
-            print(f"| {name} | {n} | {r['tok_s']:.1f} | {ratio} | {r['ttft_p50']:.0f} | {r['ttft_p99']:.0f} | "
-                  f"{r['itl_p50']:.1f} | {r['itl_p99']:.1f} |")
+    args.model = args.model or default_model_path()
+    unknown = set(filter(None, args.servers.split(","))) - set(SERVERS)
+    if unknown:
+        p.error(f"--servers: unknown {sorted(unknown)}; known: {', '.join(SERVERS)}")
+    results, failures = run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results, "failures": failures}, f, indent=1)
+    print("\n" + table(results, failures, args))
 
 
 if __name__ == "__main__":
