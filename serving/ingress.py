@@ -240,13 +240,20 @@ class IngressCore:
             self._authorize_grpc(grpc_context)
             model, internal = grpc_api.generate_request(grpc_api.parse(request, pb.GenerateRequest),
                                                         self.config.max_request_bytes)
-            return await self._start(model, internal)
+            rid, first, stream = await self._start(model, internal)
+            tool_format = (await self._model_info())["tool_format"] if internal.get("tools") else None
+            return rid, first, stream, tool_format
         except RequestError as e:
             self._grpc_fail(grpc_context, e)
 
     async def Generate(self, request: bytes, grpc_context: Any) -> AsyncIterator[Any]:  # noqa: N802
-        rid, first, stream = await self._grpc_start(request, grpc_context)
+        rid, first, stream, tool_format = await self._grpc_start(request, grpc_context)
         try:
+            if tool_format:  # a call is known only once its text is complete: one message at the end
+                merged, calls = grpc_api.split_tool_calls(merge_samples([first] + [c async for c in stream])[0],
+                                                          tool_format)
+                yield grpc_api.generate_response(rid, merged, calls)
+                return
             yield grpc_api.generate_response(rid, first)
             async for chunk in stream:
                 yield grpc_api.generate_response(rid, chunk)
@@ -256,12 +263,15 @@ class IngressCore:
             await stream.aclose()
 
     async def Complete(self, request: bytes, grpc_context: Any) -> Any:  # noqa: N802
-        rid, first, stream = await self._grpc_start(request, grpc_context)
+        rid, first, stream, tool_format = await self._grpc_start(request, grpc_context)
         try:
-            chunks = [first] + [c async for c in stream]
+            samples = merge_samples([first] + [c async for c in stream])
         except RequestError as e:
             self._grpc_fail(grpc_context, e)
-        return grpc_api.complete_response(rid, merge_samples(chunks))
+        if tool_format:
+            samples[0], calls = grpc_api.split_tool_calls(samples[0], tool_format)
+            return grpc_api.complete_response(rid, samples, calls)
+        return grpc_api.complete_response(rid, samples)
 
     async def Tokenize(self, request: bytes, grpc_context: Any) -> Any:  # noqa: N802
         try:
