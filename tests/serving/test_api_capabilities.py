@@ -135,8 +135,13 @@ def test_named_tool_call_streams(client):
         parallel_tool_calls=False, max_tokens=80, temperature=0, stream=True)
     deltas = [c.choices[0] for c in stream if c.choices]
     calls = [tc for d in deltas for tc in (d.delta.tool_calls or [])]
-    assert deltas[-1].finish_reason == "tool_calls" and [c.function.name for c in calls] == ["get_time"]
-    jsonschema.validate(json.loads(calls[0].function.arguments), CLOCK["function"]["parameters"])
+    assert deltas[-1].finish_reason == "tool_calls"
+    assert [(c.index, c.function.name) for c in calls if c.id] == [(0, "get_time")]  # announced once
+    arguments = "".join(c.function.arguments or "" for c in calls)  # the fragments, in order
+    jsonschema.validate(json.loads(arguments), CLOCK["function"]["parameters"])
+    # incremental: the call's pieces came in several chunks, before the last one
+    pieces = [i for i, d in enumerate(deltas) if d.delta.tool_calls]
+    assert len(pieces) > 2 and pieces[0] < len(deltas) - 1
 
 
 def _proto_tool(tool: dict) -> pb.Tool:
