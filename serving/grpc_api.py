@@ -20,7 +20,8 @@ from cpuserve.v1 import inference_pb2 as pb
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Inference"]
 FINISH_REASONS = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP,
-                  "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT, "tool_calls": pb.FINISH_REASON_TOOL_CALLS}
+                  "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT,
+                  "tool_calls": pb.FINISH_REASON_TOOL_CALLS}
 _OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                       "presence_penalty", "frequency_penalty", "seed", "logprobs")
 # string fields by field number, per message, to name the one holding invalid UTF-8 (submessages: a dict)
@@ -174,8 +175,9 @@ def split_tool_calls(merged: dict[str, Any], tool_format: str) -> tuple[dict[str
 
 
 def _tool_calls(calls: list[dict[str, Any]] | None) -> list[Any]:
-    return [pb.ToolCall(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"])
-            for c in calls or []]
+    """OpenAI-shaped calls (whole, or a stream's deltas with their index) as ToolCall messages."""
+    return [pb.ToolCall(index=c.get("index", i), id=c.get("id", ""), name=c["function"].get("name", ""),
+                        arguments=c["function"].get("arguments", "")) for i, c in enumerate(calls or [])]
 
 
 def _find_bad_utf8(raw: bytes, fields: dict[int, Any], pos: int = 0, end: int | None = None) -> str | None:

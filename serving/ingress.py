@@ -249,15 +249,15 @@ class IngressCore:
 
     async def Generate(self, request: bytes, grpc_context: Any) -> AsyncIterator[Any]:  # noqa: N802
         rid, first, stream, tool_format = await self._grpc_start(request, grpc_context)
+        tools = ToolCallStream(tool_format) if tool_format else None  # calls stream in pieces as written
         try:
-            if tool_format:  # a call is known only once its text is complete: one message at the end
-                merged, calls = grpc_api.split_tool_calls(merge_samples([first] + [c async for c in stream])[0],
-                                                          tool_format)
-                yield grpc_api.generate_response(rid, merged, calls)
-                return
-            yield grpc_api.generate_response(rid, first)
-            async for chunk in stream:
-                yield grpc_api.generate_response(rid, chunk)
+            chunk = first
+            while chunk is not None:
+                deltas = None
+                if tools is not None:
+                    chunk, deltas = tools.apply(chunk)
+                yield grpc_api.generate_response(rid, chunk, deltas)
+                chunk = await anext(stream, None)
         except RequestError as e:
             self._grpc_fail(grpc_context, e)
         finally:

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cpuserve.serving.protocol import DEFAULT_MAX_TOKENS, RequestError
 from cpuserve.serving.request_model import ApiRequest, to_internal
-from cpuserve.serving.tools import NamedToolChoice, Tool, ToolCall
+from cpuserve.serving.tools import Tool, ToolCall
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
@@ -162,7 +162,7 @@ class ChatRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
-    tool_choice: str | NamedToolChoice | None = None  # none / auto / required, checked by tools.check_tools
+    tool_choice: Any = None  # none / auto / required / a named function: checked by tools.check_tools
     parallel_tool_calls: bool = True
 
     def to_internal(self) -> dict[str, Any]:
@@ -170,11 +170,11 @@ class ChatRequest(_Sampling):
         top = (self.top_logprobs or 0) if self.logprobs else None
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
-        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
         # without max_tokens the replica fills the rest of the context, as OpenAI does
         return to_internal(self.api_request(
             max_tokens, top, messages=[m.as_dict() for m in self.messages], rename={"logprobs": "top_logprobs"},
-            tools=[t.model_dump() for t in self.tools] if self.tools is not None else None, tool_choice=choice,
+            tools=[t.model_dump() for t in self.tools] if self.tools is not None else None,
+            tool_choice=self.tool_choice,
             parallel_tool_calls=self.parallel_tool_calls))
 
 

@@ -65,8 +65,11 @@ class ToolCallStream:
         content = self.text[self.num_content_sent:content_end]
         self.num_content_sent = max(self.num_content_sent, content_end)
         deltas = self._scan() if self.region is not None else []
+        if final and self.region is not None and not any(c.announced for c in self.calls):
+            content += self.text[self.num_content_sent:]  # a marker but no call after it: it was all text
+            self.num_content_sent = len(self.text)
         reason = chunk["finish_reason"]
-        if final and self.calls and reason == "stop":
+        if final and any(c.announced for c in self.calls) and reason == "stop":
             reason = "tool_calls"
         return {**chunk, "text": content, "finish_reason": reason}, deltas
 

@@ -44,15 +44,6 @@ class Tool(_Strict):
     function: FunctionDef
 
 
-class FunctionName(_Strict):
-    name: str
-
-
-class NamedToolChoice(_Strict):
-    type: Literal["function"]
-    function: FunctionName
-
-
 class CalledFunction(_Strict):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
@@ -84,8 +75,11 @@ def check_tools(tools: list[dict[str, Any]] | None, choice: str | dict[str, Any]
             raise RequestError(f"{where}.parameters: {e.message.split(': ', 1)[-1]}", f"{where}.parameters") from None
     if choice is None:
         return None
-    if isinstance(choice, str) and choice not in ("none", "auto", "required"):
-        raise RequestError(f"tool_choice={choice!r}: use none, auto, required or a named function", "tool_choice")
+    named = isinstance(choice, dict) and choice.get("type", "function") == "function" and isinstance(
+        choice.get("function"), dict) and isinstance(choice["function"].get("name"), str)
+    if not (named or choice in ("none", "auto", "required")):
+        raise RequestError(f"tool_choice={json.dumps(choice)[:80]}: use none, auto, required or "
+                           '{"type": "function", "function": {"name": ...}}', "tool_choice")
     if choice != "none" and not names:
         raise RequestError(f"tool_choice={json.dumps(choice)} needs tools", "tool_choice")
     if isinstance(choice, str):

@@ -180,11 +180,15 @@ def test_grpc_named_tool_call_streams(grpc_stub):
     parts = list(grpc_stub.Generate(pb.GenerateRequest(
         chat=chat, tools=[_proto_tool(WEATHER), _proto_tool(CLOCK)], tool_choice=pb.ToolChoice(function="get_time"),
         sampling=pb.SamplingParameters(max_tokens=80, temperature=0.8, seed=4)), timeout=120))
-    last = parts[-1]
-    assert last.finish_reason == pb.FINISH_REASON_TOOL_CALLS and last.tool_calls
-    assert {c.name for c in last.tool_calls} == {"get_time"}  # parallel calls allowed: each is get_time
-    for c in last.tool_calls:
-        jsonschema.validate(json.loads(c.arguments), CLOCK["function"]["parameters"])
+    assert parts[-1].finish_reason == pb.FINISH_REASON_TOOL_CALLS
+    pieces = [c for p in parts for c in p.tool_calls]
+    heads = [c for c in pieces if c.id]
+    assert heads and {c.name for c in heads} == {"get_time"}  # parallel calls allowed: each is get_time
+    assert [c.index for c in heads] == list(range(len(heads)))
+    for head in heads:  # each call's argument fragments, in order, make its arguments
+        arguments = "".join(c.arguments for c in pieces if c.index == head.index)
+        jsonschema.validate(json.loads(arguments), CLOCK["function"]["parameters"])
+    assert sum(bool(p.tool_calls) for p in parts) > 2  # in pieces, as the model wrote them
 
 
 def test_completions_echo(client, grpc_stub):

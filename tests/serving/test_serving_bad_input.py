@@ -59,6 +59,10 @@ HTTP_CASES = [  # (id, path, body: dict | raw bytes, status, param)
         "type": "function", "function": {"name": "other"}}}, 400, "tool_choice"),
     ("tool_choice unknown value", "chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": "always"}, 400,
      "tool_choice"),
+    ("tool_choice without a function", "chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": {
+        "type": "function"}}, 400, "tool_choice"),
+    ("tool_choice not a string or object", "chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": 5}, 400,
+     "tool_choice"),
     ("tool_choice with response_format", "chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": "required",
                                                               "response_format": {"type": "json_object"}}, 400,
      "tool_choice"),

@@ -64,7 +64,8 @@ def test_arguments_stream_before_the_call_is_complete():
 
 @pytest.mark.parametrize("fmt", [HERMES, LLAMA3, MISTRAL])
 def test_text_without_calls_is_all_content(fmt):
-    for text in ["The weather is fine.", "Use <tool_ tags", "ends with a half marker <tool_c", "  <|pyth"]:
+    for text in ["The weather is fine.", "Use <tool_ tags", "ends with a half marker <tool_c", "  <|pyth",
+                 "<tool_call>not a call</tool_call>", "[TOOL_CALLS] none", "{no name here}"]:
         for size in (1, 4, 100):
             content, deltas, reason = run(fmt, text, size)
             assert (content, deltas, reason) == (text, [], "stop")
