@@ -64,13 +64,15 @@ def build_app(args: dict[str, Any] | ServeConfig):
 
 def start_serving(config: ServeConfig, blocking_timeout_s: float = 600) -> None:
     """Connect to (or start) Ray, start Serve's proxies on the config's ports and deploy the app."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # Ray 2.60's token auth; a local cluster needs none
+    # before Ray Serve is imported here (it reads them once): a started cluster (Kubernetes) takes these from the
+    # pod's environment
+    for name, value in RAY_ENV.items():
+        os.environ.setdefault(name, value)
     import ray
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # Ray 2.60's token auth; a local cluster needs none
-    for name, value in RAY_ENV.items():  # a started cluster (Kubernetes) takes these from the pod's environment
-        os.environ.setdefault(name, value)
     if not config.access_log:
         os.environ.setdefault("RAY_SERVE_ENABLE_ACCESS_LOG", "0")
     # Ray's gRPC proxy accepts 2 GiB messages by default: bound memory per request. A started cluster (Kubernetes)

@@ -297,3 +297,19 @@ async def _no_chunks() -> AsyncIterator[dict]:
 @serve.ingress(api)
 class Ingress(IngressCore):
     """The Ingress deployment: Ray Serve binds `api`'s routes (IngressCore's methods) to the replica."""
+
+    def __init__(self, config: dict[str, Any], llm_server: Any):
+        super().__init__(config, own_data_plane(llm_server))
+
+
+def own_data_plane(handle: Any) -> Any:
+    """The handle, sending over the data plane this process's environment chooses (RAY_ENV: Serve's gRPC).
+
+    A handle carries its options from where it was made: the process that built the app, which may have imported
+    Ray Serve before RAY_ENV was set (a driver, a test) and then made every token's message to the ingress a Ray
+    task result (an object reference each) instead of a gRPC stream message. Made as unpickling makes it
+    (handle.options() would start its router here, before the replica runs)."""
+    from ray.serve._private.constants import RAY_SERVE_USE_GRPC_BY_DEFAULT  # what Serve's own default reads
+
+    options = handle.handle_options.copy_and_update(_by_reference=not RAY_SERVE_USE_GRPC_BY_DEFAULT)
+    return type(handle)(handle.deployment_name, handle.app_name, handle_options=options)
