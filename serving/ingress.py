@@ -28,6 +28,7 @@ from cpuserve.serving.openai_api import ChatRequest, CompletionRequest, parse_bo
 from cpuserve.serving.openai_responses import completion_body, sse, usage
 from cpuserve.serving.protocol import (GRPC_CODE, HTTP_STATUS, NOT_FOUND, RESOURCE_EXHAUSTED, TOO_LARGE,
                                        UNAUTHENTICATED, UNAVAILABLE, RequestError, merge_samples, total)
+from cpuserve.serving.ray_env import own_data_plane
 from cpuserve.serving.telemetry import EngineStatsAggregator, RequestTimer
 from cpuserve.serving.tools import parse_tool_calls
 from cpuserve.v1 import inference_pb2 as pb
@@ -301,15 +302,3 @@ class Ingress(IngressCore):
     def __init__(self, config: dict[str, Any], llm_server: Any):
         super().__init__(config, own_data_plane(llm_server))
 
-
-def own_data_plane(handle: Any) -> Any:
-    """The handle, sending over the data plane this process's environment chooses (RAY_ENV: Serve's gRPC).
-
-    A handle carries its options from where it was made: the process that built the app, which may have imported
-    Ray Serve before RAY_ENV was set (a driver, a test) and then made every token's message to the ingress a Ray
-    task result (an object reference each) instead of a gRPC stream message. Made as unpickling makes it
-    (handle.options() would start its router here, before the replica runs)."""
-    from ray.serve._private.constants import RAY_SERVE_USE_GRPC_BY_DEFAULT  # what Serve's own default reads
-
-    options = handle.handle_options.copy_and_update(_by_reference=not RAY_SERVE_USE_GRPC_BY_DEFAULT)
-    return type(handle)(handle.deployment_name, handle.app_name, handle_options=options)

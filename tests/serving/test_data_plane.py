@@ -14,7 +14,7 @@ import pytest
 # process with the environment under test; prints whether the result still goes by reference
 PROBE = """
 from ray.serve.handle import DeploymentHandle
-from cpuserve.serving.ingress import own_data_plane
+from cpuserve.serving.ray_env import own_data_plane
 from ray.serve._private.handle_options import DynamicHandleOptions
 made_elsewhere = DeploymentHandle("LLMServer", "cpuserve", handle_options=DynamicHandleOptions(_by_reference=True))
 print(own_data_plane(made_elsewhere).handle_options._by_reference)
