@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from cpuserve.engine.threads import openmp_env
+from cpuserve.serving.affinity import ENGINE_CORES_ENV, on_cores, split_cores
 from cpuserve.serving.config import ServeConfig
 from cpuserve.serving.ray_env import RAY_ENV
 
@@ -64,13 +65,15 @@ def build_app(args: dict[str, Any] | ServeConfig):
 
 def start_serving(config: ServeConfig, blocking_timeout_s: float = 600) -> None:
     """Connect to (or start) Ray, start Serve's proxies on the config's ports and deploy the app."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # Ray 2.60's token auth; a local cluster needs none
+    # before Ray Serve is imported here (it reads them once): a started cluster (Kubernetes) takes these from the
+    # pod's environment
+    for name, value in RAY_ENV.items():
+        os.environ.setdefault(name, value)
     import ray
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # Ray 2.60's token auth; a local cluster needs none
-    for name, value in RAY_ENV.items():  # a started cluster (Kubernetes) takes these from the pod's environment
-        os.environ.setdefault(name, value)
     if not config.access_log:
         os.environ.setdefault("RAY_SERVE_ENABLE_ACCESS_LOG", "0")
     # Ray's gRPC proxy accepts 2 GiB messages by default: bound memory per request. A started cluster (Kubernetes)
@@ -81,11 +84,14 @@ def start_serving(config: ServeConfig, blocking_timeout_s: float = 600) -> None:
         if config.ray_address:
             ray.init(address=config.ray_address, log_to_driver=False)
         else:
+            split = _split_cores(config)
             # address="local": always a cluster of our own, never one another process left running on this machine
-            ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-                     num_cpus=max(config.replicas * config.cpus_per_replica, len(os.sched_getaffinity(0))),
-                     resources={config.socket_resource: config.replicas * config.ranks_per_replica}
-                     if config.socket_resource else None)
+            with on_cores(split[1] if split else None):  # Ray's processes, started here, on the serving cores
+                ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1",
+                         log_to_driver=False,
+                         num_cpus=max(config.replicas * config.cpus_per_replica, len(os.sched_getaffinity(0))),
+                         resources={config.socket_resource: config.replicas * config.ranks_per_replica}
+                         if config.socket_resource else None)
     if config.tls_cert_file:
         log.warning("TLS applies to HTTP only: Ray Serve's gRPC proxy listens in plaintext on port %d",
                     config.grpc_port)
@@ -94,6 +100,20 @@ def start_serving(config: ServeConfig, blocking_timeout_s: float = 600) -> None:
                                          ssl_certfile=config.tls_cert_file, ssl_keyfile=config.tls_key_file),
                 grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]))
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+
+
+def _split_cores(config: ServeConfig) -> tuple[list[int], list[int]] | None:
+    """The engines' and the serving processes' cores of the cluster this process starts (serving/affinity.py),
+    handed to the replicas in their environment; None when there is no core to spare (or replica groups, whose
+    ranks are processes of their own)."""
+    split = None
+    if config.ranks_per_replica == 1:
+        split = split_cores(sorted(os.sched_getaffinity(0)), config.replicas * config.cpus_per_replica)
+    if split:
+        os.environ[ENGINE_CORES_ENV] = ",".join(map(str, split[0]))
+    else:
+        os.environ.pop(ENGINE_CORES_ENV, None)
+    return split
 
 
 def _quiet_serve_start(record: logging.LogRecord) -> bool:

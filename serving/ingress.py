@@ -28,6 +28,7 @@ from cpuserve.serving.openai_api import ChatRequest, CompletionRequest, parse_bo
 from cpuserve.serving.openai_responses import completion_body, sse, usage
 from cpuserve.serving.protocol import (GRPC_CODE, HTTP_STATUS, NOT_FOUND, RESOURCE_EXHAUSTED, TOO_LARGE,
                                        UNAUTHENTICATED, UNAVAILABLE, RequestError, merge_samples, total)
+from cpuserve.serving.ray_env import own_data_plane
 from cpuserve.serving.telemetry import EngineStatsAggregator, RequestTimer
 from cpuserve.serving.tool_stream import ToolCallStream
 from cpuserve.serving.tools import parse_tool_calls
@@ -303,3 +304,7 @@ class IngressCore:
 @serve.ingress(api)
 class Ingress(IngressCore):
     """The Ingress deployment: Ray Serve binds `api`'s routes (IngressCore's methods) to the replica."""
+
+    def __init__(self, config: dict[str, Any], llm_server: Any):
+        super().__init__(config, own_data_plane(llm_server))
+

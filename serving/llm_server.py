@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator
 
 from cpuserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from cpuserve.engine.sampling_params import SamplingParams
+from cpuserve.serving.affinity import engine_cores, on_cores
 from cpuserve.serving.config import ServeConfig
 from cpuserve.serving.pacing import paced
 from cpuserve.serving.protocol import UNAVAILABLE, RequestError, chunk_from_step
@@ -39,6 +40,7 @@ class LLMServer:
         self._stats_task: asyncio.Task | None = None
         self._ingress = None
         options = self.config.engine_options()
+        cores = None
         try:  # inside a Serve replica: find the ingress to report to (no handle cycle in the app graph)
             from ray import serve
 
@@ -47,12 +49,16 @@ class LLMServer:
             self._ingress = serve.get_deployment_handle("Ingress", app_name=ctx.app_name)
         except Exception:  # not running under Serve: a replica group's ranks are the engine's own processes
             self._ingress = None
+        local_rank = getattr(getattr(ctx, "rank", None), "local_rank", None) if self._ingress is not None else None
+        if local_rank is not None and self.config.ranks_per_replica == 1:  # its rank on the node: its cores
+            cores = engine_cores(local_rank, self.config.cpus_per_replica)
         if self._ingress is not None and self.config.ranks_per_replica > 1:
             from cpuserve.serving.rank_actors import RayLauncher
 
             options["launcher"] = RayLauncher(f"cpuserve-{self.replica_id}", self.config.cpus_per_rank,
                                               self.config.socket_resource)
-        self.engine = engine_cls.from_config(**options)
+        with on_cores(cores):  # the engine's thread (and its OpenMP workers) on the cores kept for it, if any
+            self.engine = engine_cls.from_config(**options)
         self.tokenizer = self.engine.tokenizer
         template = getattr(self.tokenizer, "chat_template", None)  # stand-in engines' tokenizers may have none
         self.tool_format = format_of(template)

@@ -1,6 +1,9 @@
 """Environment every Ray process of a cpuserve cluster starts with (`cpuserve serve` sets what is unset; the
 operator puts the same into its pods). Ray reads these when its processes start, so they cannot be per app.
 """
+from __future__ import annotations
+
+from typing import Any
 
 RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
@@ -22,3 +25,16 @@ RAY_ENV = {
     # 0.5 s halves both; deployments and recoveries react up to 0.4 s later.
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
 }
+
+
+def own_data_plane(handle: Any) -> Any:
+    """The handle, sending over the data plane this process's environment chooses (RAY_ENV: Serve's gRPC).
+
+    A handle carries its options from where it was made: the process that built the app, which may have imported
+    Ray Serve before RAY_ENV was set (a driver, a test) and then made every token's message to the ingress a Ray
+    task result (an object reference each) instead of a gRPC stream message. Made as unpickling makes it
+    (handle.options() would start its router here, before the replica runs)."""
+    from ray.serve._private.constants import RAY_SERVE_USE_GRPC_BY_DEFAULT  # what Serve's own default reads
+
+    options = handle.handle_options.copy_and_update(_by_reference=not RAY_SERVE_USE_GRPC_BY_DEFAULT)
+    return type(handle)(handle.deployment_name, handle.app_name, handle_options=options)
