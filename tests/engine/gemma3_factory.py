@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from arch_factory import _GGUF_LAYER, _gguf_name, finish_gguf, save_hf_folder
 
+QT = gguf.GGMLQuantizationType
 WINDOW = 16  # shorter than the tests' prompts: they span at least two windows
 DIM, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN, CTX = 64, 7, 4, 2, 32, 128, 512  # 7 layers: 5 local, 1 global, 1 local
 ROPE_LINEAR = 2.0  # the global layers' linear RoPE scaling (Gemma 3 4B and up use 8)
@@ -59,7 +60,8 @@ def save_gemma3_folder(model, folder, tokenizer) -> str:
     return str(folder)
 
 
-def write_gemma3_gguf(model, path, final_logit_softcapping: float | None = None) -> str:
+def write_gemma3_gguf(model, path, final_logit_softcapping: float | None = None, qtype: QT = QT.F32) -> str:
+    """qtype: of the 2-D tensors (norms stay F32, as llama.cpp keeps them)."""
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), "gemma3")
     if final_logit_softcapping is not None:  # Gemma 2 style; Gemma 3's converter writes none
@@ -78,5 +80,19 @@ def write_gemma3_gguf(model, path, final_logit_softcapping: float | None = None)
         array = tensor.detach().float().numpy()
         if hf.endswith("norm.weight"):
             array = array + 1.0  # llama.cpp's converter stores Gemma's RMSNorm multiplier
-        writer.add_tensor(_gguf_name(hf, _NAMES), np.ascontiguousarray(array, dtype=np.float32))
+        gf.add_tensor(writer, _gguf_name(hf, _NAMES), np.ascontiguousarray(array, dtype=np.float32), qtype)
     return finish_gguf(writer, path)
+
+
+def dequantized_copy(model, qtype: QT):
+    """The model with every 2-D weight replaced by gguf's own dequantization of its `qtype` blocks: what a file
+    written with that qtype means, run by transformers."""
+    import copy
+
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for _, p in ref.named_parameters():
+            if p.dim() == 2:
+                blocks = gguf.quants.quantize(p.numpy(), qtype)
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, qtype)).reshape(p.shape))
+    return ref

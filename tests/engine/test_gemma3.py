@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gemma3_factory import CHAT_TEMPLATE, WINDOW, build_gemma3, save_gemma3_folder, write_gemma3_gguf
+from gemma3_factory import (CHAT_TEMPLATE, QT, WINDOW, build_gemma3, dequantized_copy, save_gemma3_folder,
+                            write_gemma3_gguf)
 
 from cpuserve.engine.layers import native
+from cpuserve.engine.layers.linear.act_int8 import W4A8Linear
 from cpuserve.engine.llm import LLM
 from cpuserve.engine.loader import load_checkpoint
 from cpuserve.engine.sampling_params import SamplingParams
@@ -97,9 +99,21 @@ def test_plain_torch_path_matches_transformers(models, monkeypatch):
 
 
 def test_bf16_engine_stays_close(models):
-    """The default-style engine (bf16 activations, int8 KV pool, C++ SlimAttention with the window)."""
+    """bf16 activations and an int8 KV pool: the C++ SlimAttention with the window."""
     model, path = models["gguf"]
     _check_logits(_engine(path, weights="bf16", kv_cache="int8"), model, 3e-2)
+
+
+@pytest.mark.skipif(not native.vnni_gemm_enabled(), reason="the int8-activation kernels (AVX-512 VNNI) are not built")
+def test_q4_0_file_on_the_default_engine(models, tmp_path):
+    """A Q4_0 file on the engine's defaults (its int4 codes kept, int8 activations, int8 KV) against transformers
+    running gguf's dequantization of the same blocks."""
+    model = models["gguf"][0]
+    path = write_gemma3_gguf(model, tmp_path / "q4_0.gguf", qtype=QT.Q4_0)
+    llm = LLM(model=path, kv_cache_gb=0.02, show_progress=False)
+    block = llm.engine.runner.model.layers[0]
+    assert isinstance(block.attention.qkv, W4A8Linear) and isinstance(block.mlp.down, W4A8Linear)
+    _check_logits(llm, dequantized_copy(model, QT.Q4_0), 3e-2)
 
 
 @pytest.mark.parametrize("fmt", ["gguf", "safetensors"])
