@@ -7,23 +7,32 @@ ingress parses them itself and answers INVALID_ARGUMENT naming the field.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 
-from cpuserve.serving.protocol import (DEFAULT_MAX_TOKENS, MAX_N, RequestError, check_sampling,
-                                       structured_output, total)
+from cpuserve.serving.protocol import DEFAULT_MAX_TOKENS, RequestError, total
+from cpuserve.serving.request_model import ApiRequest, to_internal
+from cpuserve.serving.tools import parse_tool_calls
 from cpuserve.v1 import inference_pb2 as pb
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Inference"]
 FINISH_REASONS = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP,
-                  "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+                  "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT,
+                  "tool_calls": pb.FINISH_REASON_TOOL_CALLS}
 _OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                       "presence_penalty", "frequency_penalty", "seed", "logprobs")
 # string fields by field number, per message, to name the one holding invalid UTF-8 (submessages: a dict)
 _STRING_FIELDS: dict[int, Any] = {1: "model", 2: "text", 6: "request_id",
-                                  4: {1: {1: "chat.messages.role", 2: "chat.messages.content"}},
+                                  4: {1: {1: "chat.messages.role", 2: "chat.messages.content",
+                                          3: {1: "chat.messages.tool_calls.id", 2: "chat.messages.tool_calls.name",
+                                              3: "chat.messages.tool_calls.arguments"},
+                                          4: "chat.messages.tool_call_id"}},
+                                  10: {1: {1: "tools.function.name", 2: "tools.function.description",
+                                           3: "tools.function.parameters"}},
+                                  11: {1: "tool_choice.mode", 2: "tool_choice.function"},
                                   5: {9: "sampling.stop"},
                                   8: {1: "structured_output.json_schema", 3: "structured_output.regex",
                                       4: "structured_output.grammar", 5: {1: "structured_output.choice"}}}
@@ -53,47 +62,71 @@ def parse(raw: bytes, cls: type) -> Any:
 
 
 def generate_request(req: Any, max_request_bytes: int) -> tuple[str, dict[str, Any]]:
-    """GenerateRequest -> (model name, the internal request dict of serving/protocol.py)."""
+    """GenerateRequest -> (model name, the internal request dict of serving/protocol.py), through the request
+    model HTTP shares (request_model.py): this function only reads proto fields."""
     which = req.WhichOneof("prompt")
     if which is None:
         raise RequestError("prompt: set one of text, token_ids or chat", "prompt")
-    internal: dict[str, Any]
+    fields: dict[str, Any] = {}
     if which == "text":
         if len(req.text) > max_request_bytes:
             raise RequestError(f"text: {len(req.text)} characters exceed the limit of {max_request_bytes}", "text")
-        internal = {"prompt": req.text}
+        fields["prompt"] = req.text
     elif which == "token_ids":
-        internal = {"prompt": list(req.token_ids.ids)}
+        fields["prompt"] = list(req.token_ids.ids)
     else:
-        messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
-        if not messages:
-            raise RequestError("chat.messages: give at least one message", "chat.messages")
-        for i, m in enumerate(messages):
-            if m["role"] not in ("system", "user", "assistant"):
-                raise RequestError(f"chat.messages[{i}].role={m['role']!r}: use system, user or assistant",
-                                   "chat.messages.role")
-        if sum(len(m["content"]) for m in messages) > max_request_bytes:
+        if sum(len(m.content) for m in req.chat.messages) > max_request_bytes:
             raise RequestError(f"chat.messages exceed the limit of {max_request_bytes} characters", "chat.messages")
-        internal = {"messages": messages}
+        fields.update(messages=[_message(m) for m in req.chat.messages], messages_field="chat.messages")
     s = req.sampling
     sampling = {name: getattr(s, name) for name in _OPTIONAL_SAMPLING if s.HasField(name)}
     sampling.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
     sampling.update(stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
                     logit_bias=dict(s.logit_bias))
-    rename = {}
     if req.HasField("structured_output"):
-        sampling["structured_output"], param = _structured(req.structured_output)
-        rename["structured_output"] = param
-    internal.update(sampling=check_sampling(sampling, rename), priority=req.priority, rename=rename)
-    if req.request_id:
-        internal["request_id"] = req.request_id
-    internal["n"] = req.n if req.HasField("n") else 1
-    if not 1 <= internal["n"] <= MAX_N:
-        raise RequestError(f"n={internal['n']} is invalid: must be in [1, {MAX_N}]", "n")
-    return req.model, internal
+        fields["structured"] = [_structured(req.structured_output)]
+    if req.tools:
+        fields["tools"] = [_tool(i, t) for i, t in enumerate(req.tools)]
+    if req.HasField("tool_choice"):
+        fields["tool_choice"] = _tool_choice(req.tool_choice)
+    api = ApiRequest(sampling=sampling, n=req.n if req.HasField("n") else 1, priority=req.priority,
+                     request_id=req.request_id or None,
+                     parallel_tool_calls=req.parallel_tool_calls if req.HasField("parallel_tool_calls") else True,
+                     **fields)
+    return req.model, to_internal(api)
 
 
-def _structured(so: Any) -> tuple[dict[str, Any], str]:
+def _message(m: Any) -> dict[str, Any]:
+    calls = [{"id": c.id or None, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+             for c in m.tool_calls]
+    return {"role": m.role, "content": m.content, "tool_calls": calls, "tool_call_id": m.tool_call_id or None}
+
+
+def _tool(i: int, tool: Any) -> dict[str, Any]:
+    f = tool.function
+    parameters = None
+    if f.parameters:
+        try:
+            parameters = json.loads(f.parameters)
+        except json.JSONDecodeError as e:
+            raise RequestError(f"tools.{i}.function.parameters: not JSON ({e})", f"tools.{i}.function.parameters") \
+                from None
+        if not isinstance(parameters, dict):
+            raise RequestError(f"tools.{i}.function.parameters: give a JSON schema object",
+                               f"tools.{i}.function.parameters")
+    return {"type": "function", "function": {"name": f.name, "description": f.description or None,
+                                             "parameters": parameters}}
+
+
+def _tool_choice(choice: Any) -> str | dict[str, Any]:
+    which = choice.WhichOneof("choice")
+    if which is None:
+        raise RequestError("tool_choice: set mode or function (or leave tool_choice unset for auto)", "tool_choice")
+    return choice.mode if which == "mode" else {"type": "function", "function": {"name": choice.function}}
+
+
+def _structured(so: Any) -> tuple[str, str, Any]:
+    """(client field, engine kind, value), as request_model.ApiRequest.structured takes them."""
     kind = so.WhichOneof("kind")
     if kind is None:
         raise RequestError("structured_output: set one of json_schema, json_object, regex, grammar, choice",
@@ -101,8 +134,7 @@ def _structured(so: Any) -> tuple[dict[str, Any], str]:
     param = f"structured_output.{kind}"
     if kind == "json_object" and not so.json_object:
         raise RequestError(f"{param}: set it to true (or leave structured_output unset for free text)", param)
-    value = list(so.choice.choices) if kind == "choice" else getattr(so, kind)
-    return structured_output(kind, value, param), param
+    return param, kind, list(so.choice.choices) if kind == "choice" else getattr(so, kind)
 
 
 def _usage(chunk: dict[str, Any]) -> Any:
@@ -116,13 +148,14 @@ def _logprobs(chunk: dict[str, Any]) -> list[Any]:
             for lp in chunk.get("logprobs", [])]
 
 
-def generate_response(request_id: str, chunk: dict[str, Any]) -> Any:
+def generate_response(request_id: str, chunk: dict[str, Any], tool_calls: list[dict[str, Any]] | None = None) -> Any:
     return pb.GenerateResponse(request_id=request_id, text=chunk["text"], token_ids=chunk["ids"],
                                logprobs=_logprobs(chunk), finish_reason=FINISH_REASONS[chunk["finish_reason"]],
-                               usage=_usage(chunk), index=chunk.get("index", 0))
+                               usage=_usage(chunk), index=chunk.get("index", 0), tool_calls=_tool_calls(tool_calls))
 
 
-def complete_response(request_id: str, samples: list[dict[str, Any]]) -> Any:
+def complete_response(request_id: str, samples: list[dict[str, Any]],
+                      tool_calls: list[dict[str, Any]] | None = None) -> Any:
     """samples: each sample's chunks merged, in index order (one for n = 1)."""
     first = samples[0]
     extra = [pb.Sample(index=i, text=m["text"], token_ids=m["ids"], logprobs=_logprobs(m),
@@ -130,7 +163,21 @@ def complete_response(request_id: str, samples: list[dict[str, Any]]) -> Any:
     return pb.CompleteResponse(request_id=request_id, text=first["text"], token_ids=first["ids"],
                                logprobs=_logprobs(first), finish_reason=FINISH_REASONS[first["finish_reason"]],
                                usage=_usage(total(samples) if len(samples) > 1 else first),
-                               samples=extra if len(samples) > 1 else [])
+                               samples=extra if len(samples) > 1 else [], tool_calls=_tool_calls(tool_calls))
+
+
+def split_tool_calls(merged: dict[str, Any], tool_format: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A request's whole output -> (its chunk with only the text before the calls, the calls in OpenAI's shape);
+    a request that stopped by calling tools finishes with "tool_calls"."""
+    text, calls = parse_tool_calls(tool_format, merged["text"])
+    reason = "tool_calls" if calls and merged["finish_reason"] == "stop" else merged["finish_reason"]
+    return {**merged, "text": text or "", "finish_reason": reason}, calls
+
+
+def _tool_calls(calls: list[dict[str, Any]] | None) -> list[Any]:
+    """OpenAI-shaped calls (whole, or a stream's deltas with their index) as ToolCall messages."""
+    return [pb.ToolCall(index=c.get("index", i), id=c.get("id", ""), name=c["function"].get("name", ""),
+                        arguments=c["function"].get("arguments", "")) for i, c in enumerate(calls or [])]
 
 
 def _find_bad_utf8(raw: bytes, fields: dict[int, Any], pos: int = 0, end: int | None = None) -> str | None:

@@ -29,6 +29,7 @@ from cpuserve.serving.openai_responses import completion_body, sse, usage
 from cpuserve.serving.protocol import (GRPC_CODE, HTTP_STATUS, NOT_FOUND, RESOURCE_EXHAUSTED, TOO_LARGE,
                                        UNAUTHENTICATED, UNAVAILABLE, RequestError, merge_samples, total)
 from cpuserve.serving.telemetry import EngineStatsAggregator, RequestTimer
+from cpuserve.serving.tool_stream import ToolCallStream
 from cpuserve.serving.tools import parse_tool_calls
 from cpuserve.v1 import inference_pb2 as pb
 
@@ -147,8 +148,9 @@ class IngressCore:
         headers = {"x-cpuserve-replica": first.get("replica", "")}
         tool_format = (await self._model_info())["tool_format"] if internal.get("tools") else None
         include_usage = parsed.stream_options is not None and parsed.stream_options.include_usage
-        if parsed.stream and not tool_format:
-            return StreamingResponse(self._sse(rid, first, stream, chat, include_usage, n=parsed.n),
+        if parsed.stream:  # with tools, calls stream as the model writes them
+            tools = ToolCallStream(tool_format) if tool_format else None
+            return StreamingResponse(self._sse(rid, first, stream, chat, include_usage, tools, n=parsed.n),
                                      media_type="text/event-stream", headers=headers)
         try:
             samples = merge_samples([first] + [c async for c in stream])
@@ -160,22 +162,21 @@ class IngressCore:
             body["usage"] = usage(total(samples))
             return JSONResponse(body, headers=headers)
         merged, calls = samples[0], None
-        if tool_format:  # a call is known only once its text is complete: tool streams send it at the end
+        if tool_format:
             merged["text"], calls = parse_tool_calls(tool_format, merged["text"])
-        if parsed.stream:
-            return StreamingResponse(self._sse(rid, merged, _no_chunks(), chat, include_usage, calls),
-                                     media_type="text/event-stream", headers=headers)
         return JSONResponse(completion_body(rid, self.model, merged, chat, final=True, tool_calls=calls),
                             headers=headers)
 
     async def _sse(self, rid: str, first: dict, stream: AsyncIterator[dict], chat: bool,
-                   include_usage: bool, tool_calls: list | None = None, n: int = 1) -> AsyncIterator[bytes]:
+                   include_usage: bool, tools: ToolCallStream | None = None, n: int = 1) -> AsyncIterator[bytes]:
         chunk, text_offsets, last = first, {}, {}  # per sample index: where its text is, its latest chunk
         try:
             while True:
-                index = chunk.get("index", 0)
+                index, deltas = chunk.get("index", 0), None
+                if tools is not None:
+                    chunk, deltas = tools.apply(chunk)
                 yield sse(completion_body(rid, self.model, chunk, chat, final=False,
-                                          text_offset=text_offsets.get(index, 0), tool_calls=tool_calls))
+                                          text_offset=text_offsets.get(index, 0), tool_calls=deltas))
                 last[index] = chunk
                 if chunk["finish_reason"] and sum(c["finish_reason"] is not None for c in last.values()) == n:
                     break
@@ -240,28 +241,38 @@ class IngressCore:
             self._authorize_grpc(grpc_context)
             model, internal = grpc_api.generate_request(grpc_api.parse(request, pb.GenerateRequest),
                                                         self.config.max_request_bytes)
-            return await self._start(model, internal)
+            rid, first, stream = await self._start(model, internal)
+            tool_format = (await self._model_info())["tool_format"] if internal.get("tools") else None
+            return rid, first, stream, tool_format
         except RequestError as e:
             self._grpc_fail(grpc_context, e)
 
     async def Generate(self, request: bytes, grpc_context: Any) -> AsyncIterator[Any]:  # noqa: N802
-        rid, first, stream = await self._grpc_start(request, grpc_context)
+        rid, first, stream, tool_format = await self._grpc_start(request, grpc_context)
+        tools = ToolCallStream(tool_format) if tool_format else None  # calls stream in pieces as written
         try:
-            yield grpc_api.generate_response(rid, first)
-            async for chunk in stream:
-                yield grpc_api.generate_response(rid, chunk)
+            chunk = first
+            while chunk is not None:
+                deltas = None
+                if tools is not None:
+                    chunk, deltas = tools.apply(chunk)
+                yield grpc_api.generate_response(rid, chunk, deltas)
+                chunk = await anext(stream, None)
         except RequestError as e:
             self._grpc_fail(grpc_context, e)
         finally:
             await stream.aclose()
 
     async def Complete(self, request: bytes, grpc_context: Any) -> Any:  # noqa: N802
-        rid, first, stream = await self._grpc_start(request, grpc_context)
+        rid, first, stream, tool_format = await self._grpc_start(request, grpc_context)
         try:
-            chunks = [first] + [c async for c in stream]
+            samples = merge_samples([first] + [c async for c in stream])
         except RequestError as e:
             self._grpc_fail(grpc_context, e)
-        return grpc_api.complete_response(rid, merge_samples(chunks))
+        if tool_format:
+            samples[0], calls = grpc_api.split_tool_calls(samples[0], tool_format)
+            return grpc_api.complete_response(rid, samples, calls)
+        return grpc_api.complete_response(rid, samples)
 
     async def Tokenize(self, request: bytes, grpc_context: Any) -> Any:  # noqa: N802
         try:
@@ -287,11 +298,6 @@ class IngressCore:
         ok, message = await self._is_healthy()
         status = pb.SERVING_STATUS_SERVING if ok else pb.SERVING_STATUS_NOT_SERVING
         return pb.HealthResponse(status=status, message=message)
-
-
-async def _no_chunks() -> AsyncIterator[dict]:
-    return
-    yield  # an async generator with nothing in it
 
 
 @serve.ingress(api)

@@ -137,7 +137,10 @@ class LLMServer:
             yield _unavailable(e)
             return
         # the first chunk names the replica, so clients (and tests) can see where a request ran
-        yield {**chunk_from_step(first, self._token_text), "replica": self.replica_id}
+        chunk = {**chunk_from_step(first, self._token_text), "replica": self.replica_id}
+        if request.get("echo"):  # completions' echo: the prompt's text comes first
+            chunk["text"] = self._prompt_text(prompt, sampling) + chunk["text"]
+        yield chunk
         try:
             async for step in stream:
                 yield chunk_from_step(step, self._token_text)
@@ -149,6 +152,11 @@ class LLMServer:
         c = self.config
         shared = self.engine.num_streams / c.stream_messages_per_s if c.stream_messages_per_s else 0.0
         return max(c.stream_interval_ms / 1000, shared)
+
+    def _prompt_text(self, prompt: str | list[int], sampling: dict[str, Any]) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        return self.tokenizer.decode(prompt, skip_special_tokens=sampling.get("skip_special_tokens", True))
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -1,7 +1,8 @@
 """OpenAI-compatible request parsing (/v1/completions, /v1/chat/completions); responses: openai_responses.py.
 
 Parsing is strict: wrong JSON types are errors, never coerced, and every error names its field as OpenAI's
-`error.param`. Range checks are SamplingParams' own (protocol.check_sampling), so they exist once.
+`error.param`. This module only reads JSON shapes into the request model both APIs share (request_model.py),
+whose rules and messages are the gRPC API's too.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from cpuserve.serving.protocol import DEFAULT_MAX_TOKENS, MAX_N, RequestError, check_sampling, structured_output
-from cpuserve.serving.tools import NamedToolChoice, Tool, ToolCall, check_tools
+from cpuserve.serving.protocol import DEFAULT_MAX_TOKENS, RequestError
+from cpuserve.serving.request_model import ApiRequest, to_internal
+from cpuserve.serving.tools import Tool, ToolCall
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
@@ -46,28 +48,16 @@ class ContentPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    role: str  # checked by request_model, as for gRPC
     content: str | list[ContentPart] | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # which call a tool message answers
 
-    def as_dict(self, i: int) -> dict[str, Any]:
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise RequestError(f"messages.{i}.content: only an assistant message with tool_calls may leave it out",
-                               f"messages.{i}.content")
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
-        if self.tool_calls:
-            for call in self.tool_calls:
-                try:
-                    json.loads(call.function.arguments)
-                except json.JSONDecodeError:
-                    raise RequestError(f"messages.{i}.tool_calls: arguments of {call.function.name!r} are not JSON",
-                                       f"messages.{i}.tool_calls") from None
-            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        return out
+    def as_dict(self) -> dict[str, Any]:
+        text = self.content if isinstance(self.content, str) or self.content is None else "".join(
+            p.text for p in self.content)
+        return {"role": self.role, "content": text, "tool_calls": [c.model_dump() for c in self.tool_calls or []],
+                "tool_call_id": self.tool_call_id}
 
 
 class JsonSchemaFormat(_Strict):
@@ -118,8 +108,8 @@ class _Sampling(_Strict):
                 why = UNSUPPORTED.get(name, "this server does not implement it, and it could change the result")
                 raise RequestError(f"{name}: {why}", name)
 
-    def structured(self) -> tuple[dict[str, Any] | None, str | None]:
-        """(the engine's structured_output or None, the client field that gave it)."""
+    def structured(self) -> list[tuple[str, str, Any]]:
+        """Every structured-output form given, as (client field, engine kind, value); request_model allows one."""
         forms = []
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
@@ -132,17 +122,10 @@ class _Sampling(_Strict):
             value = getattr(self, f"guided_{kind}")
             if value is not None:
                 forms.append((f"guided_{kind}", "json_schema" if kind == "json" else kind, value))
-        if len(forms) > 1:
-            raise RequestError(f"{forms[1][0]}: give one of response_format, guided_json, guided_regex, "
-                               f"guided_grammar, guided_choice, not both {forms[0][0]} and {forms[1][0]}", forms[1][0])
-        if not forms:
-            return None, None
-        param, kind, value = forms[0]
-        return structured_output(kind, value, param), param
+        return forms
 
-    def sampling(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
-        if not 1 <= self.n <= MAX_N:
-            raise RequestError(f"n={self.n} is invalid: must be in [1, {MAX_N}]", "n")
+    def api_request(self, max_tokens: int | None, logprobs: int | None, **fields: Any) -> ApiRequest:
+        """This body as the request model both APIs share (validation happens in request_model.to_internal)."""
         values = {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                   "top_k": self.top_k, "min_p": self.min_p, "presence_penalty": self.presence_penalty,
                   "frequency_penalty": self.frequency_penalty, "logit_bias": self._logit_bias(),
@@ -151,8 +134,8 @@ class _Sampling(_Strict):
                   "stop_token_ids": self.stop_token_ids}
         sampling = {k: v for k, v in values.items() if v is not None}
         sampling.update(ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens)
-        sampling["structured_output"], _ = self.structured()
-        return sampling
+        return ApiRequest(sampling=sampling, structured=self.structured(), n=self.n, priority=self.priority,
+                          **fields)
 
     def _logit_bias(self) -> dict[int, float] | None:
         if self.logit_bias is None:
@@ -162,13 +145,6 @@ class _Sampling(_Strict):
             raise RequestError(f"logit_bias: key {bad[0]!r} is not a token id (a decimal integer)", "logit_bias")
         return {int(k): float(v) for k, v in self.logit_bias.items()}
 
-    def internal(self, sampling: dict[str, Any], rename: dict[str, str] | None = None, **request: Any) -> dict[str, Any]:
-        """The internal request dict: sampling validated, errors in the client's own field names."""
-        _, param = self.structured()
-        rename = {**(rename or {}), **({"structured_output": param} if param else {})}
-        return {**request, "sampling": check_sampling(sampling, rename), "priority": self.priority, "rename": rename,
-                "n": self.n}
-
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int]
@@ -176,10 +152,8 @@ class CompletionRequest(_Sampling):
     echo: bool = False
 
     def to_internal(self) -> dict[str, Any]:
-        if self.echo:
-            raise RequestError("echo=true is not supported", "echo")
         max_tokens = DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
-        return self.internal(self.sampling(max_tokens, self.logprobs), prompt=self.prompt)
+        return to_internal(self.api_request(max_tokens, self.logprobs, prompt=self.prompt, echo=self.echo))
 
 
 class ChatRequest(_Sampling):
@@ -188,7 +162,7 @@ class ChatRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: Any = None  # none / auto / required / a named function: checked by tools.check_tools
     parallel_tool_calls: bool = True
 
     def to_internal(self) -> dict[str, Any]:
@@ -196,21 +170,12 @@ class ChatRequest(_Sampling):
         top = (self.top_logprobs or 0) if self.logprobs else None
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
-        only = check_tools(self.tools, self.tool_choice)
-        tools: dict[str, Any] = {}
-        if self.tools and self.tool_choice != "none":  # "none": the model sees no tools and calls none
-            choice = self.tool_choice or "auto"
-            if choice != "auto" and self.structured()[0] is not None:
-                raise RequestError("tool_choice: a required or named call cannot be combined with response_format "
-                                   "or guided_*", "tool_choice")
-            if self.n > 1:
-                raise RequestError("n: tool calling takes n=1", "n")
-            tools = {"tools": [t.model_dump(exclude_none=True) for t in self.tools],
-                     "tool_choice": "auto" if choice == "auto" else {"name": only},  # name None = any of them
-                     "parallel_tool_calls": self.parallel_tool_calls}
         # without max_tokens the replica fills the rest of the context, as OpenAI does
-        return self.internal(self.sampling(max_tokens, top), {"logprobs": "top_logprobs"},
-                             messages=[m.as_dict(i) for i, m in enumerate(self.messages)], **tools)
+        return to_internal(self.api_request(
+            max_tokens, top, messages=[m.as_dict() for m in self.messages], rename={"logprobs": "top_logprobs"},
+            tools=[t.model_dump() for t in self.tools] if self.tools is not None else None,
+            tool_choice=self.tool_choice,
+            parallel_tool_calls=self.parallel_tool_calls))
 
 
 def parse_body(body: bytes, cls: type[_Sampling]) -> _Sampling:

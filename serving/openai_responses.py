@@ -40,15 +40,17 @@ def chat_logprobs(chunk: dict[str, Any]) -> dict[str, Any] | None:
 def completion_body(rid: str, model: str, chunk: dict[str, Any], chat: bool, final: bool,
                     text_offset: int = 0, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """A whole response (final=True, chunk = all chunks merged) or one SSE chunk, whose text starts at text_offset
-    in the completion. tool_calls: the calls parsed from the text (chunk["text"] is then the content before them,
-    or None)."""
+    in the completion. tool_calls: in a whole response, the calls parsed from the text (chunk["text"] is then the
+    content before them, or None); in a chunk, its tool-call deltas (tool_stream.ToolCallStream)."""
     reason = chunk["finish_reason"]
     if chat:
         content = {"role": "assistant", "content": chunk["text"]}
         if tool_calls:
-            calls = tool_calls if final else [{"index": i, **c} for i, c in enumerate(tool_calls)]
-            content["tool_calls"] = calls
-            reason = "tool_calls" if reason == "stop" else reason
+            content["tool_calls"] = tool_calls
+            if final:
+                reason = "tool_calls" if reason == "stop" else reason
+            elif not chunk["text"]:
+                content["content"] = None
         choice = {"index": chunk.get("index", 0), ("message" if final else "delta"): content,
                   "logprobs": chat_logprobs(chunk),
                   "finish_reason": reason}

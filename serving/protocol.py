@@ -3,7 +3,9 @@
 Ingress -> LLMServer: a request dict
     {"request_id": str, "priority": int, "sampling": {SamplingParams kwargs},
      one of "prompt": str | list[int]  or  "messages": [{"role", "content"}, ...],
-     "rename": {engine param: client field} when the client named a field otherwise (response_format)}
+     "rename": {engine param: client field} when the client named a field otherwise (response_format),
+     "n": samples, optional "echo": True (completions), optional "tools", "tool_choice" ("auto" | {"name": str or
+     None}), "parallel_tool_calls"}; built for both APIs by request_model.to_internal
 LLMServer -> ingress: a stream of chunk dicts (see `chunk_from_step`), or one {"error": ...} dict first when
 the replica rejects the request (bad prompt, engine stopped), so that no exception crosses Ray.
 """

@@ -16,13 +16,14 @@ import re
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from cpuserve.engine.errors import InvalidRequest
 from cpuserve.engine.grammar import JSON_OPTIONS, grammar_of
 from cpuserve.serving.protocol import RequestError
 
 HERMES, LLAMA3, MISTRAL = "hermes", "llama3", "mistral"
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 _ARGS_KEY = {HERMES: "arguments", LLAMA3: "parameters", MISTRAL: "arguments"}
 
 
@@ -32,7 +33,7 @@ class _Strict(BaseModel):
 
 
 class FunctionDef(_Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    name: str  # checked by check_tools, as for gRPC
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None  # arguments always follow the schema when tool_choice enforces a call
@@ -41,15 +42,6 @@ class FunctionDef(_Strict):
 class Tool(_Strict):
     type: Literal["function"]
     function: FunctionDef
-
-
-class FunctionName(_Strict):
-    name: str
-
-
-class NamedToolChoice(_Strict):
-    type: Literal["function"]
-    function: FunctionName
 
 
 class CalledFunction(_Strict):
@@ -63,28 +55,39 @@ class ToolCall(_Strict):
     function: CalledFunction
 
 
-def check_tools(tools: list[Tool] | None, choice: "str | NamedToolChoice | None") -> str | None:
-    """Validate tools and tool_choice together; returns the one function a call must use, if named."""
-    names = [t.function.name for t in tools or []]
-    for i, t in enumerate(tools or []):
-        if names.count(t.function.name) > 1:
-            raise RequestError(f"tools[{i}]: function name {t.function.name!r} is given twice", "tools")
+def check_tools(tools: list[dict[str, Any]] | None, choice: str | dict[str, Any] | None) -> str | None:
+    """Validate tools (OpenAI's shape, as dicts) and tool_choice together, for both APIs (request_model.py).
+
+    Returns the one function a call must use, when tool_choice names one. Errors name the field, e.g.
+    tools.1.function.name, tools.0.function.parameters, tool_choice.
+    """
+    names: list[str] = []
+    for i, tool in enumerate(tools or []):
+        f, where = tool["function"], f"tools.{i}.function"
+        if not _NAME.fullmatch(f["name"]):
+            raise RequestError(f"{where}.name={f['name']!r}: use 1 to 64 letters, digits, _ or -", f"{where}.name")
+        if f["name"] in names:
+            raise RequestError(f"{where}.name: function {f['name']!r} is given twice", f"{where}.name")
+        names.append(f["name"])
         try:
-            grammar_of("json_schema", json.dumps(t.function.parameters or {"type": "object"}))
+            grammar_of("json_schema", json.dumps(f.get("parameters") or {"type": "object"}))
         except InvalidRequest as e:
-            raise RequestError(f"tools[{i}].function.parameters: {e.message.split(': ', 1)[-1]}", "tools") from None
-    if choice is not None and choice != "none" and not names:
-        raise RequestError(f"tool_choice={_choice_text(choice)} needs tools", "tool_choice")
-    if isinstance(choice, NamedToolChoice):
-        if choice.function.name not in names:
-            raise RequestError(f"tool_choice names {choice.function.name!r}, which is not among tools: {names}",
-                               "tool_choice")
-        return choice.function.name
-    return None
-
-
-def _choice_text(choice: Any) -> str:
-    return choice if isinstance(choice, str) else json.dumps(choice.model_dump())
+            raise RequestError(f"{where}.parameters: {e.message.split(': ', 1)[-1]}", f"{where}.parameters") from None
+    if choice is None:
+        return None
+    named = isinstance(choice, dict) and choice.get("type", "function") == "function" and isinstance(
+        choice.get("function"), dict) and isinstance(choice["function"].get("name"), str)
+    if not (named or choice in ("none", "auto", "required")):
+        raise RequestError(f"tool_choice={json.dumps(choice)[:80]}: use none, auto, required or "
+                           '{"type": "function", "function": {"name": ...}}', "tool_choice")
+    if choice != "none" and not names:
+        raise RequestError(f"tool_choice={json.dumps(choice)} needs tools", "tool_choice")
+    if isinstance(choice, str):
+        return None
+    name = choice["function"]["name"]
+    if name not in names:
+        raise RequestError(f"tool_choice names {name!r}, which is not among tools: {names}", "tool_choice")
+    return name
 
 
 # -- formats, prompts, grammars, parsing ---------------------------------------------------------------------

@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
 #include "simd.h"
 #include "tasks.h"
 
@@ -381,6 +382,22 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 }
 
 }  // namespace
+
+namespace cpuserve_ops {
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) { return ::rms_norm(x, weight, eps); }
+at::Tensor& silu_mul_out(const at::Tensor& gate_up, at::Tensor& out) { return ::silu_mul_out(gate_up, out); }
+void rope_write_kv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t n_heads, at::Tensor& pool,
+                   c10::optional<at::Tensor> pool_scale, const at::Tensor& slot_mapping) {
+  ::rope_write_kv(qkv, cos, sin, n_heads, pool, std::move(pool_scale), slot_mapping);
+}
+at::Tensor& decode_attention_out(const at::Tensor& q, const at::Tensor& kv, const c10::optional<at::Tensor>& scale,
+                                 const at::Tensor& block_tables, const at::Tensor& context_lens, double sm_scale,
+                                 at::Tensor& out) {
+  return ::decode_attention_out(q, kv, scale, block_tables, context_lens, sm_scale, out);
+}
+
+}  // namespace cpuserve_ops
 
 TORCH_LIBRARY(cpuserve, m) {
   m.def("decode_attention(Tensor q, Tensor kv, Tensor? scale, Tensor block_tables, Tensor context_lens, "

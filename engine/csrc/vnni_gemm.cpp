@@ -30,6 +30,7 @@
 #include <torch/library.h>
 
 #include "act_quant.h"
+#include "ops.h"
 #include "simd.h"
 #include "tasks.h"
 
@@ -250,6 +251,11 @@ at::Tensor vnni_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
 }
 
 }  // namespace
+
+at::Tensor& cpuserve_ops::vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                                        const at::Tensor& zoffs, int64_t bits, int64_t act_group, at::Tensor& out) {
+  return ::vnni_gemm_out(x, packed, scales, zoffs, bits, act_group, out);
+}
 
 TORCH_LIBRARY_FRAGMENT(cpuserve, m) {
   m.def("vnni_gemm(Tensor x, Tensor packed, Tensor scales, Tensor zoffs, int bits, int act_group) -> Tensor");

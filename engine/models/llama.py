@@ -17,6 +17,7 @@ from cpuserve.engine.layers import ops
 from cpuserve.engine.layers.kv_quant import LayerKV, gather_kv
 from cpuserve.engine.layers.linear import QuantLinear
 from cpuserve.engine.models.args import ModelArgs
+from cpuserve.engine.models.fused_decode import FusedDecode
 
 
 @dataclass(slots=True)
@@ -124,11 +125,22 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(args.dim, args.norm_eps, dtype)
         self.lm_head = lm_head
+        self._fused: FusedDecode | None | bool = False  # False: not built yet (the KV pools are bound later)
 
     def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, logit_rows: torch.Tensor) -> torch.Tensor:
         """token_ids [N]; logit_rows [S]: the rows whose next-token logits are wanted. Returns [S, V] float32."""
         x = F.embedding(token_ids, self.embed_tokens)  # x: [N, dim]
-        for layer in self.layers:
-            x = layer(x, meta)
+        fused = self.fused_decode() if not meta.prefills else None
+        if fused is not None:  # decode rows only: every layer in one C++ call, the same bits
+            x = fused.run(x, meta)
+        else:
+            for layer in self.layers:
+                x = layer(x, meta)
         x = self.norm(x[logit_rows])  # only the rows that sample: prefill rows before the last need no logits
         return self.lm_head(x).float()
+
+    def fused_decode(self) -> FusedDecode | None:
+        """fused_decode.py's step for this model, built on first use; None where it does not apply."""
+        if self._fused is False or (self._fused is not None and not self._fused.binds(self)):
+            self._fused = FusedDecode.build(self)
+        return self._fused

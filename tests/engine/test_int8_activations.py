@@ -131,6 +131,19 @@ def test_scales_are_fp16_only_where_fp16_holds_them_exactly():
     assert torch.equal(_unblocked(zoff), d / 3)
 
 
+def test_inexact_scales_round_to_fp16_only_in_its_normal_range():
+    d = torch.rand(32, 4) * 0.1 + 1e-3  # K-quant-like scales: not fp16 values, all in fp16's normal range
+    scale, zoff = compact_scales(d, -8 * d, exact=False)
+    assert scale.dtype == zoff.dtype == torch.float16
+    for got, want in ((scale, d), (zoff, -8 * d)):  # each within 2**-11 of itself
+        assert ((_unblocked(got).float() - want).abs() <= want.abs() * 2.0 ** -11).all()
+    tiny = d.clone()
+    tiny[3, 1] = 1e-6  # a subnormal in fp16: its rounding could move it by far more than 2**-11 of itself
+    scale, zoff = compact_scales(tiny, -8 * d, exact=False)
+    assert scale.dtype == zoff.dtype == torch.float32
+    assert torch.equal(_unblocked(scale), tiny)
+
+
 def test_row_quantization_reference():
     x = torch.tensor([[0.0, 1.0, -2.0, 0.5] * 8, [0.0] * 32])
     q, s = quantize_rows(x, 32)

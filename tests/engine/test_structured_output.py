@@ -10,12 +10,13 @@ import json
 import re
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 
 from cpuserve.engine.errors import InvalidRequest
 from cpuserve.engine.grammar import GrammarCompiler, StructuredOutput
-from cpuserve.engine.sampler import mask_constrained, sample
+from cpuserve.engine.sampler import apply_bitmask, mask_constrained, sample
 from cpuserve.engine.sampling_params import SamplingParams
 
 SCHEMAS = [
@@ -56,24 +57,42 @@ def test_a_mask_allows_exactly_the_tokens_a_regex_can_continue_with(compiler, ll
     tok = llm_int4.tokenizer
     matcher = compiler.matcher(StructuredOutput("regex", "[0-9]{3}"))
     logits = torch.zeros(2, compiler.vocab_size)
+    before = logits.clone()
     masked = mask_constrained(logits, [matcher, None])
     allowed = (masked[0] > float("-inf")).nonzero().flatten().tolist()
     texts = {t: tok.decode([t], skip_special_tokens=False) for t in allowed}
     # the reference: every token whose text is 1 to 3 digits, and nothing else
     digits = [t for t in range(tok.vocab_size) if re.fullmatch(r"[0-9]{1,3}", tok.decode([t], skip_special_tokens=False))]
     assert sorted(allowed) == sorted(digits), texts
-    assert torch.equal(masked[1], logits[1])  # the free row is untouched
+    assert torch.equal(masked[1], before[1])  # the free row is untouched
 
 
 def test_constrained_and_free_rows_share_one_batch(compiler):
     torch.manual_seed(0)
     logits = torch.randn(3, compiler.vocab_size)
     grammars = [None, compiler.matcher(StructuredOutput("regex", "yes|no")), None]
-    out = sample(logits, [SamplingParams(temperature=0)] * 3, [None] * 3, [[]] * 3, [0] * 3, grammars)
+    out = sample(logits.clone(), [SamplingParams(temperature=0)] * 3, [None] * 3, [[]] * 3, [0] * 3, grammars)
     free = logits.argmax(-1).tolist()
     assert out.token_ids[0] == free[0] and out.token_ids[2] == free[2]
-    masked = mask_constrained(logits, grammars)
+    masked = mask_constrained(logits.clone(), grammars)
     assert out.token_ids[1] == int(masked[1].argmax()) and masked[1, out.token_ids[1]] > float("-inf")
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 37])  # SmolLM2's, and sizes that leave a partial last word
+def test_apply_bitmask_matches_unpacked_bits(vocab):
+    """The branch-free apply against numpy's unpackbits + masked_fill (the plain reference), on random masks."""
+    rng = np.random.default_rng(vocab)
+    bitmask = torch.from_numpy(rng.integers(-2**31, 2**31, size=(3, (vocab + 31) // 32), dtype=np.int64)
+                               .astype(np.int32))
+    logits = torch.randn(5, vocab)
+    rows = [0, 2, 3]
+    allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, count=vocab, bitorder="little").astype(bool)
+    expected = logits.clone()
+    for k, i in enumerate(rows):
+        expected[i].masked_fill_(torch.from_numpy(~allowed[k]), float("-inf"))
+    apply_bitmask(logits, bitmask, rows)
+    assert torch.equal(logits, expected)
+    assert 0 < int(torch.isinf(logits).sum()) < 3 * vocab
 
 
 def test_bad_specs_name_the_field():

@@ -135,8 +135,77 @@ def test_named_tool_call_streams(client):
         parallel_tool_calls=False, max_tokens=80, temperature=0, stream=True)
     deltas = [c.choices[0] for c in stream if c.choices]
     calls = [tc for d in deltas for tc in (d.delta.tool_calls or [])]
-    assert deltas[-1].finish_reason == "tool_calls" and [c.function.name for c in calls] == ["get_time"]
-    jsonschema.validate(json.loads(calls[0].function.arguments), CLOCK["function"]["parameters"])
+    assert deltas[-1].finish_reason == "tool_calls"
+    assert [(c.index, c.function.name) for c in calls if c.id] == [(0, "get_time")]  # announced once
+    arguments = "".join(c.function.arguments or "" for c in calls)  # the fragments, in order
+    jsonschema.validate(json.loads(arguments), CLOCK["function"]["parameters"])
+    # incremental: the call's pieces came in several chunks, before the last one
+    pieces = [i for i, d in enumerate(deltas) if d.delta.tool_calls]
+    assert len(pieces) > 2 and pieces[0] < len(deltas) - 1
+
+
+def _proto_tool(tool: dict) -> pb.Tool:
+    f = tool["function"]
+    return pb.Tool(function=pb.FunctionDefinition(name=f["name"], description=f.get("description", ""),
+                                                  parameters=json.dumps(f["parameters"])))
+
+
+def test_grpc_tool_call_round_trip(grpc_stub):
+    question = pb.ChatMessage(role="user", content="What is the weather in Paris?")
+    tools = [_proto_tool(WEATHER), _proto_tool(CLOCK)]
+    sampling = pb.SamplingParameters(max_tokens=80, temperature=0)
+    r = grpc_stub.Complete(pb.GenerateRequest(chat=pb.ChatMessages(messages=[question]), tools=tools,
+                                              tool_choice=pb.ToolChoice(mode="required"), parallel_tool_calls=False,
+                                              sampling=sampling), timeout=120)
+    assert r.finish_reason == pb.FINISH_REASON_TOOL_CALLS and len(r.tool_calls) == 1, r
+    call = r.tool_calls[0]
+    tool = {"get_weather": WEATHER, "get_time": CLOCK}[call.name]
+    jsonschema.validate(json.loads(call.arguments), tool["function"]["parameters"])
+    assert call.id and "<tool_call>" not in r.text
+    # the call and its result go back into the conversation; "none": answer in words now
+    follow = [question, pb.ChatMessage(role="assistant", tool_calls=[call]),
+              pb.ChatMessage(role="tool", tool_call_id=call.id, content='{"temperature": 18, "unit": "C"}')]
+    r2 = grpc_stub.Complete(pb.GenerateRequest(chat=pb.ChatMessages(messages=follow), tools=tools,
+                                               tool_choice=pb.ToolChoice(mode="none"),
+                                               sampling=pb.SamplingParameters(max_tokens=24, temperature=0)),
+                            timeout=120)
+    assert not r2.tool_calls and r2.text and r2.finish_reason != pb.FINISH_REASON_TOOL_CALLS
+    alone = grpc_stub.Complete(pb.GenerateRequest(chat=pb.ChatMessages(messages=[question]),
+                                                  sampling=pb.SamplingParameters(max_tokens=1)), timeout=120)
+    assert r2.usage.prompt_tokens > alone.usage.prompt_tokens + 25  # the call and its result were rendered
+
+
+def test_grpc_named_tool_call_streams(grpc_stub):
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="What time is it in Tokyo?")])
+    parts = list(grpc_stub.Generate(pb.GenerateRequest(
+        chat=chat, tools=[_proto_tool(WEATHER), _proto_tool(CLOCK)], tool_choice=pb.ToolChoice(function="get_time"),
+        sampling=pb.SamplingParameters(max_tokens=80, temperature=0.8, seed=4)), timeout=120))
+    assert parts[-1].finish_reason == pb.FINISH_REASON_TOOL_CALLS
+    pieces = [c for p in parts for c in p.tool_calls]
+    heads = [c for c in pieces if c.id]
+    assert heads and {c.name for c in heads} == {"get_time"}  # parallel calls allowed: each is get_time
+    assert [c.index for c in heads] == list(range(len(heads)))
+    for head in heads:  # each call's argument fragments, in order, make its arguments
+        arguments = "".join(c.arguments for c in pieces if c.index == head.index)
+        jsonschema.validate(json.loads(arguments), CLOCK["function"]["parameters"])
+    assert sum(bool(p.tool_calls) for p in parts) > 2  # in pieces, as the model wrote them
+
+
+def test_completions_echo(client, grpc_stub):
+    prompt = "The capital of France is"
+    plain = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=6, temperature=0)
+    echoed = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=6, temperature=0,
+                                       echo=True)
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+    assert echoed.usage.completion_tokens == plain.usage.completion_tokens
+    stream = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=6, temperature=0,
+                                       echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == echoed.choices[0].text
+    # a prompt of token ids comes back as the text they encode, for each of n samples
+    ids = list(grpc_stub.Tokenize(pb.TokenizeRequest(text=prompt), timeout=60).token_ids)
+    r = client.completions.create(model="SmolLM2-135M-Instruct", prompt=ids, max_tokens=3, temperature=1.0, n=2,
+                                  seed=2, echo=True)
+    assert [c.text.startswith(prompt) for c in r.choices] == [True, True]
 
 
 def test_n_samples_share_the_prompt_blocks(client):

@@ -45,14 +45,23 @@ HTTP_CASES = [  # (id, path, body: dict | raw bytes, status, param)
     ("tools on completions", "completions", {"prompt": "hi", "tools": [TOOL]}, 400, "tools"),
     # tool calling: bad definitions and choices name the field
     ("tool parameters not a schema", "chat/completions", {**CHAT, "tools": [
-        {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]}, 400, "tools"),
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]}, 400,
+     "tools.0.function.parameters"),
     ("tool name with spaces", "chat/completions", {**CHAT, "tools": [
         {"type": "function", "function": {"name": "get weather"}}]}, 400, "tools.0.function.name"),
-    ("tool name twice", "chat/completions", {**CHAT, "tools": [TOOL, TOOL]}, 400, "tools"),
+    ("tool name twice", "chat/completions", {**CHAT, "tools": [TOOL, TOOL]}, 400, "tools.1.function.name"),
+    ("tool calls on a user message", "chat/completions", {"messages": [
+        {"role": "user", "content": "hi", "tool_calls": [{"id": "c1", "type": "function",
+                                                          "function": {"name": "f", "arguments": "{}"}}]}]}, 400,
+     "messages.0.tool_calls"),
     ("tool_choice without tools", "chat/completions", {**CHAT, "tool_choice": "required"}, 400, "tool_choice"),
     ("tool_choice unknown function", "chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": {
         "type": "function", "function": {"name": "other"}}}, 400, "tool_choice"),
     ("tool_choice unknown value", "chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": "always"}, 400,
+     "tool_choice"),
+    ("tool_choice without a function", "chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": {
+        "type": "function"}}, 400, "tool_choice"),
+    ("tool_choice not a string or object", "chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": 5}, 400,
      "tool_choice"),
     ("tool_choice with response_format", "chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": "required",
                                                               "response_format": {"type": "json_object"}}, 400,
@@ -71,7 +80,8 @@ HTTP_CASES = [  # (id, path, body: dict | raw bytes, status, param)
     ("n = 0", "completions", {"prompt": "hi", "n": 0}, 400, "n"),
     ("n = 17", "completions", {"prompt": "hi", "n": 17}, 400, "n"),
     ("n > 1 with tools", "chat/completions", {**CHAT, "n": 2, "tools": [TOOL]}, 400, "n"),
-    ("echo", "completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("echo with logprobs", "completions", {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
+    ("echo on chat", "chat/completions", {**CHAT, "echo": True}, 400, "echo"),
     ("empty stop string", "completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
     ("negative stop token", "completions", {"prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     ("malformed JSON", "completions", b'{"prompt": "hi",', 400, "body"),
@@ -155,6 +165,15 @@ def _structured(**kind) -> pb.GenerateRequest:
                               structured_output=pb.StructuredOutput(**kind))
 
 
+def _chat(**fields) -> pb.GenerateRequest:
+    return pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")]),
+                              sampling=pb.SamplingParameters(max_tokens=4), **fields)
+
+
+def _tool(name: str, parameters: str = "") -> pb.Tool:
+    return pb.Tool(function=pb.FunctionDefinition(name=name, parameters=parameters))
+
+
 GRPC_CASES = [  # (id, request: message | raw bytes, code, field named in the details)
     ("empty prompt", _text(""), "INVALID_ARGUMENT", "prompt"),
     ("no prompt", pb.GenerateRequest(), "INVALID_ARGUMENT", "prompt"),
@@ -197,6 +216,15 @@ GRPC_CASES = [  # (id, request: message | raw bytes, code, field named in the de
     ("empty structured_output", _structured(), "INVALID_ARGUMENT", "structured_output"),
     ("invalid UTF-8 in regex", _structured(regex="abc").SerializeToString().replace(b"abc", b"a\xffc"),
      "INVALID_ARGUMENT", "structured_output.regex"),
+    # tool calling
+    ("tool parameters not JSON", _chat(tools=[_tool("f", "{type")]), "INVALID_ARGUMENT", "tools.0.function.parameters"),
+    ("tool parameters not an object", _chat(tools=[_tool("f", "[1]")]), "INVALID_ARGUMENT",
+     "tools.0.function.parameters"),
+    ("empty tool name", _chat(tools=[_tool("")]), "INVALID_ARGUMENT", "tools.0.function.name"),
+    ("tools with a text prompt", pb.GenerateRequest(text="hi", tools=[_tool("f")]), "INVALID_ARGUMENT", "tools"),
+    ("empty tool_choice", _chat(tools=[_tool("f")], tool_choice=pb.ToolChoice()), "INVALID_ARGUMENT", "tool_choice"),
+    ("invalid UTF-8 in a tool name", _chat(tools=[_tool("abc")]).SerializeToString().replace(b"abc", b"a\xffc"),
+     "INVALID_ARGUMENT", "tools.function.name"),
 ]
 
 
@@ -236,3 +264,43 @@ def test_grpc_tokenize_unknown_model(grpc_stub):
     with pytest.raises(grpc.RpcError) as info:
         grpc_stub.Tokenize(pb.TokenizeRequest(model="gpt-9", text="hi"))
     assert info.value.code() == grpc.StatusCode.NOT_FOUND and "model" in info.value.details()
+
+
+# The same bad values over both APIs: both go through one request model (serving/request_model.py), so both must
+# refuse with the same field and the same message. (id, HTTP chat fields, gRPC GenerateRequest fields, field)
+BAD_TOOLS = [{"type": "function", "function": {"name": "get weather"}}]
+SAME_CASES = [
+    ("temperature", {"temperature": -1}, {"sampling": pb.SamplingParameters(temperature=-1)}, "temperature"),
+    ("top_p", {"top_p": 1.5}, {"sampling": pb.SamplingParameters(top_p=1.5)}, "top_p"),
+    ("max_tokens", {"max_tokens": 0}, {"sampling": pb.SamplingParameters(max_tokens=0)}, "max_tokens"),
+    ("stop", {"stop": [""]}, {"sampling": pb.SamplingParameters(stop=[""])}, "stop"),
+    ("logit_bias", {"logit_bias": {"42": 500}}, {"sampling": pb.SamplingParameters(logit_bias={42: 500})},
+     "logit_bias"),
+    ("n", {"n": 17}, {"n": 17}, "n"),
+    ("tool name", {"tools": BAD_TOOLS}, {"tools": [_tool("get weather")]}, "tools.0.function.name"),
+    ("tool name twice", {"tools": [TOOL, TOOL]}, {"tools": [_tool("f"), _tool("f")]}, "tools.1.function.name"),
+    ("tool parameters", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]},
+     {"tools": [_tool("f", '{"type": "nope"}')]}, "tools.0.function.parameters"),
+    ("tool_choice value", {"tools": [TOOL], "tool_choice": "always"},
+     {"tools": [_tool("f")], "tool_choice": pb.ToolChoice(mode="always")}, "tool_choice"),
+    ("tool_choice function", {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     {"tools": [_tool("f")], "tool_choice": pb.ToolChoice(function="g")}, "tool_choice"),
+    ("tool_choice without tools", {"tool_choice": "required"}, {"tool_choice": pb.ToolChoice(mode="required")},
+     "tool_choice"),
+    ("n with tools", {"tools": [TOOL], "n": 2}, {"tools": [_tool("f")], "n": 2}, "n"),
+]
+
+
+@pytest.mark.parametrize("http_fields,grpc_fields,field", [c[1:] for c in SAME_CASES], ids=[c[0] for c in SAME_CASES])
+def test_both_apis_refuse_alike(http_url, grpc_stub, http_fields, grpc_fields, field):
+    r = httpx.post(f"{http_url}/v1/chat/completions", json={**CHAT, **http_fields}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and error["message"].startswith(field)
+    request = pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")]),
+                                 **{"sampling": pb.SamplingParameters(max_tokens=4), **grpc_fields})
+    with pytest.raises(grpc.RpcError) as info:
+        grpc_stub.Complete(request, timeout=60)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details() == error["message"]
+    _assert_still_serves(http_url)

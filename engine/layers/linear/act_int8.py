@@ -86,15 +86,31 @@ def unpack_int8(packed: Tensor) -> Tensor:
     return packed.reshape(nb, k4, BLOCK_N, 4).permute(0, 2, 1, 3).reshape(nb * BLOCK_N, k4 * 4).to(torch.int32)
 
 
-def compact_scales(scale: Tensor, zoff: Tensor) -> tuple[Tensor, Tensor]:
-    """Blocked scales and zoffs in fp16 when both convert exactly (a GGUF's fp16 d and m do), else in fp32.
+FP16_NORMAL = (2.0 ** -14, 65504.0)  # fp16's normal range: a value in it rounds within 2**-11 of itself
 
-    The kernel reads either. Decode streams the codes and these from memory for every token: in fp16, 32 int4
-    weights are 20 bytes (llama.cpp's Q4_1 size) instead of 24."""
+
+def compact_scales(scale: Tensor, zoff: Tensor, exact: bool = True) -> tuple[Tensor, Tensor]:
+    """Blocked scales and zoffs in fp16 when fp16 holds them, else in fp32. The kernel reads either.
+
+    exact: fp16 only when both convert exactly (a GGUF's fp16 d and m do: Q4_0, Q4_1, Q8_0). Else also when every
+    non-zero value lies in fp16's normal range, so that each rounds within 2**-11 of itself and every weight
+    code * scale + zoff moves by at most 2**-11 of the largest magnitude its group can hold (a K-quant's scale is
+    an fp16 d times an integer sub-scale: 17 significant bits, not fp16's 11; the move is under 2% of a 4-bit
+    quantization step).
+
+    Decode streams the codes and these from memory for every token: in fp16, 32 int4 weights are 20 bytes (llama.cpp's
+    Q4_1 size) instead of 24."""
     scale, zoff = _blocked(scale), _blocked(zoff)
     if all(torch.equal(t.half().float(), t) for t in (scale, zoff)):
         return scale.half(), zoff.half()
+    if not exact and all(_fp16_normal(t) for t in (scale, zoff)):
+        return scale.half(), zoff.half()
     return scale, zoff
+
+
+def _fp16_normal(t: Tensor) -> bool:
+    mag = t.abs()[t != 0]
+    return mag.numel() == 0 or bool(mag.min() >= FP16_NORMAL[0] and mag.max() <= FP16_NORMAL[1])
 
 
 def _blocked(t: Tensor) -> Tensor:

@@ -112,14 +112,16 @@ def coded_misfit(weight: CodedWeight) -> str:
 
 def to_linear(weight: CodedWeight, fmt: str) -> W4A8Linear | W8A8Linear:
     """The int8-activation layer over the file's own codes: 4-bit storage when fmt is "int4" and every code fits
-    in 4 bits, else 8-bit (never fewer bits than the file). Activation groups are the file's groups."""
+    in 4 bits, else 8-bit (never fewer bits than the file). Activation groups are the file's groups; scales and
+    offsets in fp16 where compact_scales(exact=False) allows."""
     n, k = weight.shape
     bits = 4 if fmt == "int4" and weight.bits == 4 else 8
     cls = W4A8Linear if bits == 4 else W8A8Linear
     layer = cls(k, n, "int4" if bits == 4 else "int8", weight.group)
     layer.act_group = weight.group
     layer.register_buffer("packed", pack_int4(weight.codes) if bits == 4 else pack_int8(weight.codes))
-    scales, zoffs = compact_scales(weight.scale, weight.zoff)  # fp16 where it holds them exactly (Q4_0, Q4_1, Q8_0)
+    # fp16: exactly for Q4_0, Q4_1, Q8_0; rounded within 2**-11 for the K-quants and Q5_x (act_int8.compact_scales)
+    scales, zoffs = compact_scales(weight.scale, weight.zoff, exact=False)
     layer.register_buffer("scales", scales)
     layer.register_buffer("zoffs", zoffs)
     return layer

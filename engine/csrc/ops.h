@@ -1,0 +1,20 @@
+// The kernels other kernels call directly, without the dispatcher (decode_layers.cpp strings them together).
+// Each is the same function torch.ops.cpuserve.<name> runs; its file owns it and documents it.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace cpuserve_ops {
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);  // decode_ops.cpp
+at::Tensor& silu_mul_out(const at::Tensor& gate_up, at::Tensor& out);          // decode_ops.cpp
+void rope_write_kv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t n_heads,
+                   at::Tensor& pool, c10::optional<at::Tensor> pool_scale,
+                   const at::Tensor& slot_mapping);  // decode_ops.cpp
+at::Tensor& decode_attention_out(const at::Tensor& q, const at::Tensor& kv, const c10::optional<at::Tensor>& scale,
+                                 const at::Tensor& block_tables, const at::Tensor& context_lens, double sm_scale,
+                                 at::Tensor& out);  // decode_ops.cpp
+at::Tensor& vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                          const at::Tensor& zoffs, int64_t bits, int64_t act_group, at::Tensor& out);  // vnni_gemm.cpp
+
+}  // namespace cpuserve_ops

@@ -1,0 +1,92 @@
+"""The fused decode step (engine/csrc/decode_layers.cpp via engine/models/fused_decode.py) against the op-by-op
+path it replaces: the same logits and the same KV pool contents, bit for bit, on the real SmolLM2 weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpuserve.engine.layers import native
+from cpuserve.engine.models import fused_decode
+from cpuserve.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(not native.vnni_gemm_enabled(), reason="needs the AVX-512 VNNI kernels")
+
+PROMPTS = ["The capital of France is", "Write a haiku about the sea, then explain it line by line:", "1, 2, 3,"]
+
+
+def _pools(model) -> list[torch.Tensor]:
+    return [t.clone() for layer in model.layers for t in (layer.attention.kv.kv, layer.attention.kv.scale)
+            if t is not None]
+
+
+def _check_every_decode_step(llm, prompts) -> None:
+    """The sequences decode together; at every decode-only step the op-by-op path runs first, then the fused one
+    on the same inputs: logits and the K/V it wrote must be identical."""
+    model = llm.engine.runner.model
+    assert model.fused_decode() is not None, "the model's layers should take the fused path"
+    forward = model.forward
+    checked = []
+
+    def both(token_ids, meta, logit_rows):
+        if meta.prefills:
+            return forward(token_ids, meta, logit_rows)
+        fused, model._fused = model._fused, None  # op-by-op first
+        try:
+            expected = forward(token_ids, meta, logit_rows)
+        finally:
+            model._fused = fused
+        pools = _pools(model)
+        got = forward(token_ids, meta, logit_rows)  # the same slots written again, now by the fused step
+        assert torch.equal(got, expected), f"logits differ at step {len(checked)}"
+        assert all(torch.equal(a, b) for a, b in zip(_pools(model), pools)), "the KV written differs"
+        checked.append(len(token_ids))
+        return got
+
+    model.forward = both
+    try:
+        llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    finally:
+        del model.forward
+    assert checked and max(checked) == len(prompts), f"decode steps checked: {checked}"
+
+
+def test_every_decode_step_matches_the_op_by_op_path_bit_for_bit(llm_int4):
+    """SmolLM2 (Llama), int4 weights from the GGUF's own codes, int8 KV; three sequences of different lengths."""
+    _check_every_decode_step(llm_int4, PROMPTS)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_qkv_biases_and_head_norms_match_too(tmp_path, name):
+    """Qwen2's qkv biases and Qwen3's q/k norms, on tiny random-weight models (arch_factory.py), bf16 KV."""
+    from arch_factory import build_hf_model, save_hf_folder, tiny_tokenizer
+
+    from cpuserve.engine.llm import LLM
+
+    folder = save_hf_folder(build_hf_model(name), tmp_path / "hf", tiny_tokenizer(tmp_path))
+    llm = LLM(model=folder, weights="int4", kv_cache="bf16", kv_cache_gb=0.02, show_progress=False)
+    attention = llm.engine.runner.model.layers[0].attention
+    assert (attention.qkv.bias is not None) if name == "qwen2" else (attention.q_norm is not None)
+    _check_every_decode_step(llm, [[5, 17, 99], [3, 250, 42, 42, 7, 130, 64], [8]])
+
+
+def test_layers_that_do_not_fit_keep_the_op_by_op_path(llm_int4, monkeypatch):
+    model = llm_int4.engine.runner.model
+    norm = model.layers[3].ffn_norm
+    monkeypatch.setattr(norm, "eps", norm.eps * 10)  # a norm whose eps the C++ step (one eps for all) would not use
+    assert fused_decode.FusedDecode.build(model) is None
+    monkeypatch.undo()
+    assert fused_decode.FusedDecode.build(model) is not None
+    monkeypatch.setenv(fused_decode.ENV, "0")
+    assert fused_decode.FusedDecode.build(model) is None
+    monkeypatch.setenv(fused_decode.ENV, "yes")
+    with pytest.raises(ValueError, match="CPUSERVE_FUSED_DECODE='yes'"):
+        fused_decode.FusedDecode.build(model)
+
+
+def test_bad_arguments_are_refused_with_the_count_expected(llm_int4):
+    fused = llm_int4.engine.runner.model.fused_decode()
+    x = torch.zeros(1, llm_int4.engine.args.dim, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="14 tensors per layer"):
+        torch.ops.cpuserve.decode_layers(x, fused.weights[:-1], fused.linear_meta, fused.pools, fused.extras, x, x,
+                                         torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.int32),
+                                         torch.ones(1, dtype=torch.int32), fused.n_heads, fused.eps, fused.scale)
