@@ -394,7 +394,7 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin
 at::Tensor& decode_attention_out(const at::Tensor& q, const at::Tensor& kv, const c10::optional<at::Tensor>& scale,
                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double sm_scale,
                                  at::Tensor& out) {
-  return ::decode_attention_out(q, kv, scale, block_tables, context_lens, sm_scale, out);
+  return ::decode_attention_out(q, kv, scale, block_tables, context_lens, sm_scale, /*window=*/0, out);
 }
 
 }  // namespace cpuserve_ops
