@@ -17,6 +17,7 @@ from cpuserve.engine.sampling_params import SamplingParams
 
 PROMPT = [(7 * i + 3) % 280 + 1 for i in range(40)]  # 40 tokens = 2.5 windows, ids of the tiny vocabulary
 assert len(PROMPT) >= 2 * WINDOW
+LONG = [(11 * i + 5) % 280 + 1 for i in range(340)]  # 21 windows; its last 64-token chunk starts past key 256
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +42,10 @@ def _reference_greedy(model, prompt: list[int], n: int = 32) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def _check_logits(llm: LLM, model, tol: float) -> None:
-    ours = llm.engine.score(PROMPT)  # [L, V]
+def _check_logits(llm: LLM, model, tol: float, prompt: list[int] = PROMPT) -> None:
+    ours = llm.engine.score(prompt)  # [L, V]
     with torch.inference_mode():
-        ref = model(torch.tensor([PROMPT])).logits[0].float()
+        ref = model(torch.tensor([prompt])).logits[0].float()
     spread = (ref.max() - ref.min()).item()
     err = (ours - ref).abs().max().item()
     assert err <= tol * spread, f"max |diff| {err:.2e} vs logit range {spread:.2e}"
@@ -80,8 +81,7 @@ def test_decode_batch_of_mixed_lengths_and_chunked_prefill(models):
     its local layers read the context from key 256 on (the aligned start of its window)."""
     model, path = models["gguf"]
     llm = _engine(path, max_num_batched_tokens=64, block_size=4, max_num_seqs=4)
-    long = [(11 * i + 5) % 280 + 1 for i in range(340)]
-    prompts = [PROMPT[:5], PROMPT, PROMPT[:23], long]
+    prompts = [PROMPT[:5], PROMPT, PROMPT[:23], LONG]
     outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == _reference_greedy(model, prompt), f"prompt of {len(prompt)} tokens"
@@ -99,8 +99,10 @@ def test_plain_torch_path_matches_transformers(models, monkeypatch):
 
 
 def test_bf16_engine_stays_close(models):
-    """bf16 activations and an int8 KV pool: the C++ SlimAttention with the window."""
+    """bf16 activations and an int8 KV pool: the C++ SlimAttention with the window, whole and (340 tokens in chunks
+    of 64) with the local layers' context cut at key 256."""
     model, path = models["gguf"]
+    _check_logits(_engine(path, weights="bf16", kv_cache="int8", max_num_batched_tokens=64), model, 3e-2, LONG)
     _check_logits(_engine(path, weights="bf16", kv_cache="int8"), model, 3e-2)
 
 
