@@ -158,3 +158,28 @@ def test_gguf_softcapping_and_replica_groups_are_refused(models, tmp_path):
         load_checkpoint(path)
     with pytest.raises(ValueError, match=r"ranks=2: replica groups do not run gemma3 models yet; use ranks=1"):
         _engine(models["gguf"][1], ranks=2)
+
+
+def test_older_config_format_reads_as_transformers_reads_it(tmp_path):
+    """A config.json as Gemma 3 1B was published (sliding_window_pattern, rope_theta, rope_local_base_freq,
+    rope_scaling): our fields against transformers' own parse of the same keys."""
+    import json
+
+    import transformers
+
+    from cpuserve.engine.loader.safetensors import build_model_args
+
+    old = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 64, "intermediate_size": 128, "vocab_size": 300,
+           "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32, "num_hidden_layers": 8,
+           "max_position_embeddings": 512, "query_pre_attn_scalar": 20, "sliding_window": 24,
+           "sliding_window_pattern": 4, "rope_theta": 500000.0, "rope_local_base_freq": 5000.0,
+           "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    ref = transformers.AutoConfig.from_pretrained(str(tmp_path))
+    args = build_model_args(old, str(tmp_path))
+    assert args.sliding_window.layers == tuple(t == "sliding_attention" for t in ref.layer_types)
+    assert args.sliding_window.size == ref.sliding_window
+    assert args.sliding_window.rope_theta == ref.rope_parameters["sliding_attention"]["rope_theta"]
+    assert args.rope_theta == ref.rope_parameters["full_attention"]["rope_theta"]
+    assert args.rope_linear_factor == ref.rope_parameters["full_attention"]["factor"]
+    assert args.attn_scale == ref.query_pre_attn_scalar ** -0.5
