@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cpuserve.engine.layers import ops
 from cpuserve.engine.outputs import ModelRunnerOutput, TokenLogprob
 from cpuserve.engine.sampling_params import SamplingParams
 from cpuserve.engine.scheduler_output import ScheduledRequest
@@ -45,9 +46,8 @@ def sample(
     if grammars is not None and any(g is not None for g in grammars):
         logits = mask_constrained(logits, grammars)
     if all(p.is_greedy and not _has_penalty(p) for p in params):
-        # fast path: the whole batch in one op. max's indices are argmax's (the first maximum) at 2.5x the speed on
-        # CPU (1.1 ms -> 0.45 ms for 32 x 49152)
-        token_ids = logits.max(dim=-1).indices.tolist()
+        # fast path: the whole batch in one op (ops.argmax_rows: torch's max takes ~43 us a row of 49152 on a core)
+        token_ids = ops.argmax_rows(logits).tolist()
     else:
         token_ids = [
             _sample_row(logits[i], p, generators[i], histories[i], num_prompt_tokens[i]) for i, p in enumerate(params)

@@ -67,7 +67,12 @@ bool vnni_gemm_supported() {
 using cpuserve_simd::load16;
 using cpuserve_simd::to_bf16;
 
-inline __m512i bcast4(const int8_t* p) { return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p)); }
+// acc += w (unsigned bytes) . the 4 signed bytes at p, broadcast to every lane inside the instruction ({1to16}): GCC
+// otherwise emits a separate vpbroadcastd per operand, one more instruction per dot product at few columns
+inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
+}
 
 // One GEMM's operands; block<R, C>(m, b) computes rows m..m+R-1 of column blocks b..b+C-1.
 template <int Bits, typename Scale>
@@ -108,10 +113,9 @@ struct Gemm {
           }
         }
         for (int r = 0; r < R; ++r) {
-          const __m512i a0 = bcast4(qm + r * K + k), a1 = bcast4(qm + r * K + k + 4);
           for (int c = 0; c < C; ++c) {
-            acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], w0[c], a0);
-            acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], w1[c], a1);
+            acc[r][c] = dpbusd_bcast(acc[r][c], w0[c], qm + r * K + k);
+            acc[r][c] = dpbusd_bcast(acc[r][c], w1[c], qm + r * K + k + 4);
           }
         }
       }

@@ -7,6 +7,7 @@ torch.ops.cpuserve.*) and its plain-torch reference, which the tests compare the
     rope_write_kv      cpuserve.rope_write_kv                     models/rope.py apply_rope + kv_quant.write_kv_fused
     decode_attention   cpuserve.decode_attention.out              attention.paged_decode_attention
     prefill_attention  cpuserve.slim_attention (bf16: AMX/AVX512) attention.slim_attention
+    argmax_rows        cpuserve.argmax_rows                       logits.max(dim=-1).indices
 
 Model code (engine/models, engine/distributed/sharding.py) calls these and never asks native.py itself. The
 weight formats' matmuls choose their GEMM in engine/layers/linear/.
@@ -95,3 +96,10 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, scale: floa
         return torch.ops.cpuserve.slim_attention(q, k.contiguous(), v.contiguous(), q_start, scale,
                                                  NATIVE_SLIM_BLOCK_ROWS, window)
     return slim_attention(q, k, v, q_start, scale, window=window)
+
+
+def argmax_rows(logits: Tensor) -> Tensor:
+    """The first maximum of each row of logits [S, V] float32 (a NaN counts as the largest): [S] int64."""
+    if native.enabled() and logits.dtype == torch.float32 and logits.is_contiguous():
+        return torch.ops.cpuserve.argmax_rows(logits)
+    return logits.max(dim=-1).indices

@@ -97,6 +97,20 @@ def test_out_variants_write_the_same_bits_in_place(dtype):
     assert torch.equal(big[:7], want) and (big[7:] == 7).all()
 
 
+@pytest.mark.parametrize("vocab", [49152, 1000, 7])  # whole vectors of 16, a remainder, only a remainder
+def test_argmax_rows_is_torchs_first_maximum(vocab):
+    x = rand(6, vocab, seed=4)
+    x[1, vocab // 3] = x[1, vocab - 1] = 1e4  # a tie: the first one wins
+    x[2] = float("-inf")  # all masked out
+    x[2, vocab // 2] = 0.0
+    x[3] = float("-inf")  # nothing allowed at all: index 0, as torch
+    x[4, vocab - 1] = float("nan")  # NaN counts as the largest, as in torch.max
+    x[5, 0] = x[5].max() + 1
+    assert torch.equal(ops.argmax_rows(x), x.max(dim=-1).indices)
+    with pytest.raises(RuntimeError, match="logits must be contiguous float32"):
+        ops.argmax_rows(x.bfloat16())
+
+
 def test_wrong_out_is_refused_naming_the_sizes():
     x = rand(3, 2 * 64)
     with pytest.raises(RuntimeError, match=r"out must be a contiguous CPU Float tensor of sizes \[3, 64\]"):
