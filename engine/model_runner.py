@@ -89,6 +89,7 @@ class ModelRunner:
             # only the plain-torch decode attention reads the mask; the fused kernel stops at each context length
             decode_invalid=ops.prepare_decode_mask(lens, bs) if decode_lens else None,
             prefills=prefills,
+            positions=pos,
         )
         return torch.tensor(tokens, dtype=torch.long), meta, torch.tensor(logit_rows, dtype=torch.long)
 

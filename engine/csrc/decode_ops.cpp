@@ -88,6 +88,7 @@ void dispatch_cache(at::Tensor& pool, Fn&& fn) {
 // every context token (scaled by the token's K scale), softmax, then the V rows weighted by p * V scale are
 // summed. A task walks the context once for K and once for V, reading each slot's heads together (one slot's
 // heads share cache lines). Only the first context_lens[s] tokens are read, so unwritten slots never matter.
+// window > 0 (a sliding-window layer, Gemma 3): only the last `window` of them, t >= len - window.
 
 // Scores of query rows qf [n, D] against one cached row k [D], into out[j * stride] (n <= kMaxGroup).
 template <typename cache_t>
@@ -135,7 +136,8 @@ inline void accumulate_row(float* acc, int64_t n, const cache_t* v, int64_t D, f
 template <typename cache_t, typename act_t>
 void decode_attention_kernel(const act_t* q, int64_t q_stride_s, int64_t q_stride_h, const cache_t* kv,
                              const float* scale, const int32_t* tables, const int32_t* lens, act_t* out, int64_t S,
-                             int64_t H, int64_t Hkv, int64_t D, int64_t B, int64_t max_blocks, float sm_scale) {
+                             int64_t H, int64_t Hkv, int64_t D, int64_t B, int64_t max_blocks, float sm_scale,
+                             int64_t window) {
   const int64_t g = H / Hkv;
   const int64_t row = 2 * Hkv;  // heads per pool slot
   // whole sequences per task when there are enough of them to keep every thread busy, else one kv head each
@@ -146,15 +148,16 @@ void decode_attention_kernel(const act_t* q, int64_t q_stride_s, int64_t q_strid
     std::vector<float> qf(per_task * g * D), acc(per_task * g * D), buf(D), scores, inv_sum(per_task * g);
     for (int64_t task; (task = next()) >= 0;) {
       const int64_t s = task / tasks_per_seq, h0 = task % tasks_per_seq * per_task;
-      const int64_t len = lens[s], n = per_task * g;  // n query rows: heads h0*g .. (h0+per_task)*g - 1
+      const int64_t t0 = window > 0 ? std::max<int64_t>(0, lens[s] - window) : 0;  // first key seen
+      const int64_t len = lens[s] - t0, n = per_task * g;  // n query rows: heads h0*g .. (h0+per_task)*g - 1
       const int32_t* table = tables + s * max_blocks;
       for (int64_t j = 0; j < n; ++j) {
         load_row(q + s * q_stride_s + (h0 * g + j) * q_stride_h, qf.data() + j * D, D);
         for (int64_t d = 0; d < D; ++d) qf[j * D + d] *= sm_scale;
       }
-      scores.resize(n * len);  // scores[j * len + t]
+      scores.resize(n * len);  // scores[j * len + t], key t0 + t
       for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = static_cast<int64_t>(table[t / B]) * B + t % B;
+        const int64_t slot = static_cast<int64_t>(table[(t0 + t) / B]) * B + (t0 + t) % B;
         for (int64_t h = 0; h < per_task; ++h) {
           const int64_t head = slot * row + h0 + h;
           score_row(qf.data() + h * g * D, g, kv + head * D, D, scale ? scale[head] : 1.f,
@@ -173,7 +176,7 @@ void decode_attention_kernel(const act_t* q, int64_t q_stride_s, int64_t q_strid
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = static_cast<int64_t>(table[t / B]) * B + t % B;
+        const int64_t slot = static_cast<int64_t>(table[(t0 + t) / B]) * B + (t0 + t) % B;
         for (int64_t h = 0; h < per_task; ++h) {
           const int64_t head = slot * row + Hkv + h0 + h;
           accumulate_row(acc.data() + h * g * D, g, kv + head * D, D, scale ? scale[head] : 1.f,
@@ -198,7 +201,7 @@ void check_out(const at::Tensor& out, const at::Tensor& like, at::IntArrayRef si
 
 at::Tensor& decode_attention_out(const at::Tensor& q, const at::Tensor& kv, const c10::optional<at::Tensor>& scale,
                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double sm_scale,
-                                 at::Tensor& out) {
+                                 int64_t window, at::Tensor& out) {
   TORCH_CHECK(q.device().is_cpu() && q.stride(-1) == 1, "q must be a CPU tensor with contiguous rows");
   check_cpu_contiguous(kv, "kv");
   check_cpu_contiguous(block_tables, "block_tables");
@@ -225,17 +228,19 @@ at::Tensor& decode_attention_out(const at::Tensor& q, const at::Tensor& kv, cons
     using act_t = decltype(act);
     dispatch_cache(pool, [&](auto* cache) {
       decode_attention_kernel(q.data_ptr<act_t>(), q.stride(0), q.stride(1), cache, sp, tables, lens,
-                              out.data_ptr<act_t>(), S, H, Hkv, D, B, max_blocks, static_cast<float>(sm_scale));
+                              out.data_ptr<act_t>(), S, H, Hkv, D, B, max_blocks, static_cast<float>(sm_scale),
+                              window);
     });
   });
   return out;
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const c10::optional<at::Tensor>& scale,
-                            const at::Tensor& block_tables, const at::Tensor& context_lens, double sm_scale) {
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, double sm_scale,
+                            int64_t window) {
   TORCH_CHECK(q.dim() == 3, "q must be [S, H, D]");
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  return decode_attention_out(q, kv, scale, block_tables, context_lens, sm_scale, out);
+  return decode_attention_out(q, kv, scale, block_tables, context_lens, sm_scale, window, out);
 }
 
 // ---- RoPE on q and k, then the new tokens' K and V into the pool ---------------------------------------------
@@ -389,16 +394,16 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin
 at::Tensor& decode_attention_out(const at::Tensor& q, const at::Tensor& kv, const c10::optional<at::Tensor>& scale,
                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double sm_scale,
                                  at::Tensor& out) {
-  return ::decode_attention_out(q, kv, scale, block_tables, context_lens, sm_scale, out);
+  return ::decode_attention_out(q, kv, scale, block_tables, context_lens, sm_scale, /*window=*/0, out);
 }
 
 }  // namespace cpuserve_ops
 
 TORCH_LIBRARY(cpuserve, m) {
   m.def("decode_attention(Tensor q, Tensor kv, Tensor? scale, Tensor block_tables, Tensor context_lens, "
-        "float sm_scale) -> Tensor");
+        "float sm_scale, int window=0) -> Tensor");
   m.def("decode_attention.out(Tensor q, Tensor kv, Tensor? scale, Tensor block_tables, Tensor context_lens, "
-        "float sm_scale, *, Tensor(a!) out) -> Tensor(a!)");
+        "float sm_scale, int window=0, *, Tensor(a!) out) -> Tensor(a!)");
   m.def("rope_write_kv(Tensor(a!) qkv, Tensor cos, Tensor sin, int n_heads, Tensor(b!) pool, Tensor(c!)? pool_scale, "
         "Tensor slot_mapping) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

@@ -17,6 +17,10 @@
 // avx512_bf16 kernel stops at the row block's last key instead, and what it skips no row reads), so a query
 // row's result does not depend on which other rows share its block or where the chunk started: a prompt
 // prefilled in one piece, in chunks, or after a prefix-cache hit gives bit-identical rows.
+//
+// window > 0 (a sliding-window layer, Gemma 3): the query at position p sees keys p - window + 1 .. p only. A row
+// block starts at the key block holding its first row's first key (what lies before scores nothing), and the keys
+// of that block before a row's first one get P = 0, like the causal mask's.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -147,7 +151,7 @@ void weigh_values(Products kernel, int64_t m, int64_t D, int64_t keys, const bf1
 }
 
 at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t q_start,
-                          double sm_scale, int64_t block_rows) {
+                          double sm_scale, int64_t block_rows, int64_t window) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
                   v.scalar_type() == at::kBFloat16,
               "slim_attention: q, k and v must be bfloat16 (fp32 runs on the plain-torch path)");
@@ -209,24 +213,32 @@ at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
       for (int64_t r = 0; r < rows; ++r)
         std::memcpy(a.data() + r * g * D, qd + (start + r) * q_row + h * g * D, g * D * sizeof(bf16));
       const int64_t blocks = (end_key + kKeyBlock - 1) / kKeyBlock;
+      // first key of row i (0 without a window); key blocks before the block's first row's first key are skipped
+      const auto first_key = [&](int64_t i) {
+        return window > 0 ? std::max<int64_t>(0, q_start + start + i / g + 1 - window) : int64_t{0};
+      };
+      const int64_t kb0 = first_key(0) / kKeyBlock;
       std::fill(mx.begin(), mx.begin() + m, -INFINITY);
-      for (int64_t kb = 0; kb < blocks; ++kb) {
+      for (int64_t kb = kb0; kb < blocks; ++kb) {
         score_block(kernel, m, D, a.data(), kpd + (h * nkb + kb) * block_elems, s.data() + kb * kKeyBlock, ld,
                     std::min(kKeyBlock, end_key - kb * kKeyBlock));
         for (int64_t i = 0; i < m; ++i) {  // row maxima while the block's scores are still in cache
           const int64_t valid = std::min(q_start + start + i / g + 1 - kb * kKeyBlock, kKeyBlock);
-          if (valid > 0) mx[i] = row_max(s.data() + i * ld + kb * kKeyBlock, valid, mx[i]);
+          const int64_t lo = std::max<int64_t>(first_key(i) - kb * kKeyBlock, 0);
+          if (valid > lo) mx[i] = row_max(s.data() + i * ld + kb * kKeyBlock + lo, valid - lo, mx[i]);
         }
       }
       for (int64_t i = 0; i < m; ++i) {
-        const int64_t valid = q_start + start + i / g + 1;
-        inv_sum[i] = softmax_row(s.data() + i * ld, valid, blocks * kKeyBlock, mx[i], scale, p.data() + i * ld);
+        const int64_t valid = q_start + start + i / g + 1, lo = first_key(i);
+        bf16* pi = p.data() + i * ld;
+        std::fill(pi + kb0 * kKeyBlock, pi + lo, bf16(0.f));
+        inv_sum[i] = softmax_row(s.data() + i * ld + lo, valid - lo, blocks * kKeyBlock - lo, mx[i], scale, pi + lo);
       }
       // P V over all the row block's keys: the packed V blocks of a head are consecutive, so they read as one
       // [keys / 2][D][2] matrix (avx512_bf16 stops at the first pair past the block's last key, brgemm runs on to
       // the end of its key block)
-      const int64_t keys = kernel == Products::kBrgemm ? blocks * kKeyBlock : (end_key + 1) / 2 * 2;
-      weigh_values(kernel, m, D, keys, p.data(), ld, vpd + h * nkb * block_elems, o.data());
+      const int64_t keys = (kernel == Products::kBrgemm ? blocks * kKeyBlock : (end_key + 1) / 2 * 2) - kb0 * kKeyBlock;
+      weigh_values(kernel, m, D, keys, p.data() + kb0 * kKeyBlock, ld, vpd + (h * nkb + kb0) * block_elems, o.data());
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t j = 0; j < g; ++j) {
           bf16* dst = od + ((start + r) * H + h * g + j) * D;
@@ -243,7 +255,8 @@ at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(cpuserve, m) {
-  m.def("slim_attention(Tensor q, Tensor k, Tensor v, int q_start, float sm_scale, int block_rows) -> Tensor");
+  m.def("slim_attention(Tensor q, Tensor k, Tensor v, int q_start, float sm_scale, int block_rows, int window=0) "
+        "-> Tensor");
   m.def("slim_attention_kernel() -> str");
 }
 

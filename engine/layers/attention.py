@@ -2,7 +2,8 @@
 
 In plain torch: the references of the C++ kernels, which ops.py chooses between. All functions are pure.
 Grouped-query attention: n_heads H = g * n_kv_heads Hkv, query head h reads kv head h // g. Scores and softmax
-run in fp32; results come back in q's dtype.
+run in fp32; results come back in q's dtype. window (Gemma 3's sliding-window layers; 0 = none): the query at
+position p attends keys p - window + 1 .. p only, as transformers' sliding_window mask.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ SLIM_BLOCK_ROWS = 64  # query rows per SlimAttention block (bench/attention.py: 
 DECODE_CHUNK_TOKENS = 4096  # (sequence, token) pairs converted to fp32 per decode chunk (bench: best of 256..16384)
 
 
-def reference_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, scale: float) -> Tensor:
+def reference_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, scale: float, window: int = 0) -> Tensor:
     """softmax(q k^T * scale + causal mask) v in fp32, GQA by repeat_interleave.
 
     Args:
@@ -36,13 +37,18 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, scale: fl
     scores = qf @ kf.transpose(1, 2) * scale  # scores: [H, L, T]
     pos_q = torch.arange(seq_len)[:, None] + q_start
     pos_k = torch.arange(k.shape[0])[None, :]
-    scores = scores.masked_fill(pos_k > pos_q, float("-inf"))
+    scores = scores.masked_fill((pos_k > pos_q) | _outside_window(pos_k, pos_q, window), float("-inf"))
     out = scores.softmax(-1) @ vf  # out: [H, L, D]
     return out.transpose(0, 1).to(q.dtype)
 
 
+def _outside_window(pos_k: Tensor, pos_q: Tensor, window: int) -> Tensor | bool:
+    """Keys that fell out of a sliding window (broadcasting positions); False when there is none."""
+    return pos_k <= pos_q - window if window > 0 else False
+
+
 def slim_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, scale: float,
-                   block_rows: int = SLIM_BLOCK_ROWS) -> Tensor:
+                   block_rows: int = SLIM_BLOCK_ROWS, window: int = 0) -> Tensor:
     """Causal prefill attention split along query rows only (SlimAttention, xFasterTransformer).
 
     Each block of `block_rows` query rows computes its full score row against the keys it can see (keys past
@@ -58,6 +64,7 @@ def slim_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, scale: float,
         q: [L, H, D]; k, v: [T, Hkv, D], T = q_start + L (cached prefix + new tokens); query i sits at
             absolute position q_start + i and attends keys 0 .. q_start + i.
         scale: softmax scale, usually D ** -0.5.
+        window: > 0 for a sliding-window layer; a block then starts at its first row's first key.
     Returns:
         [L, H, D] in q.dtype.
     """
@@ -80,25 +87,41 @@ def slim_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, scale: float,
     for start in range(0, seq_len, block_rows):
         rows = min(block_rows, seq_len - start)
         end_key = q_start + start + rows  # keys beyond the block's last query are never seen
+        first_key = max(0, q_start + start + 1 - window) if window > 0 else 0  # keys before it no row sees
+        n = end_key - first_key
         qb = qh[:, start:start + rows].reshape(num_kv_heads, rows * g, head_dim)  # qb: [Hkv, rows*g, D]
-        scores = score_buf[: num_kv_heads * rows * g * end_key].view(num_kv_heads, rows * g, end_key)
-        torch.bmm(qb, kh[:, :end_key].transpose(1, 2), out=scores)  # scores: [Hkv, rows*g, end_key]
-        scores[:, :, end_key - rows:] += causal[: rows * g, :rows]
+        scores = score_buf[: num_kv_heads * rows * g * n].view(num_kv_heads, rows * g, n)
+        torch.bmm(qb, kh[:, first_key:end_key].transpose(1, 2), out=scores)  # scores: [Hkv, rows*g, n]
+        if window > 0:
+            scores += _window_mask(q_start + start, rows, first_key, n, window, g)
+        else:
+            scores[:, :, n - rows:] += causal[: rows * g, :rows]
         torch.ops.aten._softmax.out(scores, -1, False, out=scores)  # in place: row by row, input read first
         ob = out_buf[: num_kv_heads * rows * g * head_dim].view(num_kv_heads, rows * g, head_dim)
-        torch.bmm(scores, vh[:, :end_key], out=ob)  # ob: [Hkv, rows*g, D]
+        torch.bmm(scores, vh[:, first_key:end_key], out=ob)  # ob: [Hkv, rows*g, D]
         out[start:start + rows] = ob.view(num_kv_heads, rows, g, head_dim).transpose(0, 1)
     return out.view(seq_len, num_heads, head_dim)
 
 
-def decode_mask(context_lens: Tensor, block_size: int) -> Tensor:
-    """invalid[s, 0, 0, t]: position t is past sequence s's context (padding blocks, unwritten slots).
+def _window_mask(q_pos: int, rows: int, first_key: int, n: int, window: int, g: int) -> Tensor:
+    """-inf where query row r * g + j (position q_pos + r) may not see key first_key + c: [rows * g, n]."""
+    pos_q = torch.arange(rows)[:, None] + q_pos
+    pos_k = torch.arange(n)[None, :] + first_key
+    bad = (pos_k > pos_q) | _outside_window(pos_k, pos_q, window)
+    return torch.zeros(rows, n).masked_fill_(bad, float("-inf")).repeat_interleave(g, dim=0)
 
-    Depends only on the step's batch, so the model computes it once per step, not once per layer.
+
+def decode_mask(context_lens: Tensor, block_size: int, window: int = 0) -> Tensor:
+    """invalid[s, 0, 0, t]: position t is past sequence s's context (padding blocks, unwritten slots), or out of
+    a sliding window of `window` tokens ending at the new token.
+
+    Depends only on the step's batch, so the model computes it once per step (per window), not once per layer.
     """
     lens = context_lens.to(torch.int64)
     total = -(-int(lens.max()) // block_size) * block_size
-    return (torch.arange(total)[None, :] >= lens[:, None]).view(len(lens), 1, 1, total)
+    pos = torch.arange(total)[None, :]
+    invalid = (pos >= lens[:, None]) | _outside_window(pos, lens[:, None] - 1, window)
+    return invalid.view(len(lens), 1, 1, total)
 
 
 @functools.lru_cache(maxsize=64)
@@ -112,7 +135,8 @@ def _causal_mask(rows: int, g: int) -> Tensor:
 
 def paged_decode_attention(q: Tensor, k_cache: Tensor, k_scale: Tensor | None, v_cache: Tensor,
                            v_scale: Tensor | None, block_tables: Tensor, context_lens: Tensor, scale: float,
-                           chunk_tokens: int = DECODE_CHUNK_TOKENS, invalid: Tensor | None = None) -> Tensor:
+                           chunk_tokens: int = DECODE_CHUNK_TOKENS, invalid: Tensor | None = None,
+                           window: int = 0) -> Tensor:
     """One new token per sequence against its paged context, batched over sequences.
 
     Two passes over the context in chunks of whole blocks; each chunk is gathered from the pool and converted
@@ -127,7 +151,8 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, k_scale: Tensor | None, v
         context_lens: [S] int32, >= 1, including the new token.
         chunk_tokens: (sequence, context token) pairs per chunk, summed over the batch; each chunk covers the
             same whole blocks of every sequence (at least one block).
-        invalid: decode_mask(context_lens, B), when the caller already has it.
+        invalid: decode_mask(context_lens, B, window), when the caller already has it.
+        window: > 0 for a sliding-window layer (the last `window` tokens of each context).
     Returns:
         [S, H, D] in q.dtype.
     """
@@ -135,7 +160,7 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, k_scale: Tensor | None, v
     _, block_size, num_kv_heads, _ = k_cache.shape
     g = num_heads // num_kv_heads
     if invalid is None:
-        invalid = decode_mask(context_lens, block_size)
+        invalid = decode_mask(context_lens, block_size, window)
     num_blocks = invalid.shape[-1] // block_size
     chunk_blocks = max(1, chunk_tokens // (num_seqs * block_size))
     qg = (q.float() * scale).reshape(num_seqs, num_kv_heads, g, head_dim)  # qg: [S, Hkv, g, D]

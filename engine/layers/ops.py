@@ -65,35 +65,37 @@ def rope_write_kv(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, kv: Lay
 
 
 def decode_attention(q: Tensor, kv: LayerKV, block_tables: Tensor, context_lens: Tensor, scale: float, out: Tensor,
-                     invalid: Tensor | None = None) -> None:
+                     invalid: Tensor | None = None, window: int = 0) -> None:
     """One new token per sequence against its paged context, written into out.
 
     Args:
         q: [S, H, D]; out: [S, H, D] (a view of o_proj's input buffer).
         block_tables: [S, max_blocks] int32; context_lens: [S] int32, including the new token.
-        invalid: prepare_decode_mask's result for this step (the reference reads it; built here when None).
+        invalid: prepare_decode_mask's result for this step and window (the reference reads it; built when None).
+        window: > 0 for a sliding-window layer: each sequence's last `window` tokens only.
     """
     if native.enabled():
-        torch.ops.cpuserve.decode_attention.out(q, kv.kv, kv.scale, block_tables, context_lens, scale, out=out)
+        torch.ops.cpuserve.decode_attention.out(q, kv.kv, kv.scale, block_tables, context_lens, scale, window,
+                                                out=out)
         return
     out[:] = paged_decode_attention(q, kv.k, kv.k_scale, kv.v, kv.v_scale, block_tables, context_lens, scale,
-                                    invalid=invalid)
+                                    invalid=invalid, window=window)
 
 
-def prepare_decode_mask(context_lens: Tensor, block_size: int) -> Tensor | None:
-    """decode_mask for the step when decode_attention runs the reference (built once, read by every layer);
-    None when the kernel runs, which needs none."""
-    return None if native.enabled() else decode_mask(context_lens, block_size)
+def prepare_decode_mask(context_lens: Tensor, block_size: int, window: int = 0) -> Tensor | None:
+    """decode_mask for the step when decode_attention runs the reference (built once, read by every layer of that
+    window); None when the kernel runs, which needs none."""
+    return None if native.enabled() else decode_mask(context_lens, block_size, window)
 
 
-def prefill_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, scale: float) -> Tensor:
+def prefill_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, scale: float, window: int = 0) -> Tensor:
     """SlimAttention as the engine runs it: the C++ kernel (engine/csrc/slim_attention.cpp: bf16 products on AMX
     or AVX512-BF16, fp32 softmax) for bf16 when it is built and the CPU has either, else
     attention.slim_attention. Same arguments."""
     if q.dtype == torch.bfloat16 and native.slim_attention_native_enabled():
         return torch.ops.cpuserve.slim_attention(q, k.contiguous(), v.contiguous(), q_start, scale,
-                                                 NATIVE_SLIM_BLOCK_ROWS)
-    return slim_attention(q, k, v, q_start, scale)
+                                                 NATIVE_SLIM_BLOCK_ROWS, window)
+    return slim_attention(q, k, v, q_start, scale, window=window)
 
 
 def argmax_rows(logits: Tensor) -> Tensor:

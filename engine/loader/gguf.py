@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from cpuserve.engine.layers.linear.coded import CodedWeight
+from cpuserve.engine.loader import gemma3
 from cpuserve.engine.loader.fused import split_fused
 from cpuserve.engine.loader.gguf_codes import CODED_TYPES, decode_codes
 from cpuserve.engine.loader.gguf_tokenizer import build_gguf_tokenizer
@@ -33,6 +34,7 @@ SUPPORTED_ARCHS = {
     "qwen2": {"permuted_qk": False, "qkv_bias": True},
     "qwen3": {"permuted_qk": False, "qkv_bias": False},  # + per-head q/k norms
     "phi3": {"permuted_qk": False, "qkv_bias": False},  # fused attn_qkv and ffn_up (gate + up), split by fused.py
+    "gemma3": {"permuted_qk": False, "qkv_bias": False},  # + sliding-window layers, four norms per block (gemma3.py)
 }
 
 _GLOBAL_NAMES = {
@@ -57,6 +59,13 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3 has four norms per block: llama.cpp's ffn_norm is its pre-feed-forward one
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 ROPE_FREQS = "rope_freqs.weight"  # llama3 per-dimension frequency divisors; folded into ModelArgs.rope_scaling
 
@@ -68,8 +77,9 @@ def hf_name(name: str, arch: str = "llama") -> str | None:
     match = _LAYER_RE.fullmatch(name)
     if match and arch == "phi3" and match.group(2) == "ffn_up.weight":  # phi3's ffn_up holds gate and up
         return f"model.layers.{match.group(1)}.mlp.gate_up_proj.weight"
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    if match and match.group(2) in names:
+        return f"model.layers.{match.group(1)}.{names[match.group(2)]}"
     return None
 
 
@@ -113,8 +123,10 @@ def build_model_args(meta: dict[str, Any], reader: gguf.GGUFReader, path: str) -
     if not vocab:
         raise ValueError(f"{path}: neither {key('vocab_size')} nor tokenizer.ggml.tokens gives the vocabulary size")
     scaling_type = meta.get(key("rope.scaling.type"), "none")
-    if scaling_type not in ("none", "llama3") and float(meta.get(key("rope.scaling.factor"), 1.0)) != 1.0:
-        raise ValueError(f"{path}: {key('rope.scaling.type')}={scaling_type!r} is not supported; supported: none, llama3")
+    supported_scaling = ("none", "linear") if arch == "gemma3" else ("none", "llama3")  # gemma3: its global layers
+    if scaling_type not in supported_scaling and float(meta.get(key("rope.scaling.factor"), 1.0)) != 1.0:
+        raise ValueError(f"{path}: {key('rope.scaling.type')}={scaling_type!r} is not supported; supported: "
+                         f"{', '.join(supported_scaling)}")
     rope_dims = meta.get(key("rope.dimension_count"))
     head_dim = int(_scalar(meta, key("attention.key_length"), path, dim // n_heads))
     if rope_dims is not None and int(rope_dims) != head_dim:
@@ -127,10 +139,12 @@ def build_model_args(meta: dict[str, Any], reader: gguf.GGUFReader, path: str) -
     if ROPE_FREQS in names:
         freqs = gguf.quants.dequantize(*_tensor_data(reader, ROPE_FREQS))
         rope_scaling = rope_scaling_from_freqs(np.asarray(freqs, dtype=np.float64).reshape(-1), meta, key, path)
-    return ModelArgs(
+    n_layers = int(_scalar(meta, key("block_count"), path))
+    gemma = gemma3.gguf_fields(meta, key, path, n_layers, dim, n_heads, head_dim) if arch == "gemma3" else {}
+    fields = dict(
         arch=arch,
         dim=dim,
-        n_layers=int(_scalar(meta, key("block_count"), path)),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=int(_scalar(meta, key("attention.head_count_kv"), path, n_heads)),
         head_dim=head_dim,
@@ -144,6 +158,7 @@ def build_model_args(meta: dict[str, Any], reader: gguf.GGUFReader, path: str) -
         qkv_bias=SUPPORTED_ARCHS[arch]["qkv_bias"] and any(n.endswith("attn_q.bias") for n in names),
         qk_norm=any(n.endswith("attn_q_norm.weight") for n in names),
     )
+    return ModelArgs(**{**fields, **gemma})
 
 
 def _tensor_data(reader: gguf.GGUFReader, name: str) -> tuple[np.ndarray, QT]:

@@ -12,16 +12,17 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer as BackendTokenizer
 
+from cpuserve.engine.loader import gemma3
 from cpuserve.engine.loader.fused import FUSED, split_fused
 from cpuserve.engine.models.args import ModelArgs, RopeScaling
 from cpuserve.engine.tokenizer import END_OF_TURN_TEXTS, Tokenizer
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                           "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3"}
+                           "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3"}
 SUPPORTED_DTYPES = ("F32", "F16", "BF16")
 _WEIGHT_RE = re.compile(
     r"model\.embed_tokens\.weight|model\.norm\.weight|lm_head\.weight|model\.layers\.\d+\.("
-    r"input_layernorm|post_attention_layernorm|mlp\.(gate|up|down|gate_up)_proj|self_attn\.(o|qkv)_proj|"
+    r"input_layernorm|post_attention_layernorm|pre_feedforward_layernorm|post_feedforward_layernorm|mlp\.(gate|up|down|gate_up)_proj|self_attn\.(o|qkv)_proj|"
     r"self_attn\.[qk]_norm"
     r")\.weight|model\.layers\.\d+\.self_attn\.[qkv]_proj\.(weight|bias)"
 )
@@ -66,14 +67,15 @@ def build_model_args(config: dict[str, Any], path: str) -> ModelArgs:
     if float(config.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError(f"{path}/config.json: partial_rotary_factor={config['partial_rotary_factor']} is not "
                          "supported; only full-head RoPE (1.0)")
-    theta, scaling = _rope(config, path)
+    gemma = gemma3.hf_fields(config, path) if arch == "gemma3" else {}  # its own rope, window, norms, defaults
+    theta, scaling = _rope(config, path) if not gemma else (None, None)
     n_heads = int(config["num_attention_heads"])
     max_len = int(config["max_position_embeddings"])
-    if config.get("sliding_window") and (config.get("use_sliding_window", True)):
+    if config.get("sliding_window") and config.get("use_sliding_window", True) and not gemma:
         # Mistral v0.1, Phi-3: attention over the last `sliding_window` tokens; within that many tokens it is
         # full causal attention, which is what the engine computes, so the context stops there
         max_len = min(max_len, int(config["sliding_window"]))
-    return ModelArgs(
+    fields = dict(
         arch=arch,
         dim=int(config["hidden_size"]),
         n_layers=int(config["num_hidden_layers"]),
@@ -90,6 +92,7 @@ def build_model_args(config: dict[str, Any], path: str) -> ModelArgs:
         qkv_bias=arch == "qwen2",
         qk_norm=arch == "qwen3",
     )
+    return ModelArgs(**{**fields, **gemma})
 
 
 def _token_text(value: Any) -> str | None:
@@ -175,7 +178,10 @@ class SafetensorsWeights:
         for file, name in self.names:
             if file not in handles:
                 handles = {file: safe_open(file, framework="pt")}  # one shard open at a time
-            yield from split_fused(name, handles[file].get_tensor(name).to(torch.float32), self.args)
+            tensor = handles[file].get_tensor(name).to(torch.float32)
+            if self.args.arch == "gemma3":
+                tensor = gemma3.norm_multiplier(name, tensor)
+            yield from split_fused(name, tensor, self.args)
 
 
 def load_hf_folder(folder: str) -> tuple[ModelArgs, Tokenizer, SafetensorsWeights]:

@@ -16,8 +16,17 @@ class RopeScaling:
 
 
 @dataclass(slots=True)
+class SlidingWindow:
+    """Gemma 3's local layers: attention over the last `size` tokens only, with their own RoPE base."""
+
+    size: int
+    layers: tuple[bool, ...]  # per layer: True = sliding-window (local), False = global
+    rope_theta: float  # the local layers' RoPE base (rope_local_base_freq)
+
+
+@dataclass(slots=True)
 class ModelArgs:
-    arch: str  # "llama", "qwen2", "qwen3", "phi3"
+    arch: str  # "llama", "qwen2", "qwen3", "phi3", "gemma3"
     dim: int  # hidden size
     n_layers: int
     n_heads: int
@@ -31,8 +40,14 @@ class ModelArgs:
     rope_scaling: RopeScaling | None = None
     tie_embeddings: bool = False  # lm_head shares token embeddings
     qkv_bias: bool = False  # Qwen2
-    qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and k before RoPE
+    qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm over each head of q and k before RoPE
+    attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5 (Gemma 3: query_pre_attn_scalar ** -0.5)
+    rope_linear_factor: float = 1.0  # positions divided by it ("linear" RoPE scaling; Gemma 3: global layers only)
+    sliding_window: SlidingWindow | None = None  # Gemma 3
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.sliding_window is not None and len(self.sliding_window.layers) != self.n_layers:
+            raise ValueError(f"sliding_window.layers has {len(self.sliding_window.layers)} entries for "
+                             f"{self.n_layers} layers")

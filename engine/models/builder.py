@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from cpuserve.engine.layers.linear import QuantLinear, build_linear
 from cpuserve.engine.layers.linear.coded import CodedWeight, concat_rows
+from cpuserve.engine.models import gemma3
 from cpuserve.engine.models.llama import MLP, Attention, LlamaModel, TransformerBlock
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -58,7 +59,7 @@ def build_model(checkpoint, weights: str, group_size: int, show_progress: bool =
         index, part = int(match.group(1)), match.group(2)
         pending[index][part] = tensor
         if all(p in pending[index] for p in _parts(args)):
-            layers[index] = _build_block(args, pending.pop(index), weights, group_size, dtype, activations)
+            layers[index] = _build_block(args, index, pending.pop(index), weights, group_size, dtype, activations)
     missing = [i for i in range(args.n_layers) if i not in layers]
     if missing:
         raise ValueError(f"checkpoint is missing tensors of layer(s) {missing[:5]}: expected {_parts(args)}")
@@ -66,8 +67,12 @@ def build_model(checkpoint, weights: str, group_size: int, show_progress: bool =
     for name in required:
         if name not in top:
             raise ValueError(f"checkpoint is missing tensor {name!r}")
-    model = LlamaModel(args, top.pop("model.embed_tokens.weight"), [layers[i] for i in range(args.n_layers)], lm_head,
-                       dtype)
+    embedding = top.pop("model.embed_tokens.weight")
+    if args.arch == "gemma3":  # Gemma scales the embedding by sqrt(dim), rounded to the table's dtype as HF does
+        # (not in place: with tied embeddings an fp32 lm_head may share this very tensor)
+        embedding = embedding * torch.tensor(args.dim ** 0.5, dtype=embedding.dtype)
+    model_class = gemma3.Gemma3Model if args.arch == "gemma3" else LlamaModel
+    model = model_class(args, embedding, [layers[i] for i in range(args.n_layers)], lm_head, dtype)
     model.norm.weight.data = top.pop("model.norm.weight").to(dtype)
     return model.eval()
 
@@ -76,22 +81,27 @@ def _parts(args) -> list[str]:
     """The tensors a layer of this model needs before it can be built."""
     extra = [f"self_attn.{p}_proj.bias" for p in "qkv"] if args.qkv_bias else []
     extra += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"] if args.qk_norm else []
+    extra += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"] if args.arch == "gemma3" else []
     return [*_LAYER_PARTS, *extra]
 
 
-def _build_block(args, parts: dict[str, torch.Tensor], weights: str, group_size: int, dtype,
-                 activations: str) -> TransformerBlock:
+def _build_block(args, index: int, parts: dict[str, torch.Tensor], weights: str, group_size: int, dtype,
+                 activations: str) -> TransformerBlock | gemma3.Gemma3Block:
     def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> QuantLinear:
         return build_linear(weight, bias, weights, group_size, activations=activations)
 
     qkv_weight = concat_rows([parts[f"self_attn.{p}_proj.weight"] for p in "qkv"])  # [(H + 2 Hkv) D, dim]
     qkv_bias = torch.cat([parts[f"self_attn.{p}_proj.bias"] for p in "qkv"]) if args.qkv_bias else None
-    attention = Attention(args, linear(qkv_weight, qkv_bias), linear(parts["self_attn.o_proj.weight"]))
+    qkv, o_proj = linear(qkv_weight, qkv_bias), linear(parts["self_attn.o_proj.weight"])
+    gate_up = concat_rows([parts["mlp.gate_proj.weight"], parts["mlp.up_proj.weight"]])  # [2 ffn, dim]
+    gate_up, down = linear(gate_up), linear(parts["mlp.down_proj.weight"])
+    if args.arch == "gemma3":
+        return gemma3.build_block(args, index, qkv, o_proj, gate_up, down, parts, dtype)
+    attention = Attention(args, qkv, o_proj)
     if args.qk_norm:  # in the activation dtype, as the block's norms
         attention.q_norm.weight.data = parts["self_attn.q_norm.weight"].to(dtype)
         attention.k_norm.weight.data = parts["self_attn.k_norm.weight"].to(dtype)
-    gate_up = concat_rows([parts["mlp.gate_proj.weight"], parts["mlp.up_proj.weight"]])  # [2 ffn, dim]
-    mlp = MLP(linear(gate_up), linear(parts["mlp.down_proj.weight"]))
+    mlp = MLP(gate_up, down)
     block = TransformerBlock(args, attention, mlp, dtype)
     block.attention_norm.weight.data = parts["input_layernorm.weight"].to(dtype)
     block.ffn_norm.weight.data = parts["post_attention_layernorm.weight"].to(dtype)

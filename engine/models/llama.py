@@ -39,6 +39,7 @@ class AttentionMetadata:
     # decode_mask(decode_context_lens, B) for every layer; None: fused kernels (= ops.prepare_decode_mask)
     decode_invalid: torch.Tensor | None
     prefills: list[PrefillChunk]
+    positions: torch.Tensor | None = None  # [N] int64, each token's position (Gemma 3's per-layer RoPE reads it)
 
 
 class RMSNorm(nn.Module):

@@ -9,8 +9,11 @@ import torch
 from cpuserve.engine.models.args import ModelArgs
 
 
-def inv_frequencies(args: ModelArgs) -> torch.Tensor:
-    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
+def inv_frequencies(args: ModelArgs, theta: float | None = None, linear_factor: float | None = None) -> torch.Tensor:
+    """Per rotary pair; theta / linear_factor: another layer kind's (Gemma 3's local layers), else the model's."""
+    theta = args.rope_theta if theta is None else theta
+    factor = args.rope_linear_factor if linear_factor is None else linear_factor
+    freqs = 1.0 / (theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim)) / factor
     s = args.rope_scaling
     if s is None:
         return freqs.float()
@@ -27,9 +30,13 @@ def inv_frequencies(args: ModelArgs) -> torch.Tensor:
 
 def rope_tables(args: ModelArgs, max_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin, each [max_len, head_dim], halves repeated to match rotate_half."""
-    t = torch.arange(max_len, dtype=torch.float32)
-    angles = torch.outer(t, inv_frequencies(args))  # [max_len, head_dim / 2]
-    angles = torch.cat([angles, angles], dim=-1)  # [max_len, head_dim]
+    return rope_at(torch.arange(max_len), inv_frequencies(args), dtype)
+
+
+def rope_at(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [N, head_dim] at the given positions [N]."""
+    angles = torch.outer(positions.to(torch.float32), inv_freq)  # [N, head_dim / 2]
+    angles = torch.cat([angles, angles], dim=-1)  # [N, head_dim]
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 

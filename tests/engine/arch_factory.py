@@ -89,6 +89,10 @@ def write_gguf(model, path, name: str) -> str:
         inv = model.model.rotary_emb.inv_freq.double()
         base = 1.0 / rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
         writer.add_tensor("rope_freqs.weight", (base / inv).float().numpy())
+    return finish_gguf(writer, path)
+
+
+def finish_gguf(writer: gguf.GGUFWriter, path) -> str:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -96,8 +100,8 @@ def write_gguf(model, path, name: str) -> str:
     return str(path)
 
 
-def _gguf_name(hf: str) -> str:
-    if hf in _GGUF_LAYER:
-        return _GGUF_LAYER[hf]
+def _gguf_name(hf: str, names: dict[str, str] = _GGUF_LAYER) -> str:
+    if hf in names:
+        return names[hf]
     _, _, layer, rest = hf.split(".", 3)
-    return f"blk.{layer}.{_GGUF_LAYER[rest]}"
+    return f"blk.{layer}.{names[rest]}"

@@ -131,17 +131,19 @@ _SPM_PIECES = ["\u2581", "h", "e", "l", "o", "w", "r", "d", ",", "he", "ll", "\u
                "\u2581hello", "\u2581w", "or", "\u2581wor", "\u2581worl", "\u2581world"]
 
 
-def spm_vocab() -> tuple[list[str], list[float], list[int]]:
-    """(tokens, scores, types) of a tiny SentencePiece vocabulary: <unk> <s> </s>, 256 byte tokens, pieces."""
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + _SPM_PIECES
-    types = [2, 3, 3] + [6] * 256 + [1] * len(_SPM_PIECES)
+def spm_vocab(controls: tuple[str, ...] | list[str] = ()) -> tuple[list[str], list[float], list[int]]:
+    """(tokens, scores, types) of a tiny SentencePiece vocabulary: <unk> <s> </s>, 256 byte tokens, pieces, then
+    the given extra control tokens (Gemma's turn markers)."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + _SPM_PIECES + list(controls)
+    types = [2, 3, 3] + [6] * 256 + [1] * len(_SPM_PIECES) + [3] * len(controls)
     # longer pieces score higher so they win merges, as in a trained model
-    scores = [0.0] * 259 + [-10.0 + len(p) - i * 0.01 for i, p in enumerate(_SPM_PIECES)]
+    scores = [0.0] * 259 + [-10.0 + len(p) - i * 0.01 for i, p in enumerate(_SPM_PIECES)] + [0.0] * len(controls)
     return tokens, scores, types
 
 
-def add_spm_tokenizer(writer: gguf.GGUFWriter) -> None:
-    tokens, scores, types = spm_vocab()
+def add_spm_tokenizer(writer: gguf.GGUFWriter, controls: tuple[str, ...] | list[str] = (),
+                      chat_template: str | None = None) -> None:
+    tokens, scores, types = spm_vocab(controls)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
@@ -150,6 +152,8 @@ def add_spm_tokenizer(writer: gguf.GGUFWriter) -> None:
     writer.add_eos_token_id(2)
     writer.add_unk_token_id(0)
     writer.add_add_bos_token(True)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
 
 
 def add_llama_metadata(writer: gguf.GGUFWriter, shape: Shape, vocab_size: int, theta: float = 10000.0,

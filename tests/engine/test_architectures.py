@@ -41,9 +41,10 @@ def test_logits_and_greedy_tokens_match_transformers(tmp_path, tokenizer, name, 
 
 
 @pytest.mark.parametrize("config,message", [
-    ({"architectures": ["Gemma3ForCausalLM"]},
-     r"config.json: architectures=\['Gemma3ForCausalLM'\] is not supported; supported: \['LlamaForCausalLM', "
-     r"'MistralForCausalLM', 'Phi3ForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM'\]"),
+    ({"architectures": ["Gemma3ForConditionalGeneration"]},  # Gemma 3 4B+ with its vision tower (text: ForCausalLM)
+     r"config.json: architectures=\['Gemma3ForConditionalGeneration'\] is not supported; supported: "
+     r"\['Gemma3ForCausalLM', 'LlamaForCausalLM', 'MistralForCausalLM', 'Phi3ForCausalLM', 'Qwen2ForCausalLM', "
+     r"'Qwen3ForCausalLM'\]"),
     ({"architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.75},  # Phi-4-mini
      r"config.json: partial_rotary_factor=0.75 is not supported; only full-head RoPE \(1.0\)"),
     ({"architectures": ["Phi3ForCausalLM"], "rope_scaling": {"type": "longrope"}},  # Phi-3 128k
