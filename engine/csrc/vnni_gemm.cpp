@@ -54,6 +54,10 @@ constexpr int kCols = 2;  // column blocks per register block: 4 rows x 2 blocks
 // weights, against 4 rows x 2 blocks: 1.14-1.4x at 1-8 rows, 1.04-1.08x at 12-16,
 // none at 32.
 constexpr int64_t kFewRows = 16;
+// Decode tasks per thread: each a run of adjacent column blocks, so a thread streams long sequential runs of weights
+// and takes the shared counter (a cache line the threads pass back and forth) a few times per GEMM, not once per
+// 16 columns
+constexpr int64_t kDecodeTasksPerThread = 4;
 
 bool vnni_gemm_supported() {
 #if defined(CPUSERVE_VNNI)
@@ -165,9 +169,11 @@ struct Gemm {
 
   void run(int64_t M) const {
     const int64_t num_blocks = N / 16;
-    if (M <= kFewRows) {  // decode: a task is one column block, its weights read once for up to 8 rows at a time
-      cpuserve_tasks::share_tasks(num_blocks, [&](const auto& next) {
-        for (int64_t b; (b = next()) >= 0;) all_rows<8, 1>(M, b);
+    if (M <= kFewRows) {  // decode: a task is a run of column blocks, their weights read once for up to 8 rows
+      const int64_t run = std::max<int64_t>(1, num_blocks / (kDecodeTasksPerThread * at::get_num_threads()));
+      cpuserve_tasks::share_tasks((num_blocks + run - 1) / run, [&](const auto& next) {
+        for (int64_t t; (t = next()) >= 0;)
+          for (int64_t b = t * run; b < std::min(num_blocks, (t + 1) * run); ++b) all_rows<8, 1>(M, b);
       });
       return;
     }
