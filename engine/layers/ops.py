@@ -8,6 +8,8 @@ torch.ops.cpuserve.*) and its plain-torch reference, which the tests compare the
     decode_attention   cpuserve.decode_attention.out              attention.paged_decode_attention
     prefill_attention  cpuserve.slim_attention (bf16: AMX/AVX512) attention.slim_attention
     argmax_rows        cpuserve.argmax_rows                       logits.max(dim=-1).indices
+    decode_layers      cpuserve.decode_layers (models/fused_decode.py; the op-by-op path of the model's own modules
+                       is its reference: decode_layers_enabled() says whether it can run)
 
 Model code (engine/models, engine/distributed/sharding.py) calls these and never asks native.py itself. The
 weight formats' matmuls choose their GEMM in engine/layers/linear/.
@@ -103,3 +105,17 @@ def argmax_rows(logits: Tensor) -> Tensor:
     if native.enabled() and logits.dtype == torch.float32 and logits.is_contiguous():
         return torch.ops.cpuserve.argmax_rows(logits)
     return logits.max(dim=-1).indices
+
+
+def decode_layers_enabled() -> bool:
+    """decode_layers can run: the kernels are built, with the int8 dot-product GEMMs it strings together."""
+    return native.vnni_gemm_enabled()
+
+
+def decode_layers(x: Tensor, weights: list[Tensor], linear_meta: list[int], pools: list[Tensor],
+                  extras: list[Tensor | None], cos: Tensor, sin: Tensor, slot_mapping: Tensor, block_tables: Tensor,
+                  context_lens: Tensor, n_heads: int, eps: float, scale: float) -> Tensor:
+    """Every decoder layer of a decode-only step in one C++ call (engine/csrc/decode_layers.cpp documents the
+    arguments); only where decode_layers_enabled()."""
+    return torch.ops.cpuserve.decode_layers(x, weights, linear_meta, pools, extras, cos, sin, slot_mapping,
+                                            block_tables, context_lens, n_heads, eps, scale)

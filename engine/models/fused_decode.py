@@ -18,7 +18,7 @@ import os
 import torch
 from torch import Tensor
 
-from cpuserve.engine.layers import native
+from cpuserve.engine.layers import ops
 from cpuserve.engine.layers.linear.act_int8 import Int8ActLinear
 
 ENV = "CPUSERVE_FUSED_DECODE"
@@ -42,7 +42,7 @@ class FusedDecode:
     @classmethod
     def build(cls, model) -> "FusedDecode | None":
         """The model's fused step, or None when some layer does not fit (see the module's docstring)."""
-        if not (enabled() and native.vnni_gemm_enabled() and model.dtype == torch.bfloat16):
+        if not (enabled() and ops.decode_layers_enabled() and model.dtype == torch.bfloat16):
             return None
         weights: list[Tensor] = []
         meta: list[int] = []
@@ -71,10 +71,9 @@ class FusedDecode:
 
     def run(self, x: Tensor, meta) -> Tensor:
         """x [S, dim] bf16, the embeddings of S decode rows -> the hidden states after the last layer."""
-        return torch.ops.cpuserve.decode_layers(x, self.weights, self.linear_meta, self.pools, self.extras,
-                                                meta.cos, meta.sin,
-                                                meta.slot_mapping, meta.decode_block_tables,
-                                                meta.decode_context_lens, self.n_heads, self.eps, self.scale)
+        return ops.decode_layers(x, self.weights, self.linear_meta, self.pools, self.extras, meta.cos, meta.sin,
+                                 meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens, self.n_heads,
+                                 self.eps, self.scale)
 
 
 def _gemm(linear: Int8ActLinear) -> list[Tensor]:
