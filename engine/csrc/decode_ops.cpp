@@ -91,10 +91,31 @@ void dispatch_cache(at::Tensor& pool, Fn&& fn) {
 // window > 0 (a sliding-window layer, Gemma 3): only the last `window` of them, t >= len - window.
 
 // Scores of query rows qf [n, D] against one cached row k [D], into out[j * stride] (n <= kMaxGroup).
+#if defined(__AVX512F__)
+// DC = D / 16 chunks of the K row converted once and held in registers; each row's sum stays in one register
+// (an array of n accumulators indexed at run time lived on the stack: a load and a store per FMA)
+template <int DC, typename cache_t>
+inline void score_row_regs(const float* qf, int64_t n, const cache_t* k, float ks, float* out, int64_t stride) {
+  __m512 kc[DC];
+  for (int c = 0; c < DC; ++c) kc[c] = load16(k + 16 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int c = 0; c < DC; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + j * 16 * DC + 16 * c), kc[c], acc);
+    out[j * stride] = _mm512_reduce_add_ps(acc) * ks;
+  }
+}
+#endif
+
 template <typename cache_t>
 inline void score_row(const float* qf, int64_t n, const cache_t* k, int64_t D, float ks, float* out,
                       int64_t stride, float* buf) {
 #if defined(__AVX512F__)
+  switch (D) {  // the same FMAs in the same order as the generic loop below: the same bits
+    case 64: return score_row_regs<4>(qf, n, k, ks, out, stride);
+    case 96: return score_row_regs<6>(qf, n, k, ks, out, stride);
+    case 128: return score_row_regs<8>(qf, n, k, ks, out, stride);
+    default: break;
+  }
   if (D % 16 == 0 && n <= kMaxGroup) {
     __m512 acc[kMaxGroup];
     for (int64_t j = 0; j < n; ++j) acc[j] = _mm512_setzero_ps();
@@ -133,6 +154,35 @@ inline void accumulate_row(float* acc, int64_t n, const cache_t* v, int64_t D, f
   }
 }
 
+#if defined(__AVX512F__)
+// acc[j * D .. + 16] (columns c..c+15 of query row j, j < J) += sum over tokens t of w[j * len + t] * vs_t * v_t[c..],
+// v_t the V row of `head` in slot slots[t]; the J x 16 sums stay in registers across all the tokens
+template <int J, typename cache_t>
+void accumulate_columns_n(float* acc, int64_t D, const cache_t* kv, const float* scale, const int64_t* slots,
+                          int64_t len, int64_t row, int64_t head, int64_t c, const float* w) {
+  __m512 a[J];
+  for (int j = 0; j < J; ++j) a[j] = _mm512_loadu_ps(acc + j * D);
+  for (int64_t t = 0; t < len; ++t) {
+    const int64_t at = slots[t] * row + head;
+    const float vs = scale ? scale[at] : 1.f;
+    const __m512 vc = load16(kv + at * D + c);
+    for (int j = 0; j < J; ++j) a[j] = _mm512_fmadd_ps(_mm512_set1_ps(w[j * len + t] * vs), vc, a[j]);
+  }
+  for (int j = 0; j < J; ++j) _mm512_storeu_ps(acc + j * D, a[j]);
+}
+
+template <typename cache_t>
+void accumulate_columns(float* acc, int64_t n, int64_t D, const cache_t* kv, const float* scale,
+                        const int64_t* slots, int64_t len, int64_t row, int64_t head, int64_t c, const float* w) {
+  switch (n) {  // 1..4 query rows
+    case 1: return accumulate_columns_n<1>(acc, D, kv, scale, slots, len, row, head, c, w);
+    case 2: return accumulate_columns_n<2>(acc, D, kv, scale, slots, len, row, head, c, w);
+    case 3: return accumulate_columns_n<3>(acc, D, kv, scale, slots, len, row, head, c, w);
+    default: return accumulate_columns_n<4>(acc, D, kv, scale, slots, len, row, head, c, w);
+  }
+}
+#endif
+
 template <typename cache_t, typename act_t>
 void decode_attention_kernel(const act_t* q, int64_t q_stride_s, int64_t q_stride_h, const cache_t* kv,
                              const float* scale, const int32_t* tables, const int32_t* lens, act_t* out, int64_t S,
@@ -146,6 +196,7 @@ void decode_attention_kernel(const act_t* q, int64_t q_stride_s, int64_t q_strid
   // sequences differ in length, so threads take the next task from a shared counter rather than a fixed share
   cpuserve_tasks::share_tasks(num_tasks, [&](const auto& next) {
     std::vector<float> qf(per_task * g * D), acc(per_task * g * D), buf(D), scores, inv_sum(per_task * g);
+    std::vector<int64_t> slots;
     for (int64_t task; (task = next()) >= 0;) {
       const int64_t s = task / tasks_per_seq, h0 = task % tasks_per_seq * per_task;
       const int64_t t0 = window > 0 ? std::max<int64_t>(0, lens[s] - window) : 0;  // first key seen
@@ -175,6 +226,17 @@ void decode_attention_kernel(const act_t* q, int64_t q_stride_s, int64_t q_strid
         inv_sum[j] = 1.f / sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
+#if defined(__AVX512F__)
+      if (D % 16 == 0) {  // register accumulators: the same FMAs, per element in token order, as accumulate_row
+        slots.resize(len);
+        for (int64_t t = 0; t < len; ++t) slots[t] = static_cast<int64_t>(table[(t0 + t) / B]) * B + (t0 + t) % B;
+        for (int64_t h = 0; h < per_task; ++h)
+          for (int64_t c = 0; c < D; c += 16)
+            for (int64_t j = 0; j < g; j += 4)
+              accumulate_columns(acc.data() + (h * g + j) * D + c, std::min<int64_t>(4, g - j), D, kv, scale,
+                                 slots.data(), len, row, Hkv + h0 + h, c, scores.data() + (h * g + j) * len);
+      } else
+#endif
       for (int64_t t = 0; t < len; ++t) {
         const int64_t slot = static_cast<int64_t>(table[(t0 + t) / B]) * B + (t0 + t) % B;
         for (int64_t h = 0; h < per_task; ++h) {
