@@ -211,9 +211,11 @@ def build_rows(raw: dict) -> list[dict]:
         row["target"], row["met"] = "", ""
         if row["measure"] in TARGETS:
             op, bound = TARGETS[row["measure"]]
-            row["target"] = f"{op} {bound}x"
-            if row["ratio"] is not None:
-                row["met"] = "met" if (row["ratio"] >= bound if op == ">=" else row["ratio"] <= bound) else "NOT MET"
+            on = row.get("target_on", "ratio")
+            row["target"] = f"{op} {bound}" + ("x" if on == "ratio" else f" ({on})")
+            value = row[on]
+            if isinstance(value, float):
+                row["met"] = "met" if (value >= bound if op == ">=" else value <= bound) else "NOT MET"
     return rows
 
 

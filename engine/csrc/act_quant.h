@@ -4,7 +4,7 @@
 // row): s = absmax / 127, q = round-half-even(x * (127 / absmax)), so x ~= s * q with q in [-127, 127]. A row's
 // codes and scales depend on that row alone, never on the batch it shares or the thread that quantizes it.
 //
-// Each group also gets axs = scale * the sum of its codes, for the weights' zero points (vnni_gemm.cpp).
+// Each group also gets the sum of its codes and axs = scale * that sum, for the weights' zero points (vnni_gemm.cpp).
 // engine/layers/linear/act_int8.py's quantize_rows is the plain-torch reference.
 #pragma once
 
@@ -40,13 +40,14 @@ inline void quantize_row(const c10::BFloat16* x, int64_t K, int64_t act_group, i
   }
 }
 
-// axs[a] = scale[a] * (the sum of the row's codes in activation group a): the zero points' term of each group.
-inline void group_sums(const int8_t* q, const float* scale, int64_t K, int64_t act_group, float* axs) {
+// qs[a] = the sum of the row's codes in activation group a, axs[a] = scale[a] * qs[a]: the zero points' terms.
+inline void group_sums(const int8_t* q, const float* scale, int64_t K, int64_t act_group, float* axs, int32_t* qs) {
   for (int64_t a0 = 0, a = 0; a0 < K; a0 += act_group, ++a) {
     __m512i sum = _mm512_setzero_si512();
     for (int64_t k = a0; k < a0 + act_group; k += 16)
       sum = _mm512_add_epi32(sum, _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k))));
-    axs[a] = scale[a] * static_cast<float>(_mm512_reduce_add_epi32(sum));
+    qs[a] = _mm512_reduce_add_epi32(sum);
+    axs[a] = scale[a] * static_cast<float>(qs[a]);
   }
 }
 

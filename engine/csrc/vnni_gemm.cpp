@@ -1,26 +1,35 @@
-// int4 / int8 weights x dynamic int8 activations with integer dot products (AVX-512 VNNI vpdpbusd), with out=.
+// int4 / int6 / int8 weights x dynamic int8 activations with integer dot products (AVX-512 VNNI vpdpbusd), with
+// out=.
 //
 // The bf16 kernels (int4_gemm.cpp, int8_gemm.cpp) dequantize weights to fp32 and run FMAs: 16 multiply-adds per
 // instruction. vpdpbusd does 64 (16 lanes x 4 byte pairs), so once activations are int8 (act_quant.h, each row on
 // its own) the same units do 4x the work, and weights never leave their packed bytes.
 //
-// Both widths are unsigned codes (vpdpbusd's unsigned operand) times signed activations, w = code * scale + zoff:
+// Every width is unsigned codes (vpdpbusd's unsigned operand) times signed activations, w = code * scale + zoff:
 //
 //   bits 4  packed [N/16][K/8][64]: the 16 columns c of a block and inputs k0..k0+7 as 64 bytes, byte 4c + j
 //           holding code(c, k0 + j) in its low nibble and code(c, k0 + 4 + j) in its high one (masking and shifting
-//           one load gives two operands); codes 0..15, zoff = zero - 8 * scale, one scale per group along K.
-//   bits 8  packed [N/16][K/4][64]: byte 4c + j = code(c, k0 + j) = w + 128; zoff = -128 * scale, one scale per
-//           output channel.
-//   scales, zoffs [N/16][S][16] fp32 or fp16 (both the same), S = K / group (per group) or 1 (per channel). At
-//           decode the kernel streams codes and scales from memory: fp16 makes 32 int4 weights 20 bytes, not 24.
+//           one load gives two operands); codes 0..15, one scale per group along K.
+//   bits 6  packed [N/16][K/16 * 3][64]: per 16 inputs k0..k0+15, two int4 rows of the codes' low nibbles (k0..k0+7,
+//           then k0+8..k0+15), then 64 bytes of their top 2 bits, byte 4c + j holding those of inputs k0 + j,
+//           k0 + 4 + j, k0 + 8 + j, k0 + 12 + j in bits 0-1, 2-3, 4-5, 6-7; codes 0..63 (a GGUF's Q6_K and 5-bit
+//           types: 0.75 bytes per weight where 8-bit codes take 1).
+//   bits 8  packed [N/16][K/4][64]: byte 4c + j = code(c, k0 + j); codes 0..255.
+//   scales  [N/16][S][16] fp32 or fp16, S = K / group (per group) or 1 (per channel). At decode the kernel streams
+//           codes and scales from memory: fp16 makes 32 int4 weights 20 bytes, not 24.
+//   zoffs   the same shape and type, or, for symmetric codes (zoff = -z * scale everywhere: Q4_0 z = 8, Q8_0 128,
+//           Q6_K 32, the engine's own int8 128), two int32 {z, e}: no zoff is stored or read, and the scales are
+//           stored multiplied by 2^e (a Q6_K's small scales brought into fp16's normal range), which the output
+//           divides out.
 //
-// Per activation group g (act_group inputs; x ~= ax[g] * q, axs[g] = ax[g] * sum of q over g):
-//     y += float(sum code * q) * scale * ax[g] + zoff * axs[g]
-// With one scale per output channel (int8) the weights' terms come out of the sum: per group only
+// Per activation group g (act_group inputs; x ~= ax[g] * q, axs[g] = ax[g] * sum of q over g, qs[g] that sum):
+//     y += float(sum code * q) * scale * ax[g] + zoff * axs[g]                    (zoffs stored)
+//     y += float(sum code * q - z * qs[g]) * (scale * ax[g])                      (symmetric: exact integer sum)
+// With one scale per output channel the weights' terms come out of the sum: per group only
 //     y' += float(sum code * q) * ax[g],   then once   y = y' * scale + zoff * (sum over g of axs[g]).
 // vpdpbusd and the fp32 multiplies share Zen 4's two 512-bit pipes (measured: 8 vpdpbusd + 4 FMAs take 12 cycles),
 // so every epilogue instruction saved per group is a dot product gained: the per-group form costs 3 of them per 8
-// vpdpbusd (int4, groups of 32), the per-channel form 1.
+// vpdpbusd (int4, groups of 32), the symmetric form 2 (the zero term starts the integer sum), the per-channel form 1.
 // Packing happens once at load (engine/layers/linear/act_int8.py, with the plain-torch reference). Integer sums
 // are exact and each output element's epilogue runs in the same order (groups in k order) whatever the register
 // block, task or thread that computes it: a row's result depends neither on the batch, the tiling nor the threads.
@@ -40,6 +49,7 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
@@ -78,14 +88,46 @@ inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
   return acc;
 }
 
+// The operands of inputs k..k+4*kOps-1 of column block `blk`'s packed stream at byte p (see the layouts above)
+template <int Bits>
+struct Codes {
+  static constexpr int kOps = Bits == 6 ? 4 : 2;  // vpdpbusd operands (4 inputs each) per step
+  static constexpr int kStep = 4 * kOps;          // inputs per step
+
+  static void load(const uint8_t* p, __m512i* w) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    if constexpr (Bits == 8) {
+      w[0] = _mm512_loadu_si512(p);
+      w[1] = _mm512_loadu_si512(p + 64);
+    } else {
+      const __m512i raw = _mm512_loadu_si512(p);
+      w[0] = _mm512_and_si512(raw, low);
+      w[1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+      if constexpr (Bits == 6) {
+        const __m512i raw2 = _mm512_loadu_si512(p + 64), top = _mm512_loadu_si512(p + 128);
+        const __m512i top_bits = _mm512_set1_epi8(0x30);
+        w[2] = _mm512_and_si512(raw2, low);
+        w[3] = _mm512_and_si512(_mm512_srli_epi16(raw2, 4), low);
+        // each operand's 2 top bits moved to bits 4-5 of its byte (the 16-bit shifts' spill is masked off)
+        const __m512i t[4] = {_mm512_slli_epi16(top, 4), _mm512_slli_epi16(top, 2), top, _mm512_srli_epi16(top, 2)};
+        for (int i = 0; i < 4; ++i) w[i] = _mm512_ternarylogic_epi32(w[i], t[i], top_bits, 0xF8);  // a | (b & c)
+      }
+    }
+  }
+};
+
 // One GEMM's operands; block<R, C>(m, b) computes rows m..m+R-1 of column blocks b..b+C-1.
 template <int Bits, typename Scale>
 struct Gemm {
+  using W = Codes<Bits>;
   const int8_t* q;            // [M, K] activation codes
   const float *ax, *axs;      // [M, K / act_group]
+  const int32_t* qs;          // [M, K / act_group]: sum of the codes (the symmetric form's zero term)
   const float* axt;           // [M]: sum of the row's axs (the per-channel form's zero term)
   const uint8_t* w;           // packed
-  const Scale *sc, *zo;       // [N/16, S, 16] float or at::Half
+  const Scale *sc, *zo;       // [N/16, S, 16] float or at::Half; zo null when symmetric
+  int32_t z;                  // the symmetric form's zero code
+  float unscale;              // the symmetric form's 2^-e
   int64_t K, act_group, S, N;
   bf16* out;
 
@@ -93,35 +135,26 @@ struct Gemm {
   void block(int64_t m, int64_t b) const {
     const int64_t A = K / act_group, wstride = K * 2 * Bits;  // packed bytes per column block
     const int8_t* qm = q + m * K;
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    const bool per_channel = S == 1;
+    const bool per_channel = S == 1, symmetric = zo == nullptr;
     __m512 y[R][C];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) y[r][c] = _mm512_setzero_ps();
     for (int64_t g = 0; g < A; ++g) {
       __m512i acc[R][C];
-      for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_si512();
-      for (int64_t k = g * act_group; k < (g + 1) * act_group; k += 8) {
-        __m512i w0[C], w1[C];  // the operands of inputs k..k+3 and k+4..k+7
+      for (int r = 0; r < R; ++r) {
+        const __m512i start = symmetric ? _mm512_set1_epi32(-z * qs[(m + r) * A + g]) : _mm512_setzero_si512();
+        for (int c = 0; c < C; ++c) acc[r][c] = start;
+      }
+      for (int64_t k = g * act_group; k < (g + 1) * act_group; k += W::kStep) {
+        __m512i wk[C][W::kOps];
         for (int c = 0; c < C; ++c) {
-          const uint8_t* p = w + (b + c) * wstride + k * 2 * Bits;  // 64 bytes per 8 (int4) or 4 (int8) inputs
+          const uint8_t* p = w + (b + c) * wstride + k * 2 * Bits;  // 64 bytes per 4 inputs' worth of operands
           _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch), _MM_HINT_T0);
-          if (Bits == 4) {
-            const __m512i raw = _mm512_loadu_si512(p);
-            w0[c] = _mm512_and_si512(raw, low);
-            w1[c] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-          } else {
-            w0[c] = _mm512_loadu_si512(p);
-            w1[c] = _mm512_loadu_si512(p + 64);
-          }
+          W::load(p, wk[c]);
         }
-        for (int r = 0; r < R; ++r) {
-          for (int c = 0; c < C; ++c) {
-            acc[r][c] = dpbusd_bcast(acc[r][c], w0[c], qm + r * K + k);
-            acc[r][c] = dpbusd_bcast(acc[r][c], w1[c], qm + r * K + k + 4);
-          }
-        }
+        for (int r = 0; r < R; ++r)
+          for (int c = 0; c < C; ++c)
+            for (int i = 0; i < W::kOps; ++i) acc[r][c] = dpbusd_bcast(acc[r][c], wk[c][i], qm + r * K + k + 4 * i);
       }
       if (per_channel) {
         for (int r = 0; r < R; ++r) {
@@ -131,7 +164,15 @@ struct Gemm {
         continue;
       }
       for (int c = 0; c < C; ++c) {  // the weights' group g (act_group = group)
-        const __m512 sv = load16(sc + ((b + c) * S + g) * 16), zv = load16(zo + ((b + c) * S + g) * 16);
+        const __m512 sv = load16(sc + ((b + c) * S + g) * 16);
+        if (symmetric) {
+          for (int r = 0; r < R; ++r) {
+            const __m512 t = _mm512_mul_ps(sv, _mm512_set1_ps(ax[(m + r) * A + g]));
+            y[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), t, y[r][c]);
+          }
+          continue;
+        }
+        const __m512 zv = load16(zo + ((b + c) * S + g) * 16);
         for (int r = 0; r < R; ++r) {
           const __m512 t = _mm512_mul_ps(sv, _mm512_set1_ps(ax[(m + r) * A + g]));
           y[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), t, y[r][c]);
@@ -141,11 +182,19 @@ struct Gemm {
     }
     if (per_channel) {
       for (int c = 0; c < C; ++c) {
-        const __m512 sv = load16(sc + (b + c) * 16), zv = load16(zo + (b + c) * 16);
+        const __m512 sv = load16(sc + (b + c) * 16);
+        if (symmetric) {
+          for (int r = 0; r < R; ++r) y[r][c] = _mm512_mul_ps(y[r][c], sv);
+          continue;
+        }
+        const __m512 zv = load16(zo + (b + c) * 16);
         for (int r = 0; r < R; ++r)
           y[r][c] = _mm512_fmadd_ps(y[r][c], sv, _mm512_mul_ps(zv, _mm512_set1_ps(axt[m + r])));
       }
     }
+    if (symmetric && unscale != 1.f)
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) y[r][c] = _mm512_mul_ps(y[r][c], _mm512_set1_ps(unscale));
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m + r) * N + (b + c) * 16), to_bf16(y[r][c]));
@@ -190,15 +239,15 @@ struct Gemm {
   }
 };
 
-// x [M, K] bf16 -> q [M, K] int8, ax and axs per act_group, axt per row; rows shared between threads when there
+// x [M, K] bf16 -> q [M, K] int8, ax, axs and qs per act_group, axt per row; rows shared between threads when there
 // are many
 void quantize_rows(const bf16* x, int64_t M, int64_t K, int64_t act_group, int8_t* q, float* ax, float* axs,
-                   float* axt) {
+                   int32_t* qs, float* axt) {
   const int64_t A = K / act_group;
   const auto rows = [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       cpuserve_act::quantize_row(x + m * K, K, act_group, q + m * K, ax + m * A);
-      cpuserve_act::group_sums(q + m * K, ax + m * A, K, act_group, axs + m * A);
+      cpuserve_act::group_sums(q + m * K, ax + m * A, K, act_group, axs + m * A, qs + m * A);
       axt[m] = 0.f;
       for (int64_t a = 0; a < A; ++a) axt[m] += axs[m * A + a];
     }
@@ -210,24 +259,30 @@ void quantize_rows(const bf16* x, int64_t M, int64_t K, int64_t act_group, int8_
 }
 #endif
 
-// x [M, K] bf16; packed [N/16, K*bits/32, 64] uint8; scales, zoffs [N/16, S, 16] fp32 or fp16 -> out [M, N] bf16
+// x [M, K] bf16; packed [N/16, K*bits/32, 64] uint8; scales [N/16, S, 16] fp32 or fp16; zoffs the same or one
+// int32 {z, e} (symmetric) -> out [M, N] bf16
 at::Tensor& vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                           const at::Tensor& zoffs, int64_t bits, int64_t act_group, at::Tensor& out) {
   TORCH_CHECK(vnni_gemm_supported(), "the int8 dot-product GEMMs need AVX-512 VNNI (this CPU's build has none)");
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == 64 && packed.is_contiguous(),
-              "packed must be contiguous uint8 [N/16, K*bits/32, 64]");
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "bits must be 4, 6 or 8, got ", bits);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == 64 && packed.is_contiguous() &&
+                  packed.size(1) * 32 % bits == 0,
+              "packed must be contiguous uint8 [N/16, K*bits/32, 64], got ", packed.scalar_type(), " ", packed.sizes());
   const int64_t N = packed.size(0) * 16, K = packed.size(1) * 32 / bits, S = scales.size(1);
   TORCH_CHECK(act_group % 16 == 0 && K % act_group == 0, "act_group=", act_group, " must be a multiple of 16 "
               "dividing K=", K);
   TORCH_CHECK(S == 1 || S == K / act_group, "scales must have 1 (per channel) or K/act_group=", K / act_group,
               " groups, got ", S);
-  for (const auto* t : {&scales, &zoffs})
-    TORCH_CHECK((t->scalar_type() == at::kFloat || t->scalar_type() == at::kHalf) &&
-                    t->scalar_type() == scales.scalar_type() && t->is_contiguous() &&
-                    t->sizes() == at::IntArrayRef({N / 16, S, 16}),
-                "scales and zoffs must be contiguous [N/16, S, 16], both fp32 or both fp16; got ",
-                scales.scalar_type(), " ", scales.sizes(), " and ", zoffs.scalar_type(), " ", zoffs.sizes());
+  TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) && scales.is_contiguous() &&
+                  scales.sizes() == at::IntArrayRef({N / 16, S, 16}),
+              "scales must be contiguous fp32 or fp16 [N/16, S, 16], got ", scales.scalar_type(), " ", scales.sizes());
+  const bool symmetric = zoffs.scalar_type() == at::kInt;
+  const int32_t* header = symmetric && zoffs.numel() == 2 && zoffs.is_contiguous() ? zoffs.data_ptr<int32_t>() : nullptr;
+  TORCH_CHECK(symmetric ? header && header[0] >= 0 && header[0] < (1 << bits) && header[1] >= 0 && header[1] < 64
+                        : zoffs.scalar_type() == scales.scalar_type() && zoffs.is_contiguous() &&
+                              zoffs.sizes() == scales.sizes(),
+              "zoffs must be like scales, or two int32 {z, e}: a zero code z below 2**bits and 0 <= e < 64; got ",
+              zoffs.scalar_type(), " ", zoffs.sizes());
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous() && x.size(1) == K,
               "x must be contiguous bf16 [M, ", K, "], got ", x.scalar_type(), " ", x.sizes());
   const int64_t M = x.size(0);
@@ -236,20 +291,26 @@ at::Tensor& vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const a
 #if defined(CPUSERVE_VNNI)
   auto q = at::empty({M, K}, x.options().dtype(at::kChar));
   const int64_t A = K / act_group;
-  auto terms = at::empty({M * (2 * A + 1)}, x.options().dtype(at::kFloat));  // ax, axs [M, A]; axt [M]
-  float *ax = terms.data_ptr<float>(), *axs = ax + M * A, *axt = axs + M * A;
-  quantize_rows(x.data_ptr<bf16>(), M, K, act_group, q.data_ptr<int8_t>(), ax, axs, axt);
+  auto terms = at::empty({M * (3 * A + 1)}, x.options().dtype(at::kFloat));  // ax, axs, qs (int32) [M, A]; axt [M]
+  float *ax = terms.data_ptr<float>(), *axs = ax + M * A, *axt = axs + 2 * M * A;
+  int32_t* qs = reinterpret_cast<int32_t*>(axs + M * A);
+  quantize_rows(x.data_ptr<bf16>(), M, K, act_group, q.data_ptr<int8_t>(), ax, axs, qs, axt);
   const auto args = [&](auto gemm) {
     using Scale = std::remove_const_t<std::remove_pointer_t<decltype(gemm.sc)>>;
-    gemm.q = q.data_ptr<int8_t>(), gemm.ax = ax, gemm.axs = axs, gemm.axt = axt, gemm.w = packed.data_ptr<uint8_t>();
-    gemm.sc = scales.data_ptr<Scale>(), gemm.zo = zoffs.data_ptr<Scale>();
+    gemm.q = q.data_ptr<int8_t>(), gemm.ax = ax, gemm.axs = axs, gemm.qs = qs, gemm.axt = axt;
+    gemm.w = packed.data_ptr<uint8_t>(), gemm.sc = scales.data_ptr<Scale>();
+    gemm.zo = symmetric ? nullptr : zoffs.data_ptr<Scale>(), gemm.z = symmetric ? header[0] : 0;
+    gemm.unscale = symmetric ? std::ldexp(1.f, -header[1]) : 1.f;
     gemm.K = K, gemm.act_group = act_group, gemm.S = S, gemm.N = N, gemm.out = out.data_ptr<bf16>();
-    return gemm;
+    gemm.run(M);
   };
-  if (scales.scalar_type() == at::kHalf)
-    bits == 4 ? args(Gemm<4, at::Half>{}).run(M) : args(Gemm<8, at::Half>{}).run(M);
-  else
-    bits == 4 ? args(Gemm<4, float>{}).run(M) : args(Gemm<8, float>{}).run(M);
+  const auto widths = [&](auto scale) {
+    using Scale = decltype(scale);
+    if (bits == 4) return args(Gemm<4, Scale>{});
+    if (bits == 6) return args(Gemm<6, Scale>{});
+    args(Gemm<8, Scale>{});
+  };
+  scales.scalar_type() == at::kHalf ? widths(at::Half{}) : widths(float{});
 #endif
   return out;
 }

@@ -25,9 +25,14 @@ def activation_dtype(weights: str) -> torch.dtype:
     return torch.float32 if weights == "fp32" else torch.bfloat16
 
 
-def lm_head_format(weights: str) -> str:
-    # int4 on the vocabulary projection costs accuracy for little speed; int8 per-channel keeps both.
-    return "int8" if weights == "int4" else weights
+def lm_head_format(weights: str, tensor=None) -> str:
+    # Re-quantizing the vocabulary projection to int4 costs accuracy for little speed; int8 per-channel keeps both.
+    # A file's codes wider than 4 bits take "int4" too: its rule keeps them in their narrowest exact storage or, where
+    # the kernel cannot take them, makes them int8, never int4 (a Q6_K output layer keeps 6-bit codes, where int8
+    # storage would stream 1.14x the bytes at every decode step).
+    if weights == "int4" and not (isinstance(tensor, CodedWeight) and tensor.bits > 4):
+        return "int8"
+    return weights
 
 
 def build_model(checkpoint, weights: str, group_size: int, show_progress: bool = True,
@@ -48,7 +53,7 @@ def build_model(checkpoint, weights: str, group_size: int, show_progress: bool =
         # the vocabulary-sized tensors are converted as they arrive, so their fp32 copies are never held together
         # with the layers' (a 1B model's embedding and lm_head are 262 MB each in fp32)
         if name == "lm_head.weight" or (name == "model.embed_tokens.weight" and args.tie_embeddings):
-            lm_head = build_linear(tensor, None, lm_head_format(weights), group_size, activations=activations)
+            lm_head = build_linear(tensor, None, lm_head_format(weights, tensor), group_size, activations=activations)
         if name == "model.embed_tokens.weight":  # the lookup table, in the activation dtype
             tensor = tensor.dequantize(False, dtype) if isinstance(tensor, CodedWeight) else tensor.to(dtype)
         elif name == "lm_head.weight":

@@ -12,7 +12,7 @@ from kquant_factory import GGUF_QUANTIZES, real_blocks
 
 from cpuserve.engine.layers import native
 from cpuserve.engine.layers.linear import build_linear
-from cpuserve.engine.layers.linear.act_int8 import W4A8Linear, W8A8Linear
+from cpuserve.engine.layers.linear.act_int8 import W4A8Linear, W6A8Linear, W8A8Linear
 from cpuserve.engine.layers.linear.coded import concat_rows
 from cpuserve.engine.layers.linear.int4 import Int4Linear
 from cpuserve.engine.layers.linear.int8 import Int8Linear
@@ -21,6 +21,8 @@ from cpuserve.engine.loader.gguf_codes import CODED_TYPES, decode_codes
 QT = gguf.GGMLQuantizationType
 KQUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 FOUR_BIT = ("Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K")  # codes that fit int4 storage
+SIX_BIT = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")  # codes below 64: 6-bit storage in the int8-activation kernel
+SYMMETRIC = {"Q4_0": 8, "Q3_K": 4, "Q5_0": 16, "Q6_K": 32, "Q8_0": 128}  # zoff = -z * scale: only z is kept
 needs_vnni = pytest.mark.skipif(not native.vnni_gemm_enabled(),
                                 reason="the int8-activation kernels (AVX-512 VNNI) are not built on this CPU")
 
@@ -68,7 +70,11 @@ def test_int8_activation_layer_multiplies_the_files_own_weights(qtype):
     raw = real_blocks(qtype, shape)
     ref = torch.from_numpy(gguf.quants.dequantize(raw, QT[qtype])).double()
     layer = build_linear(decode_codes(raw, QT[qtype], shape), None, "int4", activations="int8")
-    assert isinstance(layer, W4A8Linear if qtype in FOUR_BIT else W8A8Linear)
+    assert isinstance(layer, W4A8Linear if qtype in FOUR_BIT else W6A8Linear if qtype in SIX_BIT else W8A8Linear)
+    if qtype in SYMMETRIC:
+        assert layer.zoffs.dtype == torch.int32 and int(layer.zoffs[0]) == SYMMETRIC[qtype]
+    else:
+        assert layer.zoffs.shape == layer.scales.shape
     if qtype == "Q4_K":  # most of a Q4_K_M file streams fp16 scales at decode (its sub-scales here are all normal)
         assert layer.scales.dtype == torch.float16
     if qtype in ("Q4_0", "Q4_1", "Q8_0") or layer.scales.dtype == torch.float32:

@@ -7,8 +7,10 @@ import torch.nn.functional as F
 from cpuserve.engine.config import EngineConfig
 from cpuserve.engine.layers import native
 from cpuserve.engine.layers.linear import build_linear
-from cpuserve.engine.layers.linear.act_int8 import (W4A8Linear, W8A8Linear, _unblocked, compact_scales, pack_int4,
-                                                    pack_int8, quantize_rows, unpack_int4, unpack_int8)
+from cpuserve.engine.layers.linear.act_int8 import (W4A8Linear, W6A8Linear, W8A8Linear, _unblocked, compact_scales,
+                                                    int8_act_reference, pack_int4, pack_int6, pack_int8, quantize_rows, unpack_int4,
+                                                    unpack_int6, unpack_int8)
+from cpuserve.engine.layers.linear.coded import CodedWeight, to_linear
 from cpuserve.engine.layers.linear.int4 import dequantize_int4, quantize_int4
 
 pytestmark = pytest.mark.skipif(not native.vnni_gemm_enabled(), reason="needs the AVX-512 VNNI kernels")
@@ -53,6 +55,54 @@ def test_w8a8_matches_the_plain_torch_reference(n, k):
     for rows in ROWS:
         x = make_x(rows, k)
         assert_matches_reference(m(x), m.reference(x))
+
+
+def coded_layer(bits: int, group: int, zero: int | None, n: int = 96, k: int = 512, seed: int = 2):
+    """The layer of a file's codes below 2**bits: symmetric (zoff = -zero * scale) or with offsets of their own."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2 ** bits, (n, k), generator=gen, dtype=torch.uint8)
+    scale = (torch.rand(n, k // group, generator=gen) * 0.01 + 1e-3).half().float()
+    zoff = -zero * scale if zero is not None else (torch.randn(n, k // group, generator=gen) * 0.01).half().float()
+    return to_linear(CodedWeight(codes, scale, zoff, group, 8 if bits == 6 else bits, "test"), "int4")
+
+
+@pytest.mark.parametrize("bits,group,zero", [(6, 16, 32), (6, 16, None), (6, 32, None), (6, 64, 16), (4, 32, 8),
+                                             (4, 16, None), (8, 32, 128)])
+def test_file_codes_match_the_plain_torch_reference(bits, group, zero):
+    """6-bit storage (Q6_K, the 5-bit types) and symmetric codes (only the zero code kept) at every row count."""
+    m = coded_layer(bits, group, zero)
+    assert m.bits == bits and isinstance(m, {4: W4A8Linear, 6: W6A8Linear, 8: W8A8Linear}[bits])
+    assert (m.zoffs.dtype == torch.int32) == (zero is not None)
+    for rows in ROWS:
+        x = make_x(rows, 512)
+        assert_matches_reference(m(x), m.reference(x))
+
+
+def test_symmetric_codes_give_the_stored_offsets_result():
+    """The zero code inside the integer sum against the same weights with every zoff stored (the per-group form)."""
+    for bits, group, zero in [(6, 16, 32), (8, 32, 128), (4, 32, 8)]:
+        m = coded_layer(bits, group, zero)
+        x = make_x(19, 512)
+        zoffs = m.full_zoffs().to(m.scales.dtype)
+        stored = torch.ops.cpuserve.vnni_gemm(x, m.packed, m.scales, zoffs, bits, m.act_group)
+        torch.testing.assert_close(m(x).float(), stored.float(), rtol=0, atol=2 ** -7 * stored.abs().max().item())
+        # the zero code is read: one more gives the reference of weights one scale lower
+        header = m.zoffs + torch.tensor([1, 0], dtype=torch.int32)
+        shifted = torch.ops.cpuserve.vnni_gemm(x, m.packed, m.scales, header, bits, m.act_group)
+        scale = _unblocked(m.true_scales())
+        assert_matches_reference(shifted, int8_act_reference(x, m.codes(), scale, -(zero + 1) * scale, m.act_group))
+
+
+def test_kernel_refuses_a_zero_code_out_of_range_or_wrong_offsets():
+    m = coded_layer(6, 16, 32)
+    x = make_x(2, 512)
+    for header in ([64, 0], [32, -1], [32]):
+        with pytest.raises(RuntimeError, match="two int32 \\{z, e\\}: a zero code z below 2\\*\\*bits"):
+            torch.ops.cpuserve.vnni_gemm(x, m.packed, m.scales, torch.tensor(header, dtype=torch.int32), 6, 16)
+    with pytest.raises(RuntimeError, match="zoffs must be like scales"):
+        torch.ops.cpuserve.vnni_gemm(x, m.packed, m.scales, m.scales[:, :1].contiguous(), 6, 16)
+    with pytest.raises(RuntimeError, match="bits must be 4, 6 or 8"):
+        torch.ops.cpuserve.vnni_gemm(x, m.packed, m.scales, m.zoffs, 5, 16)
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
@@ -105,6 +155,8 @@ def test_packing_round_trips_and_dequantize_is_the_int4_weight():
     assert torch.equal(unpack_int4(pack_int4(codes)), codes)
     q = torch.randint(0, 256, (32, 64), dtype=torch.int32)
     assert torch.equal(unpack_int8(pack_int8(q)), q)
+    q6 = torch.randint(0, 64, (48, 96), dtype=torch.int32)
+    assert torch.equal(unpack_int6(pack_int6(q6)), q6) and pack_int6(q6).shape == (3, 96 // 16 * 3, 64)
     m = build_linear(w, None, "int4", 64, activations="int8")
     assert m.scales.dtype == m.zoffs.dtype == torch.float16
     zoff_rounding = 2 ** -11 * (zero.float() - 8 * scale.float()).abs().max().item()  # zoff is kept in fp16
@@ -115,10 +167,10 @@ def test_packing_round_trips_and_dequantize_is_the_int4_weight():
 def test_fp16_and_fp32_scales_give_the_same_bits(fmt, bits):
     m = build_linear(make_weight(192, 576), None, fmt, 32, activations="int8")
     x = make_x(9, 576)
-    s16, z16 = m.scales.half(), m.zoffs.half()
+    s16, z16 = m.scales.half(), m.full_zoffs().half()
     y16 = torch.ops.cpuserve.vnni_gemm(x, m.packed, s16, z16, bits, m.act_group)
     assert torch.equal(y16, torch.ops.cpuserve.vnni_gemm(x, m.packed, s16.float(), z16.float(), bits, m.act_group))
-    with pytest.raises(RuntimeError, match="both fp32 or both fp16"):
+    with pytest.raises(RuntimeError, match="zoffs must be like scales"):
         torch.ops.cpuserve.vnni_gemm(x, m.packed, s16, z16.float(), bits, m.act_group)
 
 
@@ -142,6 +194,23 @@ def test_inexact_scales_round_to_fp16_only_in_its_normal_range():
     scale, zoff = compact_scales(tiny, -8 * d, exact=False)
     assert scale.dtype == zoff.dtype == torch.float32
     assert torch.equal(_unblocked(scale), tiny)
+
+
+def test_symmetric_small_scales_are_shifted_into_fp16s_normal_range():
+    """Q6_K-like scales reaching below 2**-14: stored times 2**e in fp16 (each within 2**-11 of itself), and the
+    kernel's output divides 2**e out again."""
+    gen = torch.Generator().manual_seed(3)
+    d = torch.rand(96, 32, generator=gen) * 1e-3 + 1e-6
+    scale, header = compact_scales(d, -32 * d, exact=False, bits=6)
+    z, e = header.tolist()
+    assert scale.dtype == torch.float16 and z == 32 and e > 0 and float(d.min()) * 2.0 ** e >= 2.0 ** -14
+    assert ((_unblocked(scale).float() * 2.0 ** -e - d).abs() <= d * 2.0 ** -11).all()
+    codes = torch.randint(0, 64, (96, 512), generator=gen, dtype=torch.uint8)
+    m = to_linear(CodedWeight(codes, d, -32 * d, 16, 8, "test"), "int4")
+    assert m.zoffs.tolist() == [32, e] and m.scales.dtype == torch.float16
+    for rows in (1, 9, 33):
+        x = make_x(rows, 512)
+        assert_matches_reference(m(x), int8_act_reference(x, codes, d, -32 * d, 16))
 
 
 def test_row_quantization_reference():
@@ -170,3 +239,4 @@ def test_engine_default_multiplies_int8_activations_in_every_linear(llm_int4):
     layers = [m for m in model.modules() if hasattr(m, "fmt")]
     assert layers and all(isinstance(m, (W4A8Linear, W8A8Linear)) for m in layers), layers[:3]
     assert isinstance(model.lm_head, W8A8Linear)
+    assert model.lm_head.zoffs.tolist() == [128, 0]  # the file's Q8_0: symmetric, its zero code kept, fp16 scales

@@ -6,10 +6,14 @@ s = absmax / 127, q = round(x * 127 / absmax). Weights are unsigned codes with w
     W4A8Linear  quantize_int4's codes 0..15, zoff = zero - 8 * scale rounded to fp16 (moving a weight by at most
                 2^-11 of zoff, under 1% of a quantization step), a scale per weight group; activation groups are
                 the weight groups (32 by default)
+    W6A8Linear  codes 0..63 a file brought (Q6_K, the 5-bit types; engine/layers/linear/coded.py), its groups
     W8A8Linear  quantize_int8's per-channel weights as codes w + 128, zoff = -128 * scale; activation groups of
-                W8A8_ACT_GROUP inputs
+                W8A8_ACT_GROUP inputs (or a file's 8-bit codes in its groups)
 
-and per activation group g:  y += float(sum code * q) * scale * ax_g + zoff * ax_g * sum q.
+and per activation group g:  y += float(sum code * q) * scale * ax_g + zoff * ax_g * sum q. Where zoff = -z * scale
+for one integer z (symmetric codes: Q4_0, Q8_0, Q6_K, quantize_int8's) only z is kept (`zoffs` is two int32: z and
+the scales' power-of-two shift, compact_scales) and the kernel computes y += float(sum code * q - z * sum q) * scale
+* ax_g: one multiply fewer per group, no zoffs streamed.
 
 Group scales rather than one scale per row: measured by perplexity over 8k tokens on SmolLM2-135M (int4 weights,
 fp32 KV), per-row scales cost +3.6% against fp32 and groups of 32 +1.5%; the lm_head alone, per row, was +0.85%.
@@ -21,6 +25,8 @@ Where the kernel is not built (CPUSERVE_KERNELS=torch, a CPU without AVX-512 VNN
 activations instead (int4.py, int8.py).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -73,6 +79,27 @@ def unpack_int4(packed: Tensor) -> Tensor:
     return c.permute(0, 2, 1, 3, 4).reshape(nb * BLOCK_N, k8 * 8).to(torch.int32)
 
 
+def pack_int6(codes: Tensor) -> Tensor:
+    """codes [N, K] in [0, 63] -> [N/16, K/16 * 3, 64] uint8: per 16 inputs k0..k0+15, pack_int4 of the codes' low
+    nibbles (two rows of 64), then byte 4c + j = the top 2 bits of code(c, k0 + 4 i + j) at bits 2i, i = 0..3."""
+    n, k = codes.shape
+    c = codes.to(torch.uint8)
+    low = pack_int4(c & 15).reshape(n // BLOCK_N, k // 16, 2, 64)
+    top = (c >> 4).reshape(n // BLOCK_N, BLOCK_N, k // 16, 4, 4).permute(0, 2, 1, 4, 3)  # [NB, K16, 16, j, i]
+    top = top[..., 0] | (top[..., 1] << 2) | (top[..., 2] << 4) | (top[..., 3] << 6)
+    return torch.cat([low, top.reshape(n // BLOCK_N, k // 16, 1, 64)], 2).reshape(n // BLOCK_N, -1, 64).contiguous()
+
+
+def unpack_int6(packed: Tensor) -> Tensor:
+    """Inverse of pack_int6: [N, K] int32 codes."""
+    nb, rows, _ = packed.shape
+    p = packed.reshape(nb, rows // 3, 3, 64)
+    low = unpack_int4(p[:, :, :2].reshape(nb, -1, 64))
+    t = p[:, :, 2].reshape(nb, rows // 3, BLOCK_N, 4).to(torch.int32)
+    top = torch.stack([(t >> (2 * i)) & 3 for i in range(4)], -1)  # top: [NB, K16, 16, j, i]
+    return low | (top.permute(0, 2, 1, 4, 3).reshape(nb * BLOCK_N, -1) << 4)
+
+
 def pack_int8(codes: Tensor) -> Tensor:
     """codes [N, K] in [0, 255] -> [N/16, K/4, 64] uint8: byte 4c + j = code(c, k0 + j)."""
     n, k = codes.shape
@@ -89,23 +116,46 @@ def unpack_int8(packed: Tensor) -> Tensor:
 FP16_NORMAL = (2.0 ** -14, 65504.0)  # fp16's normal range: a value in it rounds within 2**-11 of itself
 
 
-def compact_scales(scale: Tensor, zoff: Tensor, exact: bool = True) -> tuple[Tensor, Tensor]:
-    """Blocked scales and zoffs in fp16 when fp16 holds them, else in fp32. The kernel reads either.
+def zero_code(scale: Tensor, zoff: Tensor, bits: int) -> int | None:
+    """z when zoff = -z * scale everywhere, exactly (symmetric codes), z an integer below 2**bits; else None."""
+    nonzero = scale != 0
+    if not bool(nonzero.any()):
+        return None
+    z = round(float(-zoff[nonzero][0] / scale[nonzero][0]))
+    return z if 0 <= z < 2 ** bits and torch.equal(zoff.float(), -z * scale.float()) else None
 
-    exact: fp16 only when both convert exactly (a GGUF's fp16 d and m do: Q4_0, Q4_1, Q8_0). Else also when every
-    non-zero value lies in fp16's normal range, so that each rounds within 2**-11 of itself and every weight
+
+def compact_scales(scale: Tensor, zoff: Tensor, exact: bool = True, bits: int | None = None) -> tuple[Tensor, Tensor]:
+    """Blocked scales and zoffs in fp16 when fp16 holds them, else in fp32. The kernel reads either. With bits
+    given, symmetric codes (zero_code) keep only z: zoffs is then two int32 {z, e}, the scales stored times 2^e so
+    that the smallest lies in fp16's normal range (a Q6_K's sub-block scales often lie below it).
+
+    exact: fp16 only when every value converts exactly (a GGUF's fp16 d and m do: Q4_0, Q4_1, Q8_0). Else also when
+    every non-zero value lies in fp16's normal range, so that each rounds within 2**-11 of itself and every weight
     code * scale + zoff moves by at most 2**-11 of the largest magnitude its group can hold (a K-quant's scale is
     an fp16 d times an integer sub-scale: 17 significant bits, not fp16's 11; the move is under 2% of a 4-bit
     quantization step).
 
     Decode streams the codes and these from memory for every token: in fp16, 32 int4 weights are 20 bytes (llama.cpp's
     Q4_1 size) instead of 24."""
-    scale, zoff = _blocked(scale), _blocked(zoff)
-    if all(torch.equal(t.half().float(), t) for t in (scale, zoff)):
-        return scale.half(), zoff.half()
-    if not exact and all(_fp16_normal(t) for t in (scale, zoff)):
-        return scale.half(), zoff.half()
-    return scale, zoff
+    z = zero_code(scale, zoff, bits) if bits else None
+    e = _normal_shift(scale) if z is not None else 0
+    parts = [_blocked(scale) * 2.0 ** e] if z is not None else [_blocked(scale), _blocked(zoff)]
+    if all(torch.equal(t.half().float(), t) for t in parts) or (not exact and all(_fp16_normal(t) for t in parts)):
+        parts = [t.half() for t in parts]
+    elif z is not None:
+        parts, e = [_blocked(scale)], 0  # fp32 needs no shift
+    return parts[0], torch.tensor([z, e], dtype=torch.int32) if z is not None else parts[1]
+
+
+def _normal_shift(scale: Tensor) -> int:
+    """The power of two that lifts the smallest non-zero |scale| into fp16's normal range, if the largest then still
+    fits (else 0)."""
+    mag = scale.abs()[scale != 0]
+    if mag.numel() == 0 or float(mag.min()) >= FP16_NORMAL[0]:
+        return 0
+    e = math.ceil(math.log2(FP16_NORMAL[0] / float(mag.min())))
+    return e if 0 < e < 64 and float(mag.max()) * 2.0 ** e <= FP16_NORMAL[1] else 0
 
 
 def _fp16_normal(t: Tensor) -> bool:
@@ -146,14 +196,27 @@ class Int8ActLinear(PackedLinear):
         raise NotImplementedError
 
     def codes(self) -> Tensor:
-        return unpack_int4(self.packed) if self.bits == 4 else unpack_int8(self.packed)
+        return {4: unpack_int4, 6: unpack_int6, 8: unpack_int8}[self.bits](self.packed)
+
+    def true_scales(self) -> Tensor:
+        """scales [N/16, S, 16] fp32 (without the symmetric form's 2^e)."""
+        if self.zoffs.dtype != torch.int32:
+            return self.scales.float()
+        return self.scales.float() * 2.0 ** -int(self.zoffs[1])
+
+    def full_zoffs(self) -> Tensor:
+        """zoffs [N/16, S, 16] fp32 (from the zero code where the codes are symmetric)."""
+        if self.zoffs.dtype != torch.int32:
+            return self.zoffs.float()
+        return -int(self.zoffs[0]) * self.true_scales()
 
     def dequantize(self) -> Tensor:
         expand = lambda t: _unblocked(t).repeat_interleave(self.in_features // t.shape[1], dim=1)  # noqa: E731
-        return self.codes().float() * expand(self.scales) + expand(self.zoffs)
+        return self.codes().float() * expand(self.true_scales()) + expand(self.full_zoffs())
 
     def reference(self, x2: Tensor) -> Tensor:
-        return int8_act_reference(x2, self.codes(), _unblocked(self.scales), _unblocked(self.zoffs), self.act_group)
+        return int8_act_reference(x2, self.codes(), _unblocked(self.true_scales()), _unblocked(self.full_zoffs()),
+                                  self.act_group)
 
     def _own_kernel(self) -> bool:
         return True
@@ -185,6 +248,16 @@ class W4A8Linear(Int8ActLinear):
         return group_size  # activation groups are the weight groups
 
 
+class W6A8Linear(Int8ActLinear):
+    """Only a file's codes (coded.to_linear): no from_float."""
+
+    bits = 6
+
+    @staticmethod
+    def k_align(group_size: int) -> int:
+        return group_size
+
+
 class W8A8Linear(Int8ActLinear):
     bits = 8
 
@@ -196,7 +269,7 @@ class W8A8Linear(Int8ActLinear):
         self.act_group = W8A8_ACT_GROUP
         self.register_buffer("packed", pack_int8(q.to(torch.int32) + 128))
         self.register_buffer("scales", _blocked(scale[:, None]))
-        self.register_buffer("zoffs", _blocked(-128 * scale.float()[:, None]))
+        self.register_buffer("zoffs", torch.tensor([128, 0], dtype=torch.int32))  # symmetric: zoff = -128 * scale
         return self
 
     @staticmethod

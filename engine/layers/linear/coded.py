@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from cpuserve.engine.layers.linear.act_int8 import (BLOCK_N, W4A8Linear, W8A8Linear, compact_scales, pack_int4,
-                                                     pack_int8)
+from cpuserve.engine.layers.linear.act_int8 import (BLOCK_N, Int8ActLinear, W4A8Linear, W6A8Linear, W8A8Linear,
+                                                     compact_scales, pack_int4, pack_int6, pack_int8)
 from cpuserve.engine.layers.linear.int4 import INNER_K_TILES, Int4Linear
 
 DEQUANTIZE_ROWS = 2048  # rows per float64 pass: bounded temporaries for any tensor size
@@ -110,18 +110,23 @@ def coded_misfit(weight: CodedWeight) -> str:
     return ""
 
 
-def to_linear(weight: CodedWeight, fmt: str) -> W4A8Linear | W8A8Linear:
-    """The int8-activation layer over the file's own codes: 4-bit storage when fmt is "int4" and every code fits
-    in 4 bits, else 8-bit (never fewer bits than the file). Activation groups are the file's groups; scales and
-    offsets in fp16 where compact_scales(exact=False) allows."""
+def to_linear(weight: CodedWeight, fmt: str) -> Int8ActLinear:
+    """The int8-activation layer over the file's own codes, in the narrowest storage that holds them: 4 bits when
+    fmt is "int4" and every code fits, 6 bits for codes below 64 in groups of 16 or more (Q6_K, the 5-bit types, a
+    fused Q4_K + Q6_K qkv), else 8 (and always 8 when fmt is "int8"). Activation groups are the file's groups;
+    scales and offsets in fp16 where compact_scales(exact=False) allows, symmetric codes keeping only their zero."""
     n, k = weight.shape
-    bits = 4 if fmt == "int4" and weight.bits == 4 else 8
-    cls = W4A8Linear if bits == 4 else W8A8Linear
+    if fmt == "int4" and weight.bits == 4:
+        bits, cls, pack = 4, W4A8Linear, pack_int4
+    elif fmt == "int4" and weight.group % 16 == 0 and int(weight.codes.max()) < 64:
+        bits, cls, pack = 6, W6A8Linear, pack_int6
+    else:
+        bits, cls, pack = 8, W8A8Linear, pack_int8
     layer = cls(k, n, "int4" if bits == 4 else "int8", weight.group)
     layer.act_group = weight.group
-    layer.register_buffer("packed", pack_int4(weight.codes) if bits == 4 else pack_int8(weight.codes))
+    layer.register_buffer("packed", pack(weight.codes))
     # fp16: exactly for Q4_0, Q4_1, Q8_0; rounded within 2**-11 for the K-quants and Q5_x (act_int8.compact_scales)
-    scales, zoffs = compact_scales(weight.scale, weight.zoff, exact=False)
+    scales, zoffs = compact_scales(weight.scale, weight.zoff, exact=False, bits=bits)
     layer.register_buffer("scales", scales)
     layer.register_buffer("zoffs", zoffs)
     return layer
