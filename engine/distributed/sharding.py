@@ -180,7 +180,11 @@ class ShardedLlamaModel(LlamaModel):
         local = token_ids - lo
         outside = (local < 0) | (local >= hi - lo)
         x = self.comm.next_buffer((token_ids.shape[0], self.embed_tokens.shape[1]), self.embed_tokens.dtype)
-        torch.index_select(self.embed_tokens, 0, local.masked_fill(outside, 0), out=x)  # x: [N, dim], an embedding
+        ids = local.masked_fill(outside, 0)
+        if isinstance(self.embed_tokens, torch.Tensor):
+            torch.index_select(self.embed_tokens, 0, ids, out=x)  # x: [N, dim], an embedding
+        else:  # a GGUF's packed codes (engine/layers/embedding.py)
+            x.copy_(self.embed(ids))
         x = self.comm.all_reduce(x.masked_fill_(outside[:, None], 0))  # exactly one rank holds each id: exact
         for layer in self.layers:
             x = layer(x, meta)

@@ -9,7 +9,9 @@ import torch
 from tqdm import tqdm
 
 from cpuserve.engine.layers.linear import QuantLinear, build_linear
-from cpuserve.engine.layers.linear.coded import CodedWeight, concat_rows
+from cpuserve.engine.layers.embedding import CodedEmbedding
+from cpuserve.engine.layers.linear.act_int8 import Int8ActLinear
+from cpuserve.engine.layers.linear.coded import CodedWeight, coded_misfit, concat_rows, to_linear
 from cpuserve.engine.models import gemma3
 from cpuserve.engine.models.llama import MLP, Attention, LlamaModel, TransformerBlock
 
@@ -54,8 +56,8 @@ def build_model(checkpoint, weights: str, group_size: int, show_progress: bool =
         # with the layers' (a 1B model's embedding and lm_head are 262 MB each in fp32)
         if name == "lm_head.weight" or (name == "model.embed_tokens.weight" and args.tie_embeddings):
             lm_head = build_linear(tensor, None, lm_head_format(weights, tensor), group_size, activations=activations)
-        if name == "model.embed_tokens.weight":  # the lookup table, in the activation dtype
-            tensor = tensor.dequantize(False, dtype) if isinstance(tensor, CodedWeight) else tensor.to(dtype)
+        if name == "model.embed_tokens.weight":  # the lookup table, in the activation dtype or packed codes
+            tensor = _embedding_table(tensor, lm_head if args.tie_embeddings else None, dtype)
         elif name == "lm_head.weight":
             tensor = None  # kept only as lm_head: the name marks it as present
         if match is None:
@@ -73,13 +75,28 @@ def build_model(checkpoint, weights: str, group_size: int, show_progress: bool =
         if name not in top:
             raise ValueError(f"checkpoint is missing tensor {name!r}")
     embedding = top.pop("model.embed_tokens.weight")
-    if args.arch == "gemma3":  # Gemma scales the embedding by sqrt(dim), rounded to the table's dtype as HF does
-        # (not in place: with tied embeddings an fp32 lm_head may share this very tensor)
-        embedding = embedding * torch.tensor(args.dim ** 0.5, dtype=embedding.dtype)
+    # Gemma scales the embedding by sqrt(dim), rounded to the table's dtype as HF does
+    multiplier = args.dim ** 0.5 if args.arch == "gemma3" else None
+    if isinstance(embedding, Int8ActLinear):
+        embedding = CodedEmbedding(embedding, dtype, multiplier)
+    elif multiplier is not None:  # not in place: with tied embeddings an fp32 lm_head may share this very tensor
+        embedding = embedding * torch.tensor(multiplier, dtype=embedding.dtype)
     model_class = gemma3.Gemma3Model if args.arch == "gemma3" else LlamaModel
     model = model_class(args, embedding, [layers[i] for i in range(args.n_layers)], lm_head, dtype)
     model.norm.weight.data = top.pop("model.norm.weight").to(dtype)
     return model.eval()
+
+
+def _embedding_table(tensor, tied_head, dtype: torch.dtype):
+    """A GGUF's coded table stays packed for bf16 models (engine/layers/embedding.py): the tied lm_head's own codes,
+    else the file's codes packed as the kernels' layers are; anything else a dense table in dtype."""
+    if not isinstance(tensor, CodedWeight):
+        return tensor.to(dtype)
+    if dtype == torch.bfloat16 and isinstance(tied_head, Int8ActLinear):
+        return tied_head
+    if dtype == torch.bfloat16 and not coded_misfit(tensor):
+        return to_linear(tensor, "int4")
+    return tensor.dequantize(False, dtype)
 
 
 def _parts(args) -> list[str]:

@@ -101,8 +101,8 @@ class Gemma3Model(LlamaModel):
         self.register_buffer("local_inv_freq", inv_frequencies(args, window.rope_theta, 1.0), persistent=False)
 
     def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, logit_rows: torch.Tensor) -> torch.Tensor:
-        """As LlamaModel.forward; the embedding table is already multiplied by sqrt(dim)."""
-        x = F.embedding(token_ids, self.embed_tokens)  # x: [N, dim]
+        """As LlamaModel.forward; the embedding is already multiplied by sqrt(dim) (builder.py)."""
+        x = self.embed(token_ids)  # x: [N, dim]
         cos, sin = rope_at(meta.positions, self.local_inv_freq, self.dtype)
         ropes = {0: (meta.cos, meta.sin), self.window: (cos.unsqueeze(1), sin.unsqueeze(1))}
         invalid = {0: meta.decode_invalid, self.window: None}

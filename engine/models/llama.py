@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpuserve.engine.layers import ops
+from cpuserve.engine.layers.embedding import CodedEmbedding
 from cpuserve.engine.layers.kv_quant import LayerKV, gather_kv
 from cpuserve.engine.layers.linear import QuantLinear
 from cpuserve.engine.models.args import ModelArgs
@@ -116,12 +117,14 @@ class TransformerBlock(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, args: ModelArgs, embedding: torch.Tensor, layers: list[TransformerBlock],
+    def __init__(self, args: ModelArgs, embedding: torch.Tensor | CodedEmbedding, layers: list[TransformerBlock],
                  lm_head: QuantLinear, dtype: torch.dtype):
         super().__init__()
         self.args = args
         self.dtype = dtype
-        self.embed_tokens = nn.Parameter(embedding, requires_grad=False)  # [V, dim] in the activation dtype
+        # [V, dim] in the activation dtype, or a GGUF's packed codes (engine/layers/embedding.py)
+        self.embed_tokens = embedding if isinstance(embedding, CodedEmbedding) else nn.Parameter(embedding,
+                                                                                                 requires_grad=False)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(args.dim, args.norm_eps, dtype)
         self.lm_head = lm_head
@@ -129,7 +132,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, logit_rows: torch.Tensor) -> torch.Tensor:
         """token_ids [N]; logit_rows [S]: the rows whose next-token logits are wanted. Returns [S, V] float32."""
-        x = F.embedding(token_ids, self.embed_tokens)  # x: [N, dim]
+        x = self.embed(token_ids)  # x: [N, dim]
         fused = self.fused_decode() if not meta.prefills else None
         if fused is not None:  # decode rows only: every layer in one C++ call, the same bits
             x = fused.run(x, meta)
@@ -138,6 +141,11 @@ class LlamaModel(nn.Module):
                 x = layer(x, meta)
         x = self.norm(x[logit_rows])  # only the rows that sample: prefill rows before the last need no logits
         return self.lm_head(x).float()
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed_tokens, CodedEmbedding):
+            return self.embed_tokens(token_ids)
+        return F.embedding(token_ids, self.embed_tokens)
 
     def fused_decode(self) -> FusedDecode | None:
         """fused_decode.py's step for this model, built on first use; None where it does not apply."""

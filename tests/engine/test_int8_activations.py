@@ -78,6 +78,14 @@ def test_file_codes_match_the_plain_torch_reference(bits, group, zero):
         assert_matches_reference(m(x), m.reference(x))
 
 
+@pytest.mark.parametrize("bits,group,zero", [(4, 32, None), (4, 32, 8), (6, 16, 32), (6, 32, None), (8, 32, 128)])
+def test_rows_are_the_dequantized_weights_rows(bits, group, zero):
+    """The embedding lookup over packed codes (engine/layers/embedding.py): each row unpacked from its block alone."""
+    m = coded_layer(bits, group, zero)
+    ids = torch.tensor([0, 5, 15, 16, 17, 95, 40, 5])
+    assert torch.equal(m.rows(ids), m.dequantize()[ids])
+
+
 def test_symmetric_codes_give_the_stored_offsets_result():
     """The zero code inside the integer sum against the same weights with every zoff stored (the per-group form)."""
     for bits, group, zero in [(6, 16, 32), (8, 32, 128), (4, 32, 8)]:
@@ -240,3 +248,6 @@ def test_engine_default_multiplies_int8_activations_in_every_linear(llm_int4):
     assert layers and all(isinstance(m, (W4A8Linear, W8A8Linear)) for m in layers), layers[:3]
     assert isinstance(model.lm_head, W8A8Linear)
     assert model.lm_head.zoffs.tolist() == [128, 0]  # the file's Q8_0: symmetric, its zero code kept, fp16 scales
+    assert model.embed_tokens.codes is model.lm_head  # tied: the lookup reads the lm_head's codes, no bf16 table
+    ids = torch.tensor([0, 1, 2, 49151])
+    assert torch.equal(model.embed(ids), model.lm_head.dequantize()[ids].to(torch.bfloat16))

@@ -169,6 +169,11 @@ def _blocked(t: Tensor) -> Tensor:
     return t.float().reshape(n // BLOCK_N, BLOCK_N, g).transpose(1, 2).contiguous()
 
 
+def _blocked_rows(t: Tensor, blocks: Tensor, cols: Tensor) -> Tensor:
+    """Rows (blocks * 16 + cols) of a blocked [N/16, G, 16] tensor -> [n, G]."""
+    return t[blocks, :, cols]
+
+
 def _unblocked(t: Tensor) -> Tensor:
     nb, g, _ = t.shape
     return t.transpose(1, 2).reshape(nb * BLOCK_N, g)
@@ -213,6 +218,26 @@ class Int8ActLinear(PackedLinear):
     def dequantize(self) -> Tensor:
         expand = lambda t: _unblocked(t).repeat_interleave(self.in_features // t.shape[1], dim=1)  # noqa: E731
         return self.codes().float() * expand(self.true_scales()) + expand(self.full_zoffs())
+
+    def rows(self, ids: Tensor) -> Tensor:
+        """Weight rows ids [n] -> [n, K] fp32, unpacked from their column blocks alone (an embedding lookup over the
+        same codes: a tied lm_head's table costs no second copy)."""
+        n, k = ids.numel(), self.in_features
+        blocks, cols = ids // BLOCK_N, ids % BLOCK_N
+        if self.bits == 8:
+            codes = self.packed.view(-1, k // 4, BLOCK_N, 4)[blocks, :, cols].reshape(n, k)
+        else:
+            b = self.packed.view(-1, self.packed.shape[1], BLOCK_N, 4)[blocks, :, cols]  # b: [n, R, 4]
+            if self.bits == 6:
+                b = b.reshape(n, k // 16, 3, 4)
+                top, b = b[:, :, 2:].to(torch.int32), b[:, :, :2].reshape(n, -1, 4)
+            codes = torch.stack([b & 0x0F, b >> 4], 2).reshape(n, k).to(torch.int32)  # inputs k0 + j, k0 + 4 + j
+            if self.bits == 6:  # top: [n, K/16, 1, 4]: bits 2i of byte j belong to input k0 + 4 i + j
+                high = torch.stack([(top >> (2 * i)) & 3 for i in range(4)], 2).reshape(n, k)
+                codes = codes | (high << 4)
+        group = k // self.scales.shape[1]
+        pick = lambda t: _blocked_rows(t, blocks, cols).repeat_interleave(group, 1)  # noqa: E731
+        return codes.float() * pick(self.true_scales()) + pick(self.full_zoffs())
 
     def reference(self, x2: Tensor) -> Tensor:
         return int8_act_reference(x2, self.codes(), _unblocked(self.true_scales()), _unblocked(self.full_zoffs()),
