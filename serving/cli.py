@@ -37,18 +37,6 @@ def config_from_args(args: argparse.Namespace):
     return load_config(args.config, **{name: getattr(args, name) for name in ServeConfig.model_fields})
 
 
-def config_to_args(config) -> list[str]:
-    """The `cpuserve serve` flags giving `config`'s explicitly set fields (what the operator runs on the head)."""
-    args = []
-    for name, value in config.model_dump(exclude_unset=True).items():
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            args.append(flag if value else "--no-" + flag[2:])
-        elif value is not None:
-            args += [flag, str(value)]
-    return args
-
-
 def _serve(args: argparse.Namespace) -> int:
     from cpuserve.engine.distributed.cpus import check_cpu_count
     from cpuserve.serving.app import endpoints, start_serving, stop_serving

@@ -30,9 +30,7 @@ int64_t first_index_of_max(const float* x, int64_t n) {
   }
   best = nan ? NAN : _mm512_reduce_max_ps(vmax);
 #endif
-  for (int64_t j = i; j < n; ++j) best = (std::isnan(best) || x[j] <= best) ? best : x[j];
-  for (int64_t j = i; j < n; ++j)
-    if (std::isnan(x[j])) best = NAN;
+  for (int64_t j = i; j < n; ++j) best = (std::isnan(best) || x[j] <= best) ? best : x[j];  // a NaN x[j] wins too
   const bool find_nan = std::isnan(best);
   int64_t k = 0;
 #if defined(__AVX512F__)

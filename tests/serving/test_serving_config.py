@@ -101,11 +101,3 @@ def test_every_field_is_a_flag_showing_its_default():
     assert "Sequences one replica runs at once. (default: 64)" in help_text
     assert "--no-enable-prefix-caching" in help_text
     assert parse().max_num_seqs == ServeConfig().max_num_seqs  # unset flags keep the field's default
-
-
-def test_config_to_args_round_trips():
-    from cpuserve.serving.cli import config_to_args
-
-    c = ServeConfig(weights="int8", kv_cache_gb=2.5, replicas=3, enable_prefix_caching=False, access_log=True,
-                    transport="torch", stream_interval_ms=12.5)
-    assert parse(*config_to_args(c)) == c

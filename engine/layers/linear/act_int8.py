@@ -236,8 +236,13 @@ class Int8ActLinear(PackedLinear):
                 high = torch.stack([(top >> (2 * i)) & 3 for i in range(4)], 2).reshape(n, k)
                 codes = codes | (high << 4)
         group = k // self.scales.shape[1]
-        pick = lambda t: _blocked_rows(t, blocks, cols).repeat_interleave(group, 1)  # noqa: E731
-        return codes.float() * pick(self.true_scales()) + pick(self.full_zoffs())
+        scale = _blocked_rows(self.scales, blocks, cols).float()  # only these rows' scales: [n, S]
+        if self.zoffs.dtype == torch.int32:  # symmetric: zoff = -z * scale, scales stored times 2^e
+            scale = scale * 2.0 ** -int(self.zoffs[1])
+            zoff = -int(self.zoffs[0]) * scale
+        else:
+            zoff = _blocked_rows(self.zoffs, blocks, cols).float()
+        return codes.float() * scale.repeat_interleave(group, 1) + zoff.repeat_interleave(group, 1)
 
     def reference(self, x2: Tensor) -> Tensor:
         return int8_act_reference(x2, self.codes(), _unblocked(self.true_scales()), _unblocked(self.full_zoffs()),
@@ -245,6 +250,14 @@ class Int8ActLinear(PackedLinear):
 
     def _own_kernel(self) -> bool:
         return True
+
+    def set_codes(self, packed: Tensor, scales: Tensor, zoffs: Tensor, act_group: int) -> "Int8ActLinear":
+        """The layer's buffers (see the class docstring) and its activation group."""
+        self.act_group = act_group
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales", scales)
+        self.register_buffer("zoffs", zoffs)
+        return self
 
     def _gemm(self, x2: Tensor, own: bool) -> Tensor:
         return torch.ops.cpuserve.vnni_gemm(x2, self.packed, self.scales, self.zoffs, self.bits, self.act_group)
@@ -260,13 +273,8 @@ class W4A8Linear(Int8ActLinear):
     def from_float(cls, weight: Tensor, fmt: str, group_size: int) -> "W4A8Linear":
         n, k = weight.shape
         codes, scale, zero = quantize_int4(weight, group_size)
-        self = cls(k, n, fmt, group_size)
-        self.act_group = group_size
-        self.register_buffer("packed", pack_int4(codes))
         scales, zoffs = compact_scales(scale.float(), (zero.float() - 8 * scale.float()).half().float())
-        self.register_buffer("scales", scales)
-        self.register_buffer("zoffs", zoffs)
-        return self
+        return cls(k, n, fmt, group_size).set_codes(pack_int4(codes), scales, zoffs, group_size)
 
     @staticmethod
     def k_align(group_size: int) -> int:
@@ -290,12 +298,9 @@ class W8A8Linear(Int8ActLinear):
     def from_float(cls, weight: Tensor, fmt: str, group_size: int) -> "W8A8Linear":
         n, k = weight.shape
         q, scale = quantize_int8(weight)
-        self = cls(k, n, fmt, group_size)
-        self.act_group = W8A8_ACT_GROUP
-        self.register_buffer("packed", pack_int8(q.to(torch.int32) + 128))
-        self.register_buffer("scales", _blocked(scale[:, None]))
-        self.register_buffer("zoffs", torch.tensor([128, 0], dtype=torch.int32))  # symmetric: zoff = -128 * scale
-        return self
+        symmetric = torch.tensor([128, 0], dtype=torch.int32)  # zoff = -128 * scale
+        return cls(k, n, fmt, group_size).set_codes(pack_int8(q.to(torch.int32) + 128), _blocked(scale[:, None]),
+                                                    symmetric, W8A8_ACT_GROUP)
 
     @staticmethod
     def k_align(group_size: int) -> int:

@@ -122,14 +122,10 @@ def to_linear(weight: CodedWeight, fmt: str) -> Int8ActLinear:
         bits, cls, pack = 6, W6A8Linear, pack_int6
     else:
         bits, cls, pack = 8, W8A8Linear, pack_int8
-    layer = cls(k, n, "int4" if bits == 4 else "int8", weight.group)
-    layer.act_group = weight.group
-    layer.register_buffer("packed", pack(weight.codes))
     # fp16: exactly for Q4_0, Q4_1, Q8_0; rounded within 2**-11 for the K-quants and Q5_x (act_int8.compact_scales)
     scales, zoffs = compact_scales(weight.scale, weight.zoff, exact=False, bits=bits)
-    layer.register_buffer("scales", scales)
-    layer.register_buffer("zoffs", zoffs)
-    return layer
+    layer = cls(k, n, "int4" if bits == 4 else "int8", weight.group)
+    return layer.set_codes(pack(weight.codes), scales, zoffs, weight.group)
 
 
 def int4pack_misfit(weight: CodedWeight) -> str:
