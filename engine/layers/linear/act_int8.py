@@ -205,15 +205,20 @@ class Int8ActLinear(PackedLinear):
 
     def true_scales(self) -> Tensor:
         """scales [N/16, S, 16] fp32 (without the symmetric form's 2^e)."""
-        if self.zoffs.dtype != torch.int32:
-            return self.scales.float()
-        return self.scales.float() * 2.0 ** -int(self.zoffs[1])
+        return self.true_terms()[0]
 
     def full_zoffs(self) -> Tensor:
         """zoffs [N/16, S, 16] fp32 (from the zero code where the codes are symmetric)."""
+        return self.true_terms()[1]
+
+    def true_terms(self, pick=lambda t: t) -> tuple[Tensor, Tensor]:
+        """(scale, zoff) in fp32 of the blocked buffers cut by pick (all of them by default): the symmetric form's
+        2^e divided out, its zoff made from the zero code."""
+        scale = pick(self.scales).float()
         if self.zoffs.dtype != torch.int32:
-            return self.zoffs.float()
-        return -int(self.zoffs[0]) * self.true_scales()
+            return scale, pick(self.zoffs).float()
+        scale = scale * 2.0 ** -int(self.zoffs[1])
+        return scale, -int(self.zoffs[0]) * scale
 
     def dequantize(self) -> Tensor:
         expand = lambda t: _unblocked(t).repeat_interleave(self.in_features // t.shape[1], dim=1)  # noqa: E731
@@ -236,12 +241,7 @@ class Int8ActLinear(PackedLinear):
                 high = torch.stack([(top >> (2 * i)) & 3 for i in range(4)], 2).reshape(n, k)
                 codes = codes | (high << 4)
         group = k // self.scales.shape[1]
-        scale = _blocked_rows(self.scales, blocks, cols).float()  # only these rows' scales: [n, S]
-        if self.zoffs.dtype == torch.int32:  # symmetric: zoff = -z * scale, scales stored times 2^e
-            scale = scale * 2.0 ** -int(self.zoffs[1])
-            zoff = -int(self.zoffs[0]) * scale
-        else:
-            zoff = _blocked_rows(self.zoffs, blocks, cols).float()
+        scale, zoff = self.true_terms(lambda t: _blocked_rows(t, blocks, cols))  # only these rows': [n, S]
         return codes.float() * scale.repeat_interleave(group, 1) + zoff.repeat_interleave(group, 1)
 
     def reference(self, x2: Tensor) -> Tensor:
