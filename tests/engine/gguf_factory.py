@@ -157,8 +157,9 @@ def add_spm_tokenizer(writer: gguf.GGUFWriter, controls: tuple[str, ...] | list[
 
 
 def add_llama_metadata(writer: gguf.GGUFWriter, shape: Shape, vocab_size: int, theta: float = 10000.0,
-                       head_dim: int | None = None, norm_eps: float = 1e-5) -> None:
-    """head_dim: written as key/value length when it is not dim / n_heads (Qwen3)."""
+                       head_dim: int | None = None, norm_eps: float = 1e-5, rope_dims: int | None = None) -> None:
+    """head_dim: written as key/value length when it is not dim / n_heads (Qwen3); rope_dims: the dims RoPE rotates
+    when not the whole head (Phi-4-mini)."""
     if head_dim is not None:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
@@ -168,7 +169,7 @@ def add_llama_metadata(writer: gguf.GGUFWriter, shape: Shape, vocab_size: int, t
     writer.add_feed_forward_length(shape.ffn_dim)
     writer.add_head_count(shape.n_heads)
     writer.add_head_count_kv(shape.n_kv_heads)
-    writer.add_rope_dimension_count(head_dim or shape.dim // shape.n_heads)
+    writer.add_rope_dimension_count(rope_dims or head_dim or shape.dim // shape.n_heads)
     writer.add_rope_freq_base(theta)
     writer.add_layer_norm_rms_eps(norm_eps)
     writer.add_vocab_size(vocab_size)
