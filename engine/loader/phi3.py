@@ -60,6 +60,9 @@ def gguf_fields(meta: dict[str, Any], key: Callable[[str], str], factors: Callab
                 names: set[str], path: str, head_dim: int) -> dict[str, Any]:
     """rotary_dim and long_rope for ModelArgs from a phi3 GGUF; factors(name): a tensor's values."""
     rotary_dim = int(meta.get(key("rope.dimension_count"), head_dim))
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"{path}: {key('rope.dimension_count')}={rotary_dim}; it must be even and in (0, head_dim="
+                         f"{head_dim}]")
     present = [n for n in FACTOR_TENSORS if n in names]
     if not present:
         return {"rotary_dim": rotary_dim}

@@ -187,14 +187,14 @@ def add_tensor(writer: gguf.GGUFWriter, name: str, array: np.ndarray, qtype: QT)
 
 def write_llama_gguf(path, weights: dict[str, np.ndarray], shape: Shape, qtype: str = "F32", arch: str = "llama",
                      raw_tensors: dict[str, tuple[np.ndarray, QT]] | None = None, theta: float = 10000.0,
-                     tokenizer=add_tiny_tokenizer) -> None:
+                     tokenizer=add_tiny_tokenizer, rope_dims: int | None = None) -> None:
     """Write `weights` (HF layout) as a GGUF with the tiny tokenizer; raw_tensors are added as given.
 
     Only arch "llama" gets llama.cpp's Q/K permutation (qwen2 files keep HF's order).
     """
     tokens = tiny_vocab()[0] if tokenizer is add_tiny_tokenizer else spm_vocab()[0]
     writer = gguf.GGUFWriter(str(path), arch)
-    add_llama_metadata(writer, shape, len(tokens), theta)
+    add_llama_metadata(writer, shape, len(tokens), theta, rope_dims=rope_dims)
     tokenizer(writer)
     for hf, array in weights.items():
         if arch != "llama":

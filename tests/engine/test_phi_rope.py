@@ -152,16 +152,21 @@ def test_phi3_configs_the_engine_cannot_run_are_refused(tmp_path, config, messag
         load_checkpoint(str(tmp_path))
 
 
-@pytest.mark.parametrize("arch,tensors,message", [
-    ("llama", ["rope_factors_long.weight", "rope_factors_short.weight"],
+@pytest.mark.parametrize("arch,tensors,rope_dims,message", [
+    ("llama", ["rope_factors_long.weight", "rope_factors_short.weight"], None,
      r"m.gguf: rope_factors_long/short \(LongRoPE\) in a 'llama' file are not supported; supported: LongRoPE in phi3"),
-    ("phi3", ["rope_factors_long.weight"],
+    ("llama", [], 24, r"m.gguf: llama.rope.dimension_count=24 rotates part of each head \(head_dim=32\); supported: "
+                      r"32 \(partial rotary heads: phi3 only\)"),
+    ("phi3", ["rope_factors_long.weight"], None,
      r"m.gguf: LongRoPE needs both rope_factors_long.weight and rope_factors_short.weight; the file has only "
      r"rope_factors_long.weight"),
+    ("phi3", ["rope_factors_long.weight", "rope_factors_short.weight"], None,  # no original context length
+     r"m.gguf: phi3.rope.scaling.original_context_length is missing; LongRoPE"),
+    ("phi3", [], 33, r"m.gguf: phi3.rope.dimension_count=33; it must be even and in \(0, head_dim=32\]"),
 ])
-def test_gguf_long_rope_the_engine_cannot_run_is_refused(tmp_path, arch, tensors, message):
+def test_gguf_rope_the_engine_cannot_run_is_refused(tmp_path, arch, tensors, rope_dims, message):
     shape = gf.Shape(dim=128, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=256, ctx=CTX)
     factors = {name: (torch.ones(16).numpy(), gguf.GGMLQuantizationType.F32) for name in tensors}
-    gf.write_llama_gguf(tmp_path / "m.gguf", {}, shape, arch=arch, raw_tensors=factors)
+    gf.write_llama_gguf(tmp_path / "m.gguf", {}, shape, arch=arch, raw_tensors=factors, rope_dims=rope_dims)
     with pytest.raises(ValueError, match=message):
         load_checkpoint(str(tmp_path / "m.gguf"))
