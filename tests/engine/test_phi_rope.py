@@ -61,10 +61,26 @@ def test_logits_and_greedy_tokens_match_transformers(tmp_path, tokenizer, name, 
     assert err <= 1e-3 * spread, f"{name} {fmt} {regime}: max |diff| {err:.2e} vs logit range {spread:.2e}"
     print(f"{name} {fmt} {regime}: max |diff| {err:.2e}, logit range {spread:.2f}")
     got = llm.generate([prompt], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))[0].token_ids
+    assert got == _reference_greedy(model, prompt, 32), f"{name} {fmt} {regime}"
+
+
+def _reference_greedy(model, prompt: list[int], n: int) -> list[int]:
     with torch.inference_mode():  # EOS neither stops nor is forbidden (min_new_tokens would forbid it), as ignore_eos
-        want = model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None)
-    assert want.shape[1] == len(prompt) + 32
-    assert got == want[0, len(prompt):].tolist(), f"{name} {fmt} {regime}"
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None)
+    assert out.shape[1] == len(prompt) + n
+    return out[0, len(prompt):].tolist()
+
+
+def test_a_batch_with_chunked_prefills_rotates_each_sequence_as_alone(tmp_path, tokenizer):
+    """The factor set is the engine's, not the step's: three prompts past the switch, prefilled in 16-token chunks
+    beside each other's decodes, each give transformers' tokens for that prompt alone."""
+    model = build_hf_model("phi4-mini")
+    llm = LLM(model=save_hf_folder(model, tmp_path / "hf", tokenizer), weights="fp32", kv_cache="fp32",
+              kv_cache_gb=0.02, max_num_batched_tokens=16, show_progress=False)
+    prompts = [LONG_IDS, LONG_IDS[3:] + LONG_IDS[:6], LONG_IDS[::-1] + [9, 9]]  # 48, 51 and 50 tokens
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == _reference_greedy(model, prompt, 16)
 
 
 @pytest.mark.parametrize("name", sorted(LONG_ROPE_ARCHS))
