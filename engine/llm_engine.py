@@ -14,6 +14,7 @@ from cpuserve.engine.errors import InvalidRequest
 from cpuserve.engine.grammar import GrammarCompiler
 from cpuserve.engine.loader import load_checkpoint
 from cpuserve.engine.model_runner import kv_bytes_per_token
+from cpuserve.engine.models.rope import long_rope_factors
 from cpuserve.engine.output_processor import OutputProcessor
 from cpuserve.engine.outputs import StepOutput
 from cpuserve.engine.request import Request
@@ -50,6 +51,11 @@ class LLMEngine:
         self.args = checkpoint.args
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         self.max_model_len = min(config.max_model_len or self.args.max_seq_len, self.args.max_seq_len)
+        if (rope := self.args.long_rope) is not None:  # one factor set for the whole run
+            is_long = long_rope_factors(rope, self.max_model_len) is rope.long_factor
+            log.info("LongRoPE: the %s factors at every position (max_model_len %d %s original_max_position_embeddings "
+                     "%d)", "long" if is_long else "short", self.max_model_len, ">" if is_long else "<=",
+                     rope.original_max_position_embeddings)
         self.kv_bytes_per_token = kv_bytes_per_token(self.args, config.kv_cache)
         config.num_blocks = int(config.kv_cache_gb * (1 << 30)) // (self.kv_bytes_per_token * config.block_size)
         if config.num_blocks < 1:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from cpuserve.engine.layers.linear.coded import CodedWeight
-from cpuserve.engine.loader import gemma3
+from cpuserve.engine.loader import gemma3, phi3
 from cpuserve.engine.loader.fused import split_fused
 from cpuserve.engine.loader.gguf_codes import CODED_TYPES, decode_codes
 from cpuserve.engine.loader.gguf_tokenizer import build_gguf_tokenizer
@@ -68,6 +68,8 @@ _GEMMA3_LAYER_NAMES = {
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 ROPE_FREQS = "rope_freqs.weight"  # llama3 per-dimension frequency divisors; folded into ModelArgs.rope_scaling
+# tensors read into ModelArgs (rope_scaling, long_rope), never streamed as weights
+ROPE_TENSORS = (ROPE_FREQS, *phi3.FACTOR_TENSORS)
 
 
 def hf_name(name: str, arch: str = "llama") -> str | None:
@@ -129,12 +131,14 @@ def build_model_args(meta: dict[str, Any], reader: gguf.GGUFReader, path: str) -
                          f"{', '.join(supported_scaling)}")
     rope_dims = meta.get(key("rope.dimension_count"))
     head_dim = int(_scalar(meta, key("attention.key_length"), path, dim // n_heads))
-    if rope_dims is not None and int(rope_dims) != head_dim:
+    if arch != "phi3" and rope_dims is not None and int(rope_dims) != head_dim:
         raise ValueError(f"{path}: {key('rope.dimension_count')}={rope_dims} rotates part of each head (head_dim="
-                         f"{head_dim}); only full-head RoPE is supported")
-    if any(n.startswith("rope_factors") for n in names):
-        raise ValueError(f"{path}: rope_factors_long/short (LongRoPE, Phi-3 128k) are not supported; supported "
-                         "RoPE: default, llama3")
+                         f"{head_dim}); supported: {head_dim} (partial rotary heads: phi3 only)")
+    if arch != "phi3" and any(n in names for n in phi3.FACTOR_TENSORS):
+        raise ValueError(f"{path}: rope_factors_long/short (LongRoPE) in a {arch!r} file are not supported; "
+                         "supported: LongRoPE in phi3 files")
+    factors = lambda name: gguf.quants.dequantize(*_tensor_data(reader, name))  # noqa: E731
+    phi = phi3.gguf_fields(meta, key, factors, names, path, head_dim) if arch == "phi3" else {}
     rope_scaling = None
     if ROPE_FREQS in names:
         freqs = gguf.quants.dequantize(*_tensor_data(reader, ROPE_FREQS))
@@ -158,7 +162,7 @@ def build_model_args(meta: dict[str, Any], reader: gguf.GGUFReader, path: str) -
         qkv_bias=SUPPORTED_ARCHS[arch]["qkv_bias"] and any(n.endswith("attn_q.bias") for n in names),
         qk_norm=any(n.endswith("attn_q_norm.weight") for n in names),
     )
-    return ModelArgs(**{**fields, **gemma})
+    return ModelArgs(**{**fields, **gemma, **phi})
 
 
 def _tensor_data(reader: gguf.GGUFReader, name: str) -> tuple[np.ndarray, QT]:
@@ -171,7 +175,7 @@ def check_tensors(reader: gguf.GGUFReader, path: str) -> None:
     supported = ", ".join(t.name for t in SUPPORTED_TYPES)
     arch = reader_arch(reader)
     for t in reader.tensors:
-        if t.name != ROPE_FREQS and hf_name(t.name, arch) is None:
+        if t.name not in ROPE_TENSORS and hf_name(t.name, arch) is None:
             raise ValueError(f"{path}: tensor {t.name!r} is not part of a Llama-family model this loader knows")
         if t.tensor_type not in SUPPORTED_TYPES:
             raise ValueError(
@@ -188,7 +192,7 @@ class GGUFWeights:
         self.reader = reader
         self.args = args
         self.permuted_qk = SUPPORTED_ARCHS[args.arch]["permuted_qk"]
-        self.tensors = [t for t in reader.tensors if t.name != ROPE_FREQS]
+        self.tensors = [t for t in reader.tensors if t.name not in ROPE_TENSORS]
         # fused tensors (phi3) come out as their parts: 3 for attn_qkv, 2 for ffn_up
         parts = {"attn_qkv.weight": 3, "ffn_up.weight": 2 if args.arch == "phi3" else 1}
         self.num_yielded = sum(parts.get(t.name.split(".", 2)[-1], 1) for t in self.tensors)

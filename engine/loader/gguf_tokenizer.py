@@ -29,6 +29,15 @@ _QWEN2_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# o200k (GPT-4o, Phi-4-mini): a word is an optional leading non-letter, then upper-case letters and/or lower-case ones
+# (an upper-case letter after a lower-case one starts a new word: "HelloWorld" -> "Hello" "World"), with any contraction suffix
+# kept on the word ("don't", "I'M"); marks (\p{M}) inside words; 1-3 digit runs
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 
 def _byte_level(split: str | None = None, digits: bool = False) -> pre_tokenizers.PreTokenizer:
     # split=None: ByteLevel's built-in GPT-2 regex; otherwise the model's own regex, then bytes -> symbols
@@ -51,6 +60,8 @@ PRE_TOKENIZERS = {
     "llama-v3": lambda: (_byte_level(_LLAMA3_SPLIT), True),
     "qwen2": lambda: (_byte_level(_QWEN2_SPLIT), False),
     "deepseek-r1-qwen": lambda: (_byte_level(_QWEN2_SPLIT), False),
+    # merges are applied, not skipped for whole-vocabulary words: llama.cpp ignores merges for the llama3 family only
+    "gpt-4o": lambda: (_byte_level(_GPT4O_SPLIT), False),
 }
 
 

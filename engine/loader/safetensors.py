@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer as BackendTokenizer
 
-from cpuserve.engine.loader import gemma3
+from cpuserve.engine.loader import gemma3, phi3
 from cpuserve.engine.loader.fused import FUSED, split_fused
 from cpuserve.engine.models.args import ModelArgs, RopeScaling
 from cpuserve.engine.tokenizer import END_OF_TURN_TEXTS, Tokenizer
@@ -40,15 +40,16 @@ def _read_json(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
-def _rope(config: dict[str, Any], path: str) -> tuple[float, RopeScaling | None]:
+def _rope(config: dict[str, Any], path: str, arch: str) -> tuple[float, RopeScaling | None]:
     # transformers 5 writes rope_parameters (theta inside); older configs have rope_theta + rope_scaling
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
+    if rope_type == "default" or (arch == "phi3" and rope_type in phi3.LONGROPE_TYPES):  # longrope: phi3.hf_fields
         return theta, None
     if rope_type != "llama3":
-        raise ValueError(f"{path}/config.json: rope type {rope_type!r} is not supported; supported: default, llama3")
+        supported = "default, llama3" + (", longrope" if arch == "phi3" else " (longrope: Phi3ForCausalLM only)")
+        raise ValueError(f"{path}/config.json: rope type {rope_type!r} is not supported; supported: {supported}")
     return theta, RopeScaling(
         factor=float(params["factor"]),
         low_freq_factor=float(params["low_freq_factor"]),
@@ -64,12 +65,14 @@ def build_model_args(config: dict[str, Any], path: str) -> ModelArgs:
         raise ValueError(f"{path}/config.json: architectures={archs} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
     if arch in ("llama", "qwen3") and config.get("attention_bias"):
         raise ValueError(f"{path}/config.json: attention_bias=true is not supported for {archs[0]}")
-    if float(config.get("partial_rotary_factor", 1.0)) != 1.0:
+    if arch != "phi3" and float(config.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError(f"{path}/config.json: partial_rotary_factor={config['partial_rotary_factor']} is not "
-                         "supported; only full-head RoPE (1.0)")
+                         f"supported for {archs[0]}; supported: 1.0 (partial rotary heads: Phi3ForCausalLM only)")
     gemma = gemma3.hf_fields(config, path) if arch == "gemma3" else {}  # its own rope, window, norms, defaults
-    theta, scaling = _rope(config, path) if not gemma else (None, None)
+    theta, scaling = _rope(config, path, arch) if not gemma else (None, None)
     n_heads = int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or config["hidden_size"] // n_heads)
+    phi = phi3.hf_fields(config, path, head_dim) if arch == "phi3" else {}  # partial rotary, LongRoPE
     max_len = int(config["max_position_embeddings"])
     if config.get("sliding_window") and config.get("use_sliding_window", True) and not gemma:
         # Mistral v0.1, Phi-3: attention over the last `sliding_window` tokens; within that many tokens it is
@@ -81,7 +84,7 @@ def build_model_args(config: dict[str, Any], path: str) -> ModelArgs:
         n_layers=int(config["num_hidden_layers"]),
         n_heads=n_heads,
         n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
-        head_dim=int(config.get("head_dim") or config["hidden_size"] // n_heads),
+        head_dim=head_dim,
         ffn_dim=int(config["intermediate_size"]),
         vocab_size=int(config["vocab_size"]),
         max_seq_len=max_len,
@@ -92,7 +95,7 @@ def build_model_args(config: dict[str, Any], path: str) -> ModelArgs:
         qkv_bias=arch == "qwen2",
         qk_norm=arch == "qwen3",
     )
-    return ModelArgs(**{**fields, **gemma})
+    return ModelArgs(**{**fields, **gemma, **phi})
 
 
 def _token_text(value: Any) -> str | None:

@@ -16,6 +16,18 @@ class RopeScaling:
 
 
 @dataclass(slots=True)
+class LongRope:
+    """Phi-3's LongRoPE (rope_type "longrope"): each rotary pair's base frequency divided by its factor, the short
+    factors for a context of at most original_max_position_embeddings tokens, the long ones beyond (models/rope.py
+    decides which), and cos and sin multiplied by attention_factor."""
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+    attention_factor: float
+
+
+@dataclass(slots=True)
 class SlidingWindow:
     """Gemma 3's local layers: attention over the last `size` tokens only, with their own RoPE base."""
 
@@ -44,6 +56,8 @@ class ModelArgs:
     attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5 (Gemma 3: query_pre_attn_scalar ** -0.5)
     rope_linear_factor: float = 1.0  # positions divided by it ("linear" RoPE scaling; Gemma 3: global layers only)
     sliding_window: SlidingWindow | None = None  # Gemma 3
+    rotary_dim: int | None = None  # dims of each head RoPE rotates, the first ones (Phi-4-mini: 3/4); None: head_dim
+    long_rope: LongRope | None = None  # Phi-3 128k, Phi-4-mini
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
@@ -51,3 +65,10 @@ class ModelArgs:
         if self.sliding_window is not None and len(self.sliding_window.layers) != self.n_layers:
             raise ValueError(f"sliding_window.layers has {len(self.sliding_window.layers)} entries for "
                              f"{self.n_layers} layers")
+        self.rotary_dim = self.head_dim if self.rotary_dim is None else self.rotary_dim
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(f"rotary_dim={self.rotary_dim}: must be even and in (0, head_dim={self.head_dim}]")
+        r = self.long_rope
+        if r is not None and not len(r.short_factor) == len(r.long_factor) == self.rotary_dim // 2:
+            raise ValueError(f"LongRoPE short_factor / long_factor have {len(r.short_factor)} / {len(r.long_factor)} "
+                             f"values; rotary_dim={self.rotary_dim} needs {self.rotary_dim // 2} each")

@@ -14,6 +14,7 @@ from cpuserve.engine.layers.linear.act_int8 import Int8ActLinear
 from cpuserve.engine.layers.linear.coded import CodedWeight, coded_misfit, concat_rows, to_linear
 from cpuserve.engine.models import gemma3
 from cpuserve.engine.models.llama import MLP, Attention, LlamaModel, TransformerBlock
+from cpuserve.engine.models.rope import reorder_heads, rotary_order
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _LAYER_PARTS = (
@@ -107,11 +108,25 @@ def _parts(args) -> list[str]:
     return [*_LAYER_PARTS, *extra]
 
 
+def _partial_rotary_order(args, parts: dict) -> dict:
+    """q and k with each head's dims in rope.py's order for partial rotary (its docstring): weights, biases, norms."""
+    order = rotary_order(args.head_dim, args.rotary_dim)
+
+    def reorder(t):
+        fn = lambda rows: reorder_heads(rows, args.head_dim, order)  # noqa: E731
+        return t.map_rows(fn) if isinstance(t, CodedWeight) else fn(t)
+
+    names = [f"self_attn.{p}_{kind}" for p in "qk" for kind in ("proj.weight", "proj.bias", "norm.weight")]
+    return {**parts, **{n: reorder(parts[n]) for n in names if n in parts}}
+
+
 def _build_block(args, index: int, parts: dict[str, torch.Tensor], weights: str, group_size: int, dtype,
                  activations: str) -> TransformerBlock | gemma3.Gemma3Block:
     def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> QuantLinear:
         return build_linear(weight, bias, weights, group_size, activations=activations)
 
+    if args.rotary_dim < args.head_dim:
+        parts = _partial_rotary_order(args, parts)
     qkv_weight = concat_rows([parts[f"self_attn.{p}_proj.weight"] for p in "qkv"])  # [(H + 2 Hkv) D, dim]
     qkv_bias = torch.cat([parts[f"self_attn.{p}_proj.bias"] for p in "qkv"]) if args.qkv_bias else None
     qkv, o_proj = linear(qkv_weight, qkv_bias), linear(parts["self_attn.o_proj.weight"])

@@ -8,6 +8,7 @@ saved as a safetensors folder and written as a GGUF the way llama.cpp's converte
 from __future__ import annotations
 
 import json
+import math
 
 import gguf
 import gguf_factory as gf
@@ -26,6 +27,18 @@ ARCHS = {
     "qwen3": ("Qwen3Config", dict(head_dim=48, tie_word_embeddings=True), "qwen3"),  # H * D != dim
     "phi3": ("Phi3Config", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2), "phi3"),
 }
+ORIGINAL_CTX = 40  # LongRoPE's switch point: prompts + 32 generated tokens fit below it, and longer ones above it
+# Phi-3 128k and Phi-4-mini at test size: LongRoPE with random factors (one per rotary pair, >= 1 as published ones
+# are: short ones near 1, long ones growing to ~CTX / ORIGINAL_CTX and beyond); Phi-4-mini rotates 3/4 of each head
+# and ties its embeddings. Not in ARCHS: which factors transformers uses depends on the sequence's length
+# (tests/engine/test_phi_rope.py picks lengths where it and the engine agree).
+LONG_ROPE_ARCHS = {
+    "phi4-mini": ("Phi3Config", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, partial_rotary_factor=0.75,
+                                     tie_word_embeddings=True, original_max_position_embeddings=ORIGINAL_CTX), "phi3"),
+    "phi3-128k": ("Phi3Config", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                     original_max_position_embeddings=ORIGINAL_CTX), "phi3"),
+}
+SPECS = {**ARCHS, **LONG_ROPE_ARCHS}
 _GGUF_LAYER = {**gf._TO_GGUF, "self_attn.q_norm.weight": "attn_q_norm.weight",
                "self_attn.k_norm.weight": "attn_k_norm.weight", "self_attn.qkv_proj.weight": "attn_qkv.weight",
                "mlp.gate_up_proj.weight": "ffn_up.weight"}
@@ -41,8 +54,10 @@ def tiny_tokenizer(tmp_path):
 def build_hf_model(name: str, seed: int = 0):
     import transformers
 
-    cls, extra, _ = ARCHS[name]
+    cls, extra, _ = SPECS[name]
     vocab = len(gf.tiny_vocab()[0])
+    if name in LONG_ROPE_ARCHS:
+        extra = {**extra, "rope_scaling": _long_rope_factors(extra.get("partial_rotary_factor", 1.0), seed)}
     config = getattr(transformers, cls)(
         vocab_size=vocab, hidden_size=DIM, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
         num_key_value_heads=KV_HEADS, intermediate_size=FFN, max_position_embeddings=CTX, rms_norm_eps=1e-5,
@@ -56,6 +71,14 @@ def build_hf_model(name: str, seed: int = 0):
     return model
 
 
+def _long_rope_factors(partial_rotary_factor: float, seed: int) -> dict:
+    pairs = int(DIM // HEADS * partial_rotary_factor) // 2
+    g = torch.Generator().manual_seed(seed + 1)
+    short = 1.0 + 0.5 * torch.rand(pairs, generator=g).sort().values
+    long = 1.0 + 3.0 * torch.rand(pairs, generator=g).sort().values * torch.linspace(0.2, 4.0, pairs)
+    return {"type": "longrope", "short_factor": short.tolist(), "long_factor": long.tolist()}
+
+
 def save_hf_folder(model, folder, tokenizer) -> str:
     model.save_pretrained(str(folder))
     (folder / "tokenizer.json").write_text(tokenizer.backend.to_str())
@@ -64,17 +87,21 @@ def save_hf_folder(model, folder, tokenizer) -> str:
     return str(folder)
 
 
-def write_gguf(model, path, name: str) -> str:
-    """The model as llama.cpp's convert_hf_to_gguf writes it: llama permutes Q/K rows, the others keep HF's."""
-    arch = ARCHS[name][2]
+def write_gguf(model, path, name: str, attn_factor: bool = True) -> str:
+    """The model as llama.cpp's convert_hf_to_gguf writes it: llama permutes Q/K rows, the others keep HF's.
+    attn_factor=False leaves LongRoPE's attention factor out (the reader derives it from the context lengths)."""
+    arch = SPECS[name][2]
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer = gguf.GGUFWriter(str(path), arch)
     shape = gf.Shape(dim=cfg.hidden_size, n_layers=cfg.num_hidden_layers, n_heads=cfg.num_attention_heads,
                      n_kv_heads=cfg.num_key_value_heads, ffn_dim=cfg.intermediate_size, ctx=cfg.max_position_embeddings)
     rope = cfg.rope_parameters or {}
+    rope_dims = int(rope.get("partial_rotary_factor", 1.0) * head_dim)  # phi3's converter: int(f * dim) // heads
     gf.add_llama_metadata(writer, shape, cfg.vocab_size, float(rope.get("rope_theta", 10000.0)), head_dim,
-                          cfg.rms_norm_eps)
+                          cfg.rms_norm_eps, rope_dims)
+    if rope.get("rope_type") == "longrope":
+        _add_long_rope(writer, rope, cfg.max_position_embeddings, attn_factor)
     gf.add_tiny_tokenizer(writer)
     state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     for hf, array in state.items():
@@ -90,6 +117,17 @@ def write_gguf(model, path, name: str) -> str:
         base = 1.0 / rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
         writer.add_tensor("rope_freqs.weight", (base / inv).float().numpy())
     return finish_gguf(writer, path)
+
+
+def _add_long_rope(writer: gguf.GGUFWriter, rope: dict, max_len: int, attn_factor: bool) -> None:
+    """As convert_hf_to_gguf's Phi3MiniModel: the original context, sqrt(1 + ln(s) / ln(original)) with s = context /
+    original, and the factors as two F32 tensors."""
+    original = rope["original_max_position_embeddings"]
+    writer.add_rope_scaling_orig_ctx_len(original)
+    if attn_factor:
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(max_len / original) / math.log(original)))
+    writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+    writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
 
 
 def finish_gguf(writer: gguf.GGUFWriter, path) -> str:

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import gguf
@@ -127,6 +128,41 @@ def add_tiny_tokenizer(writer: gguf.GGUFWriter, chat_template: str | None = CHAT
         writer.add_chat_template(chat_template)
 
 
+def trained_bpe_vocab(corpus: list[str],
+                      controls: tuple[str, ...] | list[str] = ()) -> tuple[list[str], list[int], list[str]]:
+    """(tokens, token types, merges) of a byte-level BPE trained on `corpus` with no pre-split, then the controls.
+
+    Unsplit, the merges run across every word, case, digit and space boundary of the corpus, so a pre-tokenizer
+    that draws one boundary differently gives different ids on that text.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    trainer = trainers.BpeTrainer(vocab_size=4096, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.train_from_iterator(corpus, trainer)
+    model = json.loads(backend.to_str())["model"]
+    tokens = sorted(model["vocab"], key=model["vocab"].get) + list(controls)
+    types = [1] * (len(tokens) - len(controls)) + [3] * len(controls)
+    return tokens, types, [" ".join(pair) for pair in model["merges"]]
+
+
+def add_bpe_tokenizer(writer: gguf.GGUFWriter, vocab: tuple[list[str], list[int], list[str]], pre: str,
+                      eos: str | None = None) -> None:
+    """A byte-level BPE vocabulary (tokenizer.ggml.model 'gpt2') with the given pre-tokenizer name."""
+    tokens, types, merges = vocab
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    if eos is not None:
+        writer.add_bos_token_id(tokens.index(eos))
+        writer.add_eos_token_id(tokens.index(eos))
+    writer.add_add_bos_token(False)
+
+
 _SPM_PIECES = ["\u2581", "h", "e", "l", "o", "w", "r", "d", ",", "he", "ll", "\u2581h", "\u2581he", "hell", "\u2581hell",
                "\u2581hello", "\u2581w", "or", "\u2581wor", "\u2581worl", "\u2581world"]
 
@@ -157,8 +193,9 @@ def add_spm_tokenizer(writer: gguf.GGUFWriter, controls: tuple[str, ...] | list[
 
 
 def add_llama_metadata(writer: gguf.GGUFWriter, shape: Shape, vocab_size: int, theta: float = 10000.0,
-                       head_dim: int | None = None, norm_eps: float = 1e-5) -> None:
-    """head_dim: written as key/value length when it is not dim / n_heads (Qwen3)."""
+                       head_dim: int | None = None, norm_eps: float = 1e-5, rope_dims: int | None = None) -> None:
+    """head_dim: written as key/value length when it is not dim / n_heads (Qwen3); rope_dims: the dims RoPE rotates
+    when not the whole head (Phi-4-mini)."""
     if head_dim is not None:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
@@ -168,7 +205,7 @@ def add_llama_metadata(writer: gguf.GGUFWriter, shape: Shape, vocab_size: int, t
     writer.add_feed_forward_length(shape.ffn_dim)
     writer.add_head_count(shape.n_heads)
     writer.add_head_count_kv(shape.n_kv_heads)
-    writer.add_rope_dimension_count(head_dim or shape.dim // shape.n_heads)
+    writer.add_rope_dimension_count(rope_dims or head_dim or shape.dim // shape.n_heads)
     writer.add_rope_freq_base(theta)
     writer.add_layer_norm_rms_eps(norm_eps)
     writer.add_vocab_size(vocab_size)
@@ -186,14 +223,17 @@ def add_tensor(writer: gguf.GGUFWriter, name: str, array: np.ndarray, qtype: QT)
 
 def write_llama_gguf(path, weights: dict[str, np.ndarray], shape: Shape, qtype: str = "F32", arch: str = "llama",
                      raw_tensors: dict[str, tuple[np.ndarray, QT]] | None = None, theta: float = 10000.0,
-                     tokenizer=add_tiny_tokenizer) -> None:
+                     tokenizer=add_tiny_tokenizer, rope_dims: int | None = None,
+                     vocab_size: int | None = None) -> None:
     """Write `weights` (HF layout) as a GGUF with the tiny tokenizer; raw_tensors are added as given.
 
-    Only arch "llama" gets llama.cpp's Q/K permutation (qwen2 files keep HF's order).
+    Only arch "llama" gets llama.cpp's Q/K permutation (qwen2 files keep HF's order). vocab_size: the count of the
+    tokens `tokenizer` writes, when it is neither the tiny nor the SentencePiece vocabulary.
     """
-    tokens = tiny_vocab()[0] if tokenizer is add_tiny_tokenizer else spm_vocab()[0]
+    if vocab_size is None:
+        vocab_size = len(tiny_vocab()[0] if tokenizer is add_tiny_tokenizer else spm_vocab()[0])
     writer = gguf.GGUFWriter(str(path), arch)
-    add_llama_metadata(writer, shape, len(tokens), theta)
+    add_llama_metadata(writer, shape, vocab_size, theta, rope_dims=rope_dims)
     tokenizer(writer)
     for hf, array in weights.items():
         if arch != "llama":

@@ -45,10 +45,14 @@ def test_logits_and_greedy_tokens_match_transformers(tmp_path, tokenizer, name, 
      r"config.json: architectures=\['Gemma3ForConditionalGeneration'\] is not supported; supported: "
      r"\['Gemma3ForCausalLM', 'LlamaForCausalLM', 'MistralForCausalLM', 'Phi3ForCausalLM', 'Qwen2ForCausalLM', "
      r"'Qwen3ForCausalLM'\]"),
-    ({"architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.75},  # Phi-4-mini
-     r"config.json: partial_rotary_factor=0.75 is not supported; only full-head RoPE \(1.0\)"),
-    ({"architectures": ["Phi3ForCausalLM"], "rope_scaling": {"type": "longrope"}},  # Phi-3 128k
-     r"config.json: rope type 'longrope' is not supported; supported: default, llama3"),
+    ({"architectures": ["LlamaForCausalLM"], "partial_rotary_factor": 0.5},  # Phi-4-mini's, on another model
+     r"config.json: partial_rotary_factor=0.5 is not supported for LlamaForCausalLM; supported: 1.0 \(partial rotary "
+     r"heads: Phi3ForCausalLM only\)"),
+    ({"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "longrope"}},  # Phi-3 128k's, likewise
+     r"config.json: rope type 'longrope' is not supported; supported: default, llama3 \(longrope: Phi3ForCausalLM "
+     r"only\)"),
+    ({"architectures": ["Phi3ForCausalLM"], "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+     r"config.json: rope type 'dynamic' is not supported; supported: default, llama3, longrope"),
 ])
 def test_unsupported_models_are_refused_by_name(tmp_path, config, message):
     import json

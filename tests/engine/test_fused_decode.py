@@ -55,17 +55,22 @@ def test_every_decode_step_matches_the_op_by_op_path_bit_for_bit(llm_int4):
     _check_every_decode_step(llm_int4, PROMPTS)
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
-def test_qkv_biases_and_head_norms_match_too(tmp_path, name):
-    """Qwen2's qkv biases and Qwen3's q/k norms, on tiny random-weight models (arch_factory.py), bf16 KV."""
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "phi4-mini"])
+def test_qkv_biases_head_norms_and_partial_rotary_match_too(tmp_path, name):
+    """Qwen2's qkv biases, Qwen3's q/k norms, Phi-4-mini's partial rotary heads with LongRoPE (the same full-head
+    rotation, pass-through pairs at cos 1 / sin 0: models/rope.py), on tiny random-weight models (arch_factory.py),
+    bf16 KV."""
     from arch_factory import build_hf_model, save_hf_folder, tiny_tokenizer
 
     from cpuserve.engine.llm import LLM
 
     folder = save_hf_folder(build_hf_model(name), tmp_path / "hf", tiny_tokenizer(tmp_path))
     llm = LLM(model=folder, weights="int4", kv_cache="bf16", kv_cache_gb=0.02, show_progress=False)
-    attention = llm.engine.runner.model.layers[0].attention
-    assert (attention.qkv.bias is not None) if name == "qwen2" else (attention.q_norm is not None)
+    model = llm.engine.runner.model
+    attention = model.layers[0].attention
+    present = {"qwen2": attention.qkv.bias is not None, "qwen3": attention.q_norm is not None,
+               "phi4-mini": model.args.rotary_dim < model.args.head_dim and model.args.long_rope is not None}
+    assert present[name]
     _check_every_decode_step(llm, [[5, 17, 99], [3, 250, 42, 42, 7, 130, 64], [8]])
 
 

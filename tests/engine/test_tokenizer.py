@@ -1,8 +1,10 @@
-"""Tokenizer built from the SmolLM2 GGUF vs transformers' tokenizer loaded from the same file."""
+"""Tokenizers built from GGUF metadata (the SmolLM2 file; synthetic SentencePiece and o200k files) vs transformers'
+tokenizer loaded from the same file."""
 
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import pytest
 
@@ -159,3 +161,76 @@ def test_sentencepiece_gguf_matches_transformers(spm_pair, text):
     detok = IncrementalDetokenizer(ours)
     deltas = [detok.add(i) for i in ids] + [detok.flush()]
     assert not any("\ufffd" in d for d in deltas) and "".join(deltas) == ours.decode(ids)
+
+
+# Phi-4-mini's GGUF: tokenizer.ggml.pre 'gpt-4o' (o200k). The comments name what o200k splits unlike llama3.
+O200K_TEXTS = [
+    "HelloWorld and camelCaseName and XMLHttpRequest",  # a new word at each lower -> upper change
+    "don't DON'T I'M she's HE'LL we'VE",  # the contraction stays on its word, in any case
+    "I'm sure you're right, they'll see we've done it.",
+    "1234567 and 3.14159 and 2024-06-01",
+    "日本語のテキストと中文文本",
+    "Emoji: 😀🎉👍🏽 family 👨‍👩‍👧‍👦 flags 🇫🇷",
+    "naïve ÉCOLE Élan cafe\u0301",  # non-ASCII cases; a combining mark (\p{M}) inside a word
+    "   leading spaces and trailing   ",
+    "\n\n  x",
+    "tabs\tand\n\nnewlines\r\n mixed  \t ",
+    "!!! ?!... --- a//b ///path/to\n(x)",
+    "<|user|>Hi there<|end|><|assistant|>",
+    "",
+    " ",
+]
+O200K_CONTROLS = ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"]
+
+
+def _write_bpe_gguf(folder, pre: str) -> str:
+    import gguf_factory as gf
+
+    vocab = gf.trained_bpe_vocab(O200K_TEXTS, O200K_CONTROLS)
+    tokenizer = partial(gf.add_bpe_tokenizer, vocab=vocab, pre=pre, eos="<|endoftext|>")
+    path = folder / f"{pre}.gguf"
+    gf.write_llama_gguf(path, {}, gf.TINY, arch="phi3", tokenizer=tokenizer, vocab_size=len(vocab[0]))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def o200k_pair(tmp_path_factory):
+    """A phi3 GGUF with a byte-level BPE vocabulary and pre 'gpt-4o', ours and transformers'."""
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path_factory.mktemp("o200k")
+    path = _write_bpe_gguf(folder, "gpt-4o")
+    ours = load_checkpoint(path, show_progress=False).tokenizer
+    return ours, transformers.AutoTokenizer.from_pretrained(str(folder), gguf_file=os.path.basename(path))
+
+
+@pytest.mark.parametrize("text", O200K_TEXTS)
+def test_gpt4o_gguf_matches_transformers(o200k_pair, text):
+    ours, reference = o200k_pair
+    ids = ours.encode(text)
+    assert ids == reference.encode(text)
+    assert ours.decode(ids, skip_special_tokens=False) == text
+    assert ours.decode(ids) == reference.decode(ids, skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def llama3_split(tmp_path_factory) -> Tokenizer:
+    """The same vocabulary under pre 'llama-bpe'."""
+    path = _write_bpe_gguf(tmp_path_factory.mktemp("llama3"), "llama-bpe")
+    return load_checkpoint(path, show_progress=False).tokenizer
+
+
+@pytest.mark.parametrize("text", [*O200K_TEXTS[:3], O200K_TEXTS[6], "XMLHttpRequest", "don't", "I'M", "HE'LL"])
+def test_gpt4o_is_not_llama3s_split(o200k_pair, llama3_split, text):
+    # the vocabulary's merges cross llama3's boundaries, so its split gives other ids where the two regexes differ:
+    # a case change inside a word, a contraction, a combining mark
+    ours, reference = o200k_pair
+    assert ours.encode(text) == reference.encode(text) != llama3_split.encode(text)
+
+
+def test_unsupported_pre_tokenizer_is_refused(tmp_path):
+    path = _write_bpe_gguf(tmp_path, "tekken")
+    with pytest.raises(ValueError) as err:
+        load_checkpoint(path, show_progress=False)
+    message = str(err.value)
+    assert path in message and "tokenizer.ggml.pre='tekken'" in message
+    assert "supported: [" in message and "'gpt-4o'" in message and "'llama-bpe'" in message
