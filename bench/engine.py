@@ -43,13 +43,13 @@ TARGETS = {
 }
 
 
-def sizes(quick: bool, reps: int | None, threads: int) -> dict:
+def sizes(quick: bool, reps: int | None, threads: int, batches: list[int] | None = None) -> dict:
     """The workload: --quick is a smoke run (a few tokens), not a measurement."""
     if quick:
         s = dict(reps=2, prefill_len=128, prompt_len=16, gen_tokens=8, attn_lens=[256, 1024])
     else:
         s = dict(reps=3, prefill_len=512, prompt_len=32, gen_tokens=32, attn_lens=[1024, 4096])
-    s.update(threads=threads, batches=[1, 8, 32])
+    s.update(threads=threads, batches=batches or [1, 8, 32])
     if reps:
         s["reps"] = reps
     return s
@@ -259,6 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip-hf", action="store_true", help="skip Hugging Face transformers (as --peers without hf)")
     ap.add_argument("--reps", type=int, help="repetitions per measure (median quoted); default 3, --quick 2")
     ap.add_argument("--threads", type=int, default=2, help="threads of every engine")
+    ap.add_argument("--batches", default="1,8,32", help="comma-separated decode batch sizes (default 1,8,32)")
     ap.add_argument("--model", help="GGUF to compare on (default: SmolLM2-135M-Instruct Q4_1)")
     ap.add_argument("--json", help="save every raw number (all repetitions) to this file")
     ap.add_argument("--real-sizes", default="", help="comma-separated of 1b,3b,8b: synthetic Llama 3.x Q4_K_M files "
@@ -270,7 +271,13 @@ def main(argv: list[str] | None = None) -> None:
     from cpuserve.engine.loader import default_model_path
 
     model = a.model or default_model_path()
-    cfg = dict(sizes(a.quick, a.reps, a.threads), weights=a.weights)
+    try:
+        batches = [int(b) for b in a.batches.split(",")]
+    except ValueError:
+        ap.error(f"--batches takes comma-separated positive integers, got {a.batches!r}")
+    if not batches or min(batches) < 1:
+        ap.error(f"--batches takes comma-separated positive integers, got {a.batches!r}")
+    cfg = dict(sizes(a.quick, a.reps, a.threads, batches), weights=a.weights)
     if a.profile:
         answer = run_worker("profile", dict(cfg, model=model, batches=[1, 32]), env=peer_envs.launch("cpuserve", 1)[1])
         for batch, prof in answer.get("profile", {}).items():
