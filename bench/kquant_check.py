@@ -137,6 +137,7 @@ def run(folder: str, num_tokens: int) -> dict:
     """{"fp32": ppl, recipe: {"types", "cpuserve", "llama.cpp", "vs_llama.cpp", "vs_fp32", "llama.cpp_vs_fp32"}}."""
     from cpuserve.engine.loader import default_model_path
 
+    os.makedirs(folder, exist_ok=True)  # --out-dir may name a folder that does not exist yet
     ids_file = os.path.join(folder, "ids.json")
     with open(ids_file, "w") as f:
         json.dump(text_ids(num_tokens), f)
