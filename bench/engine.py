@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     from cpuserve.engine.loader import default_model_path
 
-    model = a.model or default_model_path()
+    model = os.path.abspath(a.model) if a.model else default_model_path()  # workers start in worker_cwd()
     try:
         batches = [int(b) for b in a.batches.split(",")]
     except ValueError:

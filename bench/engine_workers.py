@@ -21,6 +21,15 @@ import traceback
 from workload import kv_tokens, make_prompts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# Workers start here, not in the caller's folder: a peer's own `python -m` children (vLLM inspects models in one)
+# put the working directory first on sys.path, and the repo's top-level operator/ would shadow the standard
+# library's `operator` ("cannot import name 'eq' from 'operator'")
+WORKER_CWD = os.path.join(os.path.expanduser("~"), ".cache", "cpuserve-bench")
+
+
+def worker_cwd() -> str:
+    os.makedirs(WORKER_CWD, exist_ok=True)
+    return WORKER_CWD
 
 
 def log(msg: str) -> None:
@@ -162,7 +171,7 @@ def run_worker(task: str, cfg: dict, timeout: float | None = None, python: str |
     try:
         proc = subprocess.run([python or sys.executable, os.path.join(HERE, "engine_workers.py"), task],
                               input=json.dumps(cfg), stdout=subprocess.PIPE, text=True, timeout=timeout,
-                              env={**os.environ, **env} if env else None)
+                              env={**os.environ, **env} if env else None, cwd=worker_cwd())
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     answers = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -183,7 +192,7 @@ class Worker:
         self.engine, self.error = engine, None
         self.proc = subprocess.Popen([python or sys.executable, os.path.join(HERE, "engine_workers.py"), "--serve",
                                       engine], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env={**os.environ, **env} if env else None)
+                                     env={**os.environ, **env} if env else None, cwd=worker_cwd())
         self._send(cfg)
 
     def _send(self, message: dict) -> dict:
