@@ -27,9 +27,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # engine_workers, peers, attention
 import peer_envs  # noqa: E402
 import real_sizes  # noqa: E402
-from engine_workers import Worker, log, run_worker  # noqa: E402
+from engine_workers import CACHE_DIR, Worker, log, run_worker  # noqa: E402
 
-CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "cpuserve-bench")  # the 1B GGUF: ~0.6 GB, kept
 # (measure, minimum or maximum ratio): the issue's targets
 TARGETS = {
     "decode b1 vs llama.cpp": (">=", 0.8),
@@ -249,6 +248,17 @@ def tree_state() -> str:
     return f"engine at {git('rev-parse', '--short', 'HEAD') or '?'}" + (" + uncommitted edits" if dirty else "")
 
 
+def _batches(text: str) -> list[int]:
+    """--batches: "1,32" -> [1, 32]; anything else is refused by argparse with this message."""
+    try:
+        batches = [int(b) for b in text.split(",")]
+    except ValueError:
+        batches = []
+    if not batches or min(batches) < 1:
+        raise argparse.ArgumentTypeError(f"comma-separated positive integers, got {text!r}")
+    return batches
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a smoke run: fewer reps, a few tokens, small sizes")
@@ -259,7 +269,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip-hf", action="store_true", help="skip Hugging Face transformers (as --peers without hf)")
     ap.add_argument("--reps", type=int, help="repetitions per measure (median quoted); default 3, --quick 2")
     ap.add_argument("--threads", type=int, default=2, help="threads of every engine")
-    ap.add_argument("--batches", default="1,8,32", help="comma-separated decode batch sizes (default 1,8,32)")
+    ap.add_argument("--batches", default=[1, 8, 32], type=_batches,
+                    help="comma-separated decode batch sizes (default 1,8,32)")
     ap.add_argument("--model", help="GGUF to compare on (default: SmolLM2-135M-Instruct Q4_1)")
     ap.add_argument("--json", help="save every raw number (all repetitions) to this file")
     ap.add_argument("--real-sizes", default="", help="comma-separated of 1b,3b,8b: synthetic Llama 3.x Q4_K_M files "
@@ -271,13 +282,7 @@ def main(argv: list[str] | None = None) -> None:
     from cpuserve.engine.loader import default_model_path
 
     model = os.path.abspath(a.model) if a.model else default_model_path()  # workers start in worker_cwd()
-    try:
-        batches = [int(b) for b in a.batches.split(",")]
-    except ValueError:
-        ap.error(f"--batches takes comma-separated positive integers, got {a.batches!r}")
-    if not batches or min(batches) < 1:
-        ap.error(f"--batches takes comma-separated positive integers, got {a.batches!r}")
-    cfg = dict(sizes(a.quick, a.reps, a.threads, batches), weights=a.weights)
+    cfg = dict(sizes(a.quick, a.reps, a.threads, a.batches), weights=a.weights)
     if a.profile:
         answer = run_worker("profile", dict(cfg, model=model, batches=[1, 32]), env=peer_envs.launch("cpuserve", 1)[1])
         for batch, prof in answer.get("profile", {}).items():

@@ -21,15 +21,15 @@ import traceback
 from workload import kv_tokens, make_prompts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# Workers start here, not in the caller's folder: a peer's own `python -m` children (vLLM inspects models in one)
-# put the working directory first on sys.path, and the repo's top-level operator/ would shadow the standard
-# library's `operator` ("cannot import name 'eq' from 'operator'")
-WORKER_CWD = os.path.join(os.path.expanduser("~"), ".cache", "cpuserve-bench")
+# The bench's files (synthetic GGUFs, kept between runs), and the folder workers start in, not the caller's: a
+# peer's own `python -m` children (vLLM inspects models in one) put the working directory first on sys.path, and
+# the repo's top-level operator/ would shadow the standard library's `operator`
+CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "cpuserve-bench")
 
 
 def worker_cwd() -> str:
-    os.makedirs(WORKER_CWD, exist_ok=True)
-    return WORKER_CWD
+    os.makedirs(CACHE_DIR, exist_ok=True)
+    return CACHE_DIR
 
 
 def log(msg: str) -> None:
