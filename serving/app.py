@@ -16,12 +16,14 @@ import functools
 import logging
 import os
 import re
+import socket
 from pathlib import Path
 from typing import Any
 
 from cpuserve.engine.threads import openmp_env
 from cpuserve.serving.affinity import ENGINE_CORES_ENV, on_cores, split_cores
 from cpuserve.serving.config import ServeConfig
+from cpuserve.serving.direct_http import bind
 from cpuserve.serving.ray_env import RAY_ENV
 
 log = logging.getLogger(__name__)
@@ -80,6 +82,8 @@ def start_serving(config: ServeConfig, blocking_timeout_s: float = 600) -> None:
     # takes this from the pod's environment instead.
     os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(2 * config.max_request_bytes))
     app = build_app(config)  # before Ray starts: a config the model cannot take fails here
+    if config.direct_http and not config.ray_address:  # the Ingress will bind it on this machine: fail here
+        bind(config.host, config.http_port).close()
     if not ray.is_initialized():
         if config.ray_address:
             ray.init(address=config.ray_address, log_to_driver=False)
@@ -96,10 +100,20 @@ def start_serving(config: ServeConfig, blocking_timeout_s: float = 600) -> None:
         log.warning("TLS applies to HTTP only: Ray Serve's gRPC proxy listens in plaintext on port %d",
                     config.grpc_port)
     logging.getLogger("ray.serve").addFilter(_quiet_serve_start)
-    serve.start(http_options=HTTPOptions(host=config.host, port=config.http_port,
-                                         ssl_certfile=config.tls_cert_file, ssl_keyfile=config.tls_key_file),
+    if config.direct_http:  # the Ingress replica owns http_port; Serve's proxy answers on a private port
+        http = HTTPOptions(host="127.0.0.1", port=_free_port())
+    else:
+        http = HTTPOptions(host=config.host, port=config.http_port, ssl_certfile=config.tls_cert_file,
+                           ssl_keyfile=config.tls_key_file)
+    serve.start(http_options=http,
                 grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]))
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _split_cores(config: ServeConfig) -> tuple[list[int], list[int]] | None:

@@ -97,6 +97,10 @@ class ServeConfig(BaseSettings):
     """gRPC endpoint (cpuserve.v1.Inference)."""
     http_port: int = Field(8000, ge=1, le=65535)
     """OpenAI-compatible HTTP endpoint."""
+    direct_http: bool = True
+    """The Ingress replica listens on http_port itself (serving/direct_http.py), one process hop less per message
+    than through Serve's HTTP proxy, which `cpuserve serve` then puts on a free port of 127.0.0.1. False: Serve's
+    proxy listens on http_port (what a Serve config applied through Ray's REST API, as the operator's, does)."""
     metrics_port: int = Field(8080, ge=0, le=65535)
     """Prometheus endpoint served by the ingress; 0 turns it off."""
     stats_interval_s: float = Field(0.5, gt=0, le=60)

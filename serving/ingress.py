@@ -9,6 +9,7 @@ replica's generator and aborts the request in its engine.
 
 # no `from __future__ import annotations`: FastAPI must see the real `Request` annotation
 
+import asyncio
 import uuid
 from typing import Any, AsyncIterator
 
@@ -23,6 +24,7 @@ from starlette.exceptions import HTTPException
 
 from cpuserve.serving import grpc_api
 from cpuserve.serving.config import ServeConfig
+from cpuserve.serving.direct_http import DirectHTTP, bind
 from cpuserve.serving.metrics import build_serving_metrics, initialize_serving_metrics
 from cpuserve.serving.openai_api import ChatRequest, CompletionRequest, parse_body
 from cpuserve.serving.openai_responses import completion_body, sse, usage
@@ -307,4 +309,14 @@ class Ingress(IngressCore):
 
     def __init__(self, config: dict[str, Any], llm_server: Any):
         super().__init__(config, own_data_plane(llm_server))
+        self.direct_http = None
+        if self.config.direct_http:  # bound now: a port in use fails the replica's start, naming the port
+            c = self.config
+            self.direct_http = DirectHTTP(bind(c.host, c.http_port), c.tls_cert_file, c.tls_key_file, c.access_log)
+            # Serve's wrapper sets the app (`self.app`) right after this constructor returns
+            asyncio.get_running_loop().call_soon(lambda: self.direct_http.start(self.app))
+
+    def __del__(self):
+        if getattr(self, "direct_http", None) is not None:
+            self.direct_http.stop()
 

@@ -16,7 +16,8 @@ RAY_ENV = {
     # and user code and the router run on the replica's own event loop instead of one thread each. Every token
     # message crosses two such hops (LLMServer -> Ingress -> proxy). Measured at 32 streams on 2 cores: 330 ->
     # 390-410 tokens/s. RAY_SERVE_THROUGHPUT_OPTIMIZED itself also turns on direct ingress, which opens a port
-    # per ingress replica outside the configured ones and holds shutdown for a 30 s drain: not used.
+    # per ingress replica outside the configured ones and holds shutdown for a 30 s drain: not used (the
+    # Ingress serves HTTP on the configured port itself instead, serving/direct_http.py).
     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",

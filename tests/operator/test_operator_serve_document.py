@@ -38,7 +38,8 @@ def test_the_document_is_a_valid_serve_deploy_config():
                            "kv_cache_gb": 2.5, "ranks_per_replica": 2, "cpus_per_rank": 16, "max_num_seqs": 64,
                            "max_num_batched_tokens": 2048, "max_queued_requests": 256, "host": "0.0.0.0",
                            "metrics_port": 8180, "socket_resource": "cpuserve_socket",
-                           "placement_strategy": "STRICT_SPREAD", "api_key_file": "/etc/cpuserve/api-keys/keys.txt"}
+                           "placement_strategy": "STRICT_SPREAD", "api_key_file": "/etc/cpuserve/api-keys/keys.txt",
+                           "direct_http": False}  # Serve's proxy owns the port here (http_options)
     assert {d["name"]: d for d in app["deployments"]}["LLMServer"]["num_replicas"] == 2
     assert {d["name"]: d for d in app["deployments"]}["Ingress"]["user_config"] == {"replicas": 2}
     assert doc["http_options"] == {"host": "0.0.0.0", "port": 8100, "ssl_certfile": "/etc/cpuserve/tls/tls.crt",

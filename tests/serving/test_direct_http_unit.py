@@ -1,0 +1,43 @@
+"""direct_http without a running app: a taken port is refused by name, before Ray starts; a Serve config applied
+through Ray's REST API (the operator's) leaves http_port to Serve's proxy."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from cpuserve.serving.config import ServeConfig
+from cpuserve.serving.inplace import build_serve_deploy_config
+
+
+@pytest.fixture
+def taken_port():
+    """A port another socket listens on meanwhile."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        yield taken.getsockname()[1]
+
+
+def test_a_taken_http_port_is_refused_by_name(taken_port):
+    from cpuserve.serving.direct_http import bind
+
+    with pytest.raises(RuntimeError, match=f"http_port={taken_port}: cannot bind 127.0.0.1:{taken_port}"):
+        bind("127.0.0.1", taken_port)
+
+
+def test_a_serve_config_applied_through_the_rest_api_leaves_the_port_to_serves_proxy():
+    doc = build_serve_deploy_config(ServeConfig(http_port=8123))
+    assert doc["http_options"]["port"] == 8123
+    assert doc["applications"][0]["args"]["direct_http"] is False
+
+
+def test_cpuserve_serve_refuses_a_taken_http_port_before_starting_ray(taken_port):
+    import ray
+
+    from cpuserve.serving.app import start_serving
+
+    with pytest.raises(RuntimeError, match=f"http_port={taken_port}: cannot bind"):
+        start_serving(ServeConfig(http_port=taken_port, grpc_port=taken_port + 1 if taken_port < 65535 else 1024))
+    assert not ray.is_initialized()
