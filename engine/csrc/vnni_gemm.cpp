@@ -130,6 +130,7 @@ struct Gemm {
   float unscale;              // the symmetric form's 2^-e
   int64_t K, act_group, S, N;
   bf16* out;
+  int64_t ldo;                // out's row stride (N, or more when out is a block of columns of a wider output)
 
   template <int R, int C>
   void block(int64_t m, int64_t b) const {
@@ -197,7 +198,7 @@ struct Gemm {
         for (int c = 0; c < C; ++c) y[r][c] = _mm512_mul_ps(y[r][c], _mm512_set1_ps(unscale));
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m + r) * N + (b + c) * 16), to_bf16(y[r][c]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m + r) * ldo + (b + c) * 16), to_bf16(y[r][c]));
   }
 
   // Every row through column blocks b..b+C-1: R rows per register block, then one block of the last M % R
@@ -260,7 +261,7 @@ void quantize_rows(const bf16* x, int64_t M, int64_t K, int64_t act_group, int8_
 #endif
 
 // x [M, K] bf16; packed [N/16, K*bits/32, 64] uint8; scales [N/16, S, 16] fp32 or fp16; zoffs the same or one
-// int32 {z, e} (symmetric) -> out [M, N] bf16
+// int32 {z, e} (symmetric) -> out [M, N] bf16, rows of any stride (a StackedLinear's part writes its columns)
 at::Tensor& vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                           const at::Tensor& zoffs, int64_t bits, int64_t act_group, at::Tensor& out) {
   TORCH_CHECK(vnni_gemm_supported(), "the int8 dot-product GEMMs need AVX-512 VNNI (this CPU's build has none)");
@@ -286,8 +287,10 @@ at::Tensor& vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const a
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous() && x.size(1) == K,
               "x must be contiguous bf16 [M, ", K, "], got ", x.scalar_type(), " ", x.sizes());
   const int64_t M = x.size(0);
-  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.sizes() == at::IntArrayRef({M, N}),
-              "out must be contiguous bf16 [", M, ", ", N, "], got ", out.scalar_type(), " ", out.sizes());
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.sizes() == at::IntArrayRef({M, N}) && out.stride(1) == 1 &&
+                  out.stride(0) >= N,
+              "out must be bf16 [", M, ", ", N, "] with contiguous rows (a block of columns of a wider output, too), "
+              "got ", out.scalar_type(), " ", out.sizes(), " strides ", out.strides());
 #if defined(CPUSERVE_VNNI)
   auto q = at::empty({M, K}, x.options().dtype(at::kChar));
   const int64_t A = K / act_group;
@@ -302,6 +305,7 @@ at::Tensor& vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const a
     gemm.zo = symmetric ? nullptr : zoffs.data_ptr<Scale>(), gemm.z = symmetric ? header[0] : 0;
     gemm.unscale = symmetric ? std::ldexp(1.f, -header[1]) : 1.f;
     gemm.K = K, gemm.act_group = act_group, gemm.S = S, gemm.N = N, gemm.out = out.data_ptr<bf16>();
+    gemm.ldo = out.stride(0);
     gemm.run(M);
   };
   const auto widths = [&](auto scale) {

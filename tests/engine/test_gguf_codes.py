@@ -45,14 +45,18 @@ def test_codes_decode_to_ggufs_own_values_bit_for_bit(qtype):
 
 
 def test_q4_k_m_fused_qkv_keeps_both_types_exactly():
-    """A Q4_K_M layer's q, k (Q4_K) beside v (Q6_K): one fused weight, 8-bit codes in groups of 16, same values."""
+    """A Q4_K_M layer's q, k (Q4_K) beside v (Q6_K): each keeps its own codes (CodedRows), the same values; merged
+    into one weight (for the paths that take one), 8-bit codes in groups of 16, still the same values."""
     shapes = {"Q4_K": (64, 256), "Q6_K": (32, 256)}
     parts = [("Q4_K", 1), ("Q4_K", 2), ("Q6_K", 3)]
     raws = [(q, real_blocks(q, shapes[q], seed)) for q, seed in parts]
     fused = concat_rows([decode_codes(raw, QT[q], shapes[q]) for q, raw in raws])
     ref = torch.cat([torch.from_numpy(gguf.quants.dequantize(raw, QT[q])) for q, raw in raws])
-    assert (fused.group, fused.bits, fused.source) == (16, 8, "Q4_K+Q6_K")
+    assert [(p.group, p.bits, p.source) for p in fused.parts] == [(32, 4, "Q4_K"), (16, 8, "Q6_K")]
     assert torch.equal(fused.dequantize(), ref)
+    merged = fused.merged()
+    assert (merged.group, merged.bits, merged.source) == (16, 8, "Q4_K+Q6_K")
+    assert torch.equal(merged.dequantize(), ref)
 
 
 def _x(k: int, rows: int = 5) -> torch.Tensor:

@@ -81,23 +81,58 @@ class CodedWeight:
                            group, self.bits, self.source)
 
 
-def as_float(weight: Tensor | CodedWeight) -> Tensor:
-    return weight.dequantize() if isinstance(weight, CodedWeight) else weight
+def as_float(weight: Tensor | CodedWeight | CodedRows) -> Tensor:
+    return weight.dequantize() if isinstance(weight, (CodedWeight, CodedRows)) else weight
 
 
-def concat_rows(parts: list[Tensor | CodedWeight]) -> Tensor | CodedWeight:
-    """Stack weights along N (a fused qkv or gate/up). Coded parts keep their codes: the finest group and the widest
-    storage of the parts (a Q4_K_M file's Q4_K q / k beside its Q6_K v become 8-bit codes in groups of 16, exactly).
+def concat_rows(parts: list[Tensor | CodedWeight]) -> Tensor | CodedWeight | CodedRows:
+    """Stack weights along N (a fused qkv or gate/up). Coded parts keep their codes: parts of one storage (the same
+    type, group and code bits) as one CodedWeight; parts of different storage as CodedRows, so each keeps its own
+    width (a Q4_K_M file's Q4_K q / k beside its Q6_K v: 4-bit codes and 6-bit ones, not all 6-bit in groups of 16).
     A float part among coded ones makes the whole fused weight float."""
     if not all(isinstance(p, CodedWeight) for p in parts):
         return torch.cat([as_float(p) for p in parts])
-    group = min(p.group for p in parts)
-    if any(p.group % group for p in parts):
-        return torch.cat([as_float(p) for p in parts])
-    coded = [p.regroup(group) for p in parts]
+    runs: list[list[CodedWeight]] = []
+    for p in parts:  # consecutive parts of one storage fuse
+        if runs and _storage(runs[-1][0]) == _storage(p):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    fused = [_stack(run) for run in runs]
+    return fused[0] if len(fused) == 1 else CodedRows(fused)
+
+
+@dataclass
+class CodedRows:
+    """Consecutive row blocks of one weight, each a CodedWeight of its own storage (concat_rows)."""
+
+    parts: list[CodedWeight]
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]))
+
+    def dequantize(self) -> Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def merged(self) -> CodedWeight | Tensor:
+        """One CodedWeight of the finest group and the widest storage of the parts, exactly (for paths that take
+        one weight: torch's int4 layout, re-quantization); float when the groups do not nest."""
+        group = min(p.group for p in self.parts)
+        if any(p.group % group for p in self.parts):
+            return self.dequantize()
+        return _stack([p.regroup(group) for p in self.parts])
+
+
+def _storage(weight: CodedWeight) -> tuple[str, int, int]:
+    return weight.source, weight.group, weight.bits
+
+
+def _stack(parts: list[CodedWeight]) -> CodedWeight:
+    """Parts of one group stacked along N, in the widest storage of the parts."""
     sources = "+".join(dict.fromkeys(p.source for p in parts))
-    return CodedWeight(torch.cat([p.codes for p in coded]), torch.cat([p.scale for p in coded]),
-                       torch.cat([p.zoff for p in coded]), group, max(p.bits for p in parts), sources)
+    return CodedWeight(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
+                       torch.cat([p.zoff for p in parts]), parts[0].group, max(p.bits for p in parts), sources)
 
 
 def coded_misfit(weight: CodedWeight) -> str:
