@@ -29,6 +29,7 @@ using Extras = c10::List<c10::optional<at::Tensor>>;
 // One int8 dot-product GEMM's weights
 struct Part {
   const at::Tensor &packed, &scales, &zoffs;
+  c10::optional<at::Tensor> supers;  // a K-quant's factored scales
   int64_t bits, act_group;
   int64_t n() const { return packed.size(0) * 16; }
 };
@@ -47,7 +48,7 @@ struct Projection {
     int64_t col = 0;
     for (const auto& p : parts) {
       auto cols = out.narrow(1, col, p.n());
-      cpuserve_ops::vnni_gemm_out(x, p.packed, p.scales, p.zoffs, p.bits, p.act_group, cols);
+      cpuserve_ops::vnni_gemm_out(x, p.packed, p.scales, p.zoffs, p.bits, p.act_group, p.supers, cols);
       col += p.n();
     }
     if (bias.has_value()) out.add_(*bias);  // as the module adds it: in place, in the activation dtype
@@ -74,7 +75,8 @@ struct Reader {
     for (int64_t i = 0; i < count; ++i) {
       const at::Tensor &packed = tensor(), &scales = tensor(), &zoffs = tensor();
       const int64_t bits = value(), act_group = value();
-      p.parts.push_back(Part{packed, scales, zoffs, bits, act_group});
+      const auto supers = value() ? c10::optional<at::Tensor>(tensor()) : c10::nullopt;
+      p.parts.push_back(Part{packed, scales, zoffs, supers, bits, act_group});
     }
     return p;
   }
@@ -110,8 +112,10 @@ void norm_heads(at::Tensor heads, const c10::optional<at::Tensor>& weight, doubl
 }
 
 // x [S, dim] bf16, one row per sequence. Per layer, in order:
-//   weights      attention norm, ffn norm, then for qkv, o, gate_up, down: packed, scales, zoffs of each part
-//   linear_meta  for qkv, o, gate_up, down: the number of parts, then bits and act_group of each part
+//   weights      attention norm, ffn norm, then for qkv, o, gate_up, down: packed, scales, zoffs (and supers,
+//                where the part has them) of each part
+//   linear_meta  for qkv, o, gate_up, down: the number of parts, then bits, act_group and 1 if it has supers (else
+//                0) of each part
 //   pools        the KV pool [blocks, B, 2 Hkv, D], followed by its scales when the pools are int8 (2 per layer)
 //   extras       kLayerExtras, None where the model has none
 // (one part per projection but where a StackedLinear keeps row blocks of different storage: a Q4_K_M's qkv).

@@ -62,7 +62,7 @@ class FusedDecode:
             for lin in linears:
                 parts = list(lin.parts) if isinstance(lin, StackedLinear) else [lin]
                 weights += [t for part in parts for t in _gemm(part)]
-                meta += [len(parts), *(v for part in parts for v in (part.bits, part.act_group))]
+                meta += [len(parts), *(v for part in parts for v in (part.bits, part.act_group, _has_supers(part)))]
             pools += [att.kv.kv] if att.kv.scale is None else [att.kv.kv, att.kv.scale]
             extras += [lin.bias for lin in linears] + [n.weight if n is not None else None for n in (att.q_norm, att.k_norm)]
         att = model.layers[0].attention
@@ -80,4 +80,8 @@ class FusedDecode:
 
 
 def _gemm(linear: Int8ActLinear) -> list[Tensor]:
-    return [linear.packed, linear.scales, linear.zoffs]
+    return [linear.packed, linear.scales, linear.zoffs] + ([linear.supers] if _has_supers(linear) else [])
+
+
+def _has_supers(linear: Int8ActLinear) -> int:
+    return int(linear.supers is not None)

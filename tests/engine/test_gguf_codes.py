@@ -79,10 +79,10 @@ def test_int8_activation_layer_multiplies_the_files_own_weights(qtype):
         assert layer.zoffs.dtype == torch.int32 and int(layer.zoffs[0]) == SYMMETRIC[qtype]
     else:
         assert layer.zoffs.shape == layer.scales.shape
-    if qtype == "Q4_K":  # most of a Q4_K_M file streams fp16 scales at decode (its sub-scales here are all normal)
-        assert layer.scales.dtype == torch.float16
-    if qtype in ("Q4_0", "Q4_1", "Q8_0") or layer.scales.dtype == torch.float32:
-        # fp16 d and m, or scales kept in fp32: the layer's effective weights are the file's exactly
+    if qtype in KQUANTS:  # the file's factors: a byte per sub-block, fp16 d (and dmin) per super-block
+        assert layer.supers is not None and layer.scales.dtype in (torch.uint8, torch.int8)
+    if qtype in ("Q4_0", "Q4_1", "Q8_0") + KQUANTS or layer.scales.dtype == torch.float32:
+        # fp16 d and m, a K-quant's factors, or scales kept in fp32: the layer's effective weights are the file's
         torch.testing.assert_close(layer.dequantize().double(), ref, rtol=1e-6, atol=1e-9)
     else:  # scales rounded to fp16 (compact_scales): each weight within 2**-11 of the largest its group can hold
         codes = decode_codes(raw, QT[qtype], shape)

@@ -74,10 +74,11 @@ def test_kernel_writes_only_its_block_of_columns():
     for rows in (1, 9, 20):
         x = _x(rows)
         wide = torch.full((rows, 80), float("nan"), dtype=torch.bfloat16)
-        torch.ops.cpuserve.vnni_gemm.out(x, layer.packed, layer.scales, layer.zoffs, 6, 16, out=wide[:, 24:56])
+        torch.ops.cpuserve.vnni_gemm.out(x, layer.packed, layer.scales, layer.zoffs, 6, 16, layer.supers,
+                                         out=wide[:, 24:56])
         assert torch.equal(wide[:, 24:56], layer(x)) and wide[:, :24].isnan().all() and wide[:, 56:].isnan().all()
     with pytest.raises(RuntimeError, match="contiguous rows"):
-        torch.ops.cpuserve.vnni_gemm.out(x, layer.packed, layer.scales, layer.zoffs, 6, 16,
+        torch.ops.cpuserve.vnni_gemm.out(x, layer.packed, layer.scales, layer.zoffs, 6, 16, layer.supers,
                                          out=torch.empty(32, 20, dtype=torch.bfloat16).t())
 
 
