@@ -15,6 +15,7 @@ at::Tensor& decode_attention_out(const at::Tensor& q, const at::Tensor& kv, cons
                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double sm_scale,
                                  at::Tensor& out);  // decode_ops.cpp
 at::Tensor& vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                          const at::Tensor& zoffs, int64_t bits, int64_t act_group, at::Tensor& out);  // vnni_gemm.cpp
+                          const at::Tensor& zoffs, int64_t bits, int64_t act_group,
+                          const c10::optional<at::Tensor>& supers, at::Tensor& out);  // vnni_gemm.cpp
 
 }  // namespace cpuserve_ops

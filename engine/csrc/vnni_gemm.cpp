@@ -21,6 +21,10 @@
 //           Q6_K 32, the engine's own int8 128), two int32 {z, e}: no zoff is stored or read, and the scales are
 //           stored multiplied by 2^e (a Q6_K's small scales brought into fp16's normal range), which the output
 //           divides out.
+//   supers  (optional) a K-quant's factored scales, as its file stores them: scales then hold the uint8 / int8
+//           sub-scales and zoffs the uint8 sub-mins (or {z, 0}), supers [N/16][S/P][F][16] fp16 d and -dmin per
+//           super-block of P groups, and scale = d * sub, zoff = -dmin * sub_min are formed here, exactly in fp32
+//           (SuperScales): a Q4_K's 256 weights stream 148 bytes instead of 160, a Q6_K's 210 (the file's) not 224.
 //
 // Per activation group g (act_group inputs; x ~= ax[g] * q, axs[g] = ax[g] * sum of q over g, qs[g] that sum):
 //     y += float(sum code * q) * scale * ax[g] + zoff * axs[g]                    (zoffs stored)
@@ -52,6 +56,7 @@
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -116,8 +121,40 @@ struct Codes {
   }
 };
 
+// Scales and zoffs as stored: fp32 or fp16 [N/16, S, 16] (S = 1: per channel), zo null when symmetric. b0: the
+// first column block the arrays hold (0, or a tile's copy of a few blocks: Gemm::run_tiles).
+template <typename T>
+struct StoredScales {
+  static constexpr bool kFactored = false;
+  const T *sc, *zo;
+  int64_t S, b0;
+  bool symmetric() const { return zo == nullptr; }
+  __m512 scale(int64_t b, int64_t g) const { return load16(sc + ((b - b0) * S + g) * 16); }
+  __m512 zoff(int64_t b, int64_t g) const { return load16(zo + ((b - b0) * S + g) * 16); }
+};
+
+// A K-quant's factored scales (engine/layers/linear/coded.py super_layout): scale = d * sub, zoff = -dmin * sub_min
+// per group, d and -dmin fp16 per super-block of 2^shift groups. Each product is exact in fp32: the very floats of
+// the file's own dequantization, from 1 byte per group and 2 per super-block instead of an fp16 per group.
+template <typename Sub>
+struct SuperScales {
+  static constexpr bool kFactored = true;
+  const Sub* sub;          // [N/16, S, 16] uint8 or int8
+  const uint8_t* sub_min;  // [N/16, S, 16]; null when symmetric
+  const at::Half* sup;     // [N/16, S >> shift, F, 16]: d, then -dmin (F = 2) unless symmetric (F = 1)
+  int64_t S, shift, F;
+  bool symmetric() const { return sub_min == nullptr; }
+  const at::Half* super(int64_t b, int64_t g) const { return sup + (b * (S >> shift) + (g >> shift)) * F * 16; }
+  __m512 scale(int64_t b, int64_t g) const {
+    return _mm512_mul_ps(load16(super(b, g)), load16(sub + (b * S + g) * 16));
+  }
+  __m512 zoff(int64_t b, int64_t g) const {
+    return _mm512_mul_ps(load16(super(b, g) + 16), load16(sub_min + (b * S + g) * 16));
+  }
+};
+
 // One GEMM's operands; block<R, C>(m, b) computes rows m..m+R-1 of column blocks b..b+C-1.
-template <int Bits, typename Scale>
+template <int Bits, typename Scales>
 struct Gemm {
   using W = Codes<Bits>;
   const int8_t* q;            // [M, K] activation codes
@@ -125,17 +162,18 @@ struct Gemm {
   const int32_t* qs;          // [M, K / act_group]: sum of the codes (the symmetric form's zero term)
   const float* axt;           // [M]: sum of the row's axs (the per-channel form's zero term)
   const uint8_t* w;           // packed
-  const Scale *sc, *zo;       // [N/16, S, 16] float or at::Half; zo null when symmetric
+  Scales scales;              // StoredScales or SuperScales
   int32_t z;                  // the symmetric form's zero code
   float unscale;              // the symmetric form's 2^-e
   int64_t K, act_group, S, N;
   bf16* out;
+  int64_t ldo;                // out's row stride (N, or more when out is a block of columns of a wider output)
 
   template <int R, int C>
   void block(int64_t m, int64_t b) const {
     const int64_t A = K / act_group, wstride = K * 2 * Bits;  // packed bytes per column block
     const int8_t* qm = q + m * K;
-    const bool per_channel = S == 1, symmetric = zo == nullptr;
+    const bool per_channel = S == 1, symmetric = scales.symmetric();
     __m512 y[R][C];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) y[r][c] = _mm512_setzero_ps();
@@ -164,7 +202,7 @@ struct Gemm {
         continue;
       }
       for (int c = 0; c < C; ++c) {  // the weights' group g (act_group = group)
-        const __m512 sv = load16(sc + ((b + c) * S + g) * 16);
+        const __m512 sv = scales.scale(b + c, g);
         if (symmetric) {
           for (int r = 0; r < R; ++r) {
             const __m512 t = _mm512_mul_ps(sv, _mm512_set1_ps(ax[(m + r) * A + g]));
@@ -172,7 +210,7 @@ struct Gemm {
           }
           continue;
         }
-        const __m512 zv = load16(zo + ((b + c) * S + g) * 16);
+        const __m512 zv = scales.zoff(b + c, g);
         for (int r = 0; r < R; ++r) {
           const __m512 t = _mm512_mul_ps(sv, _mm512_set1_ps(ax[(m + r) * A + g]));
           y[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), t, y[r][c]);
@@ -182,12 +220,12 @@ struct Gemm {
     }
     if (per_channel) {
       for (int c = 0; c < C; ++c) {
-        const __m512 sv = load16(sc + (b + c) * 16);
+        const __m512 sv = scales.scale(b + c, 0);
         if (symmetric) {
           for (int r = 0; r < R; ++r) y[r][c] = _mm512_mul_ps(y[r][c], sv);
           continue;
         }
-        const __m512 zv = load16(zo + (b + c) * 16);
+        const __m512 zv = scales.zoff(b + c, 0);
         for (int r = 0; r < R; ++r)
           y[r][c] = _mm512_fmadd_ps(y[r][c], sv, _mm512_mul_ps(zv, _mm512_set1_ps(axt[m + r])));
       }
@@ -197,7 +235,7 @@ struct Gemm {
         for (int c = 0; c < C; ++c) y[r][c] = _mm512_mul_ps(y[r][c], _mm512_set1_ps(unscale));
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m + r) * N + (b + c) * 16), to_bf16(y[r][c]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m + r) * ldo + (b + c) * 16), to_bf16(y[r][c]));
   }
 
   // Every row through column blocks b..b+C-1: R rows per register block, then one block of the last M % R
@@ -226,16 +264,48 @@ struct Gemm {
       });
       return;
     }
-    cpuserve_tasks::share_tasks((num_blocks + kCols - 1) / kCols, [&](const auto& next) {
+    if constexpr (Scales::kFactored) {
+      run_tiles(M);
+    } else {
+      cpuserve_tasks::share_tasks((num_blocks + kCols - 1) / kCols, [&](const auto& next) {
+        for (int64_t t; (t = next()) >= 0;) all_rows_of(*this, M, t * kCols);
+      });
+    }
+  }
+
+  // Every row through the column blocks of task tile b (kCols blocks, fewer at the end)
+  template <typename G>
+  static void all_rows_of(const G& gemm, int64_t M, int64_t b) {
+    const int64_t num_blocks = gemm.N / 16;
+    if (b + kCols <= num_blocks) return gemm.template all_rows<4, kCols>(M, b);
+    for (int64_t bb = b; bb < num_blocks; ++bb) gemm.template all_rows<4, 1>(M, bb);
+  }
+
+  // Beyond kFewRows rows with factored scales: a tile's scales and zoffs are multiplied out into fp32 once (a
+  // thread's scratch) and every row block reads them there as stored ones, so the products cost once per tile, not
+  // once per row block, and the epilogue per row block is the stored form's. The same floats either way: a row's
+  // result does not depend on the path.
+  void run_tiles(int64_t M) const {
+    cpuserve_tasks::share_tasks((N / 16 + kCols - 1) / kCols, [&](const auto& next) {
+      std::vector<float> tile(2 * kCols * S * 16);
+      float *sc = tile.data(), *zo = sc + kCols * S * 16;
+      auto gemm = with_scales(StoredScales<float>{sc, scales.symmetric() ? nullptr : zo, S, 0});
       for (int64_t t; (t = next()) >= 0;) {
         const int64_t b = t * kCols;
-        if (b + kCols <= num_blocks) {
-          all_rows<4, kCols>(M, b);
-        } else {
-          for (int64_t bb = b; bb < num_blocks; ++bb) all_rows<4, 1>(M, bb);
-        }
+        for (int64_t c = 0; c < kCols && b + c < N / 16; ++c)
+          for (int64_t g = 0; g < S; ++g) {
+            _mm512_storeu_ps(sc + (c * S + g) * 16, scales.scale(b + c, g));
+            if (!scales.symmetric()) _mm512_storeu_ps(zo + (c * S + g) * 16, scales.zoff(b + c, g));
+          }
+        gemm.scales.b0 = b;
+        all_rows_of(gemm, M, b);
       }
     });
+  }
+
+  template <typename Other>
+  Gemm<Bits, Other> with_scales(Other other) const {
+    return Gemm<Bits, Other>{q, ax, axs, qs, axt, w, other, z, unscale, K, act_group, S, N, out, ldo};
   }
 };
 
@@ -259,10 +329,48 @@ void quantize_rows(const bf16* x, int64_t M, int64_t K, int64_t act_group, int8_
 }
 #endif
 
-// x [M, K] bf16; packed [N/16, K*bits/32, 64] uint8; scales [N/16, S, 16] fp32 or fp16; zoffs the same or one
-// int32 {z, e} (symmetric) -> out [M, N] bf16
+// The scales' form: stored (fp32 or fp16 scales [N/16, S, 16], zoffs alike) or, with supers, a K-quant's factors
+// (SuperScales); zoffs {z, e} for symmetric codes either way (e = 0 with supers)
+void check_scales(const at::Tensor& scales, const at::Tensor& zoffs, const c10::optional<at::Tensor>& supers,
+                  int64_t bits, int64_t N, int64_t K, int64_t act_group) {
+  TORCH_CHECK(!supers.has_value() || bits == 4 || bits == 6, "factored scales (supers) go with 4- or 6-bit codes, got ",
+              bits);
+  const int64_t S = scales.size(1);
+  TORCH_CHECK(S == 1 || S == K / act_group, "scales must have 1 (per channel) or K/act_group=", K / act_group,
+              " groups, got ", S);
+  const bool symmetric = zoffs.scalar_type() == at::kInt;
+  const int32_t* header = symmetric && zoffs.numel() == 2 && zoffs.is_contiguous() ? zoffs.data_ptr<int32_t>() : nullptr;
+  TORCH_CHECK(!symmetric || (header && header[0] >= 0 && header[0] < (1 << bits) && header[1] >= 0 && header[1] < 64),
+              "zoffs must be like scales, or two int32 {z, e}: a zero code z below 2**bits and 0 <= e < 64; got ",
+              zoffs.scalar_type(), " ", zoffs.sizes());
+  const bool shape = scales.is_contiguous() && scales.sizes() == at::IntArrayRef({N / 16, S, 16});
+  const bool like_scales = zoffs.is_contiguous() && zoffs.sizes() == scales.sizes();
+  if (!supers.has_value()) {
+    TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) && shape,
+                "scales must be contiguous fp32 or fp16 [N/16, S, 16], got ", scales.scalar_type(), " ", scales.sizes());
+    TORCH_CHECK(symmetric || (zoffs.scalar_type() == scales.scalar_type() && like_scales),
+                "zoffs must be like scales, or two int32 {z, e}; got ", zoffs.scalar_type(), " ", zoffs.sizes());
+    return;
+  }
+  const at::Tensor& sp = *supers;
+  TORCH_CHECK((scales.scalar_type() == at::kByte || scales.scalar_type() == at::kChar) && shape && S > 1,
+              "with supers, scales must be contiguous uint8 or int8 sub-scales [N/16, K/act_group, 16], got ",
+              scales.scalar_type(), " ", scales.sizes());
+  TORCH_CHECK(symmetric ? header[1] == 0 : zoffs.scalar_type() == at::kByte && like_scales,
+              "with supers, zoffs must be uint8 sub-mins like scales, or {z, 0}; got ", zoffs.scalar_type(), " ",
+              zoffs.sizes());
+  const int64_t P = sp.dim() == 4 && sp.size(1) > 0 && S % sp.size(1) == 0 ? S / sp.size(1) : 0;
+  TORCH_CHECK(sp.scalar_type() == at::kHalf && sp.is_contiguous() && P > 0 && (P & (P - 1)) == 0 &&
+                  sp.sizes() == at::IntArrayRef({N / 16, S / P, symmetric ? 1 : 2, 16}),
+              "supers must be contiguous fp16 [N/16, S/P, F, 16], P a power of two, F = 1 (symmetric) or 2, got ",
+              sp.scalar_type(), " ", sp.sizes());
+}
+
+// x [M, K] bf16; packed [N/16, K*bits/32, 64] uint8; scales, zoffs, supers: check_scales -> out [M, N] bf16, rows
+// of any stride (a StackedLinear's part writes its columns)
 at::Tensor& vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                          const at::Tensor& zoffs, int64_t bits, int64_t act_group, at::Tensor& out) {
+                          const at::Tensor& zoffs, int64_t bits, int64_t act_group,
+                          const c10::optional<at::Tensor>& supers, at::Tensor& out) {
   TORCH_CHECK(vnni_gemm_supported(), "the int8 dot-product GEMMs need AVX-512 VNNI (this CPU's build has none)");
   TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "bits must be 4, 6 or 8, got ", bits);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == 64 && packed.is_contiguous() &&
@@ -271,23 +379,14 @@ at::Tensor& vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const a
   const int64_t N = packed.size(0) * 16, K = packed.size(1) * 32 / bits, S = scales.size(1);
   TORCH_CHECK(act_group % 16 == 0 && K % act_group == 0, "act_group=", act_group, " must be a multiple of 16 "
               "dividing K=", K);
-  TORCH_CHECK(S == 1 || S == K / act_group, "scales must have 1 (per channel) or K/act_group=", K / act_group,
-              " groups, got ", S);
-  TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) && scales.is_contiguous() &&
-                  scales.sizes() == at::IntArrayRef({N / 16, S, 16}),
-              "scales must be contiguous fp32 or fp16 [N/16, S, 16], got ", scales.scalar_type(), " ", scales.sizes());
-  const bool symmetric = zoffs.scalar_type() == at::kInt;
-  const int32_t* header = symmetric && zoffs.numel() == 2 && zoffs.is_contiguous() ? zoffs.data_ptr<int32_t>() : nullptr;
-  TORCH_CHECK(symmetric ? header && header[0] >= 0 && header[0] < (1 << bits) && header[1] >= 0 && header[1] < 64
-                        : zoffs.scalar_type() == scales.scalar_type() && zoffs.is_contiguous() &&
-                              zoffs.sizes() == scales.sizes(),
-              "zoffs must be like scales, or two int32 {z, e}: a zero code z below 2**bits and 0 <= e < 64; got ",
-              zoffs.scalar_type(), " ", zoffs.sizes());
+  check_scales(scales, zoffs, supers, bits, N, K, act_group);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous() && x.size(1) == K,
               "x must be contiguous bf16 [M, ", K, "], got ", x.scalar_type(), " ", x.sizes());
   const int64_t M = x.size(0);
-  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.sizes() == at::IntArrayRef({M, N}),
-              "out must be contiguous bf16 [", M, ", ", N, "], got ", out.scalar_type(), " ", out.sizes());
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.sizes() == at::IntArrayRef({M, N}) && out.stride(1) == 1 &&
+                  out.stride(0) >= N,
+              "out must be bf16 [", M, ", ", N, "] with contiguous rows (a block of columns of a wider output, too), "
+              "got ", out.scalar_type(), " ", out.sizes(), " strides ", out.strides());
 #if defined(CPUSERVE_VNNI)
   auto q = at::empty({M, K}, x.options().dtype(at::kChar));
   const int64_t A = K / act_group;
@@ -295,43 +394,59 @@ at::Tensor& vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const a
   float *ax = terms.data_ptr<float>(), *axs = ax + M * A, *axt = axs + 2 * M * A;
   int32_t* qs = reinterpret_cast<int32_t*>(axs + M * A);
   quantize_rows(x.data_ptr<bf16>(), M, K, act_group, q.data_ptr<int8_t>(), ax, axs, qs, axt);
-  const auto args = [&](auto gemm) {
-    using Scale = std::remove_const_t<std::remove_pointer_t<decltype(gemm.sc)>>;
-    gemm.q = q.data_ptr<int8_t>(), gemm.ax = ax, gemm.axs = axs, gemm.qs = qs, gemm.axt = axt;
-    gemm.w = packed.data_ptr<uint8_t>(), gemm.sc = scales.data_ptr<Scale>();
-    gemm.zo = symmetric ? nullptr : zoffs.data_ptr<Scale>(), gemm.z = symmetric ? header[0] : 0;
-    gemm.unscale = symmetric ? std::ldexp(1.f, -header[1]) : 1.f;
-    gemm.K = K, gemm.act_group = act_group, gemm.S = S, gemm.N = N, gemm.out = out.data_ptr<bf16>();
-    gemm.run(M);
+  const bool symmetric = zoffs.scalar_type() == at::kInt;
+  const int32_t* header = symmetric ? zoffs.data_ptr<int32_t>() : nullptr;
+  const auto widths = [&](auto form) {
+    using Scales = decltype(form);
+    const auto go = [&](auto gemm) {
+      gemm.q = q.data_ptr<int8_t>(), gemm.ax = ax, gemm.axs = axs, gemm.qs = qs, gemm.axt = axt;
+      gemm.w = packed.data_ptr<uint8_t>(), gemm.scales = form;
+      gemm.z = symmetric ? header[0] : 0, gemm.unscale = symmetric ? std::ldexp(1.f, -header[1]) : 1.f;
+      gemm.K = K, gemm.act_group = act_group, gemm.S = S, gemm.N = N, gemm.out = out.data_ptr<bf16>();
+      gemm.ldo = out.stride(0);
+      gemm.run(M);
+    };
+    if (bits == 4) return go(Gemm<4, Scales>{});
+    if (bits == 6) return go(Gemm<6, Scales>{});
+    if constexpr (!Scales::kFactored) go(Gemm<8, Scales>{});
   };
-  const auto widths = [&](auto scale) {
-    using Scale = decltype(scale);
-    if (bits == 4) return args(Gemm<4, Scale>{});
-    if (bits == 6) return args(Gemm<6, Scale>{});
-    args(Gemm<8, Scale>{});
-  };
-  scales.scalar_type() == at::kHalf ? widths(at::Half{}) : widths(float{});
+  if (supers.has_value()) {
+    const auto* sup = supers->data_ptr<at::Half>();
+    const uint8_t* mins = symmetric ? nullptr : zoffs.data_ptr<uint8_t>();
+    const int64_t shift = __builtin_ctzll(S / supers->size(1)), F = supers->size(2);
+    if (scales.scalar_type() == at::kByte) {
+      widths(SuperScales<uint8_t>{scales.data_ptr<uint8_t>(), mins, sup, S, shift, F});
+    } else {
+      widths(SuperScales<int8_t>{scales.data_ptr<int8_t>(), mins, sup, S, shift, F});
+    }
+  } else if (scales.scalar_type() == at::kHalf) {
+    widths(StoredScales<at::Half>{scales.data_ptr<at::Half>(), symmetric ? nullptr : zoffs.data_ptr<at::Half>(), S, 0});
+  } else {
+    widths(StoredScales<float>{scales.data_ptr<float>(), symmetric ? nullptr : zoffs.data_ptr<float>(), S, 0});
+  }
 #endif
   return out;
 }
 
 at::Tensor vnni_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& zoffs,
-                     int64_t bits, int64_t act_group) {
+                     int64_t bits, int64_t act_group, const c10::optional<at::Tensor>& supers) {
   auto out = at::empty({x.size(0), packed.size(0) * 16}, x.options());
-  return vnni_gemm_out(x, packed, scales, zoffs, bits, act_group, out);
+  return vnni_gemm_out(x, packed, scales, zoffs, bits, act_group, supers, out);
 }
 
 }  // namespace
 
 at::Tensor& cpuserve_ops::vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                                        const at::Tensor& zoffs, int64_t bits, int64_t act_group, at::Tensor& out) {
-  return ::vnni_gemm_out(x, packed, scales, zoffs, bits, act_group, out);
+                                        const at::Tensor& zoffs, int64_t bits, int64_t act_group,
+                                        const c10::optional<at::Tensor>& supers, at::Tensor& out) {
+  return ::vnni_gemm_out(x, packed, scales, zoffs, bits, act_group, supers, out);
 }
 
 TORCH_LIBRARY_FRAGMENT(cpuserve, m) {
-  m.def("vnni_gemm(Tensor x, Tensor packed, Tensor scales, Tensor zoffs, int bits, int act_group) -> Tensor");
-  m.def("vnni_gemm.out(Tensor x, Tensor packed, Tensor scales, Tensor zoffs, int bits, int act_group, *, "
-        "Tensor(a!) out) -> Tensor(a!)");
+  m.def("vnni_gemm(Tensor x, Tensor packed, Tensor scales, Tensor zoffs, int bits, int act_group, "
+        "Tensor? supers=None) -> Tensor");
+  m.def("vnni_gemm.out(Tensor x, Tensor packed, Tensor scales, Tensor zoffs, int bits, int act_group, "
+        "Tensor? supers=None, *, Tensor(a!) out) -> Tensor(a!)");
   m.def("vnni_gemm_supported() -> bool");
 }
 

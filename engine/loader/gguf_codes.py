@@ -17,6 +17,9 @@ w = q * scale + offset. Per type (llama.cpp's ggml-common.h block layouts; QK_K 
 
 d, dmin, m are fp16; sc4/m4 4-bit, sc6/m6 6-bit, sc8 int8 sub-block scales: every product is exact in fp32, so the
 engine's weights are the file's, bit for bit (tests/engine/test_gguf_codes.py holds them to gguf's own decoder).
+The K-quants also keep the factors (SuperScales: d, dmin per super-block of 256, the sub-block integers per group),
+which the int8-activation layers store instead of the products: 1 byte per sub-block and 2 per super-block rather
+than 2 fp16 per group (coded.py to_linear).
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import gguf
 import numpy as np
 import torch
 
-from cpuserve.engine.layers.linear.coded import CodedWeight
+from cpuserve.engine.layers.linear.coded import CodedWeight, SuperScales
 
 QT = gguf.GGMLQuantizationType
 DECODE_ROWS = 1024  # rows per pass: the temporaries stay a few MB for any tensor size
@@ -89,7 +92,8 @@ def _q8_0(b):
 def _q2_k(b):
     s = b[:, 0:16]
     qs = b[:, 16:80].reshape(-1, 2, 1, 32) >> _SHIFTS2
-    return (qs & 3).reshape(-1, 256), _f16(b, 80) * (s & 15), -_f16(b, 82) * (s >> 4)
+    d, sub, dmin, sub_min = _f16(b, 80), (s & 15).astype(np.float32), _f16(b, 82), (s >> 4).astype(np.float32)
+    return (qs & 3).reshape(-1, 256), d * sub, -dmin * sub_min, (d, sub, dmin, sub_min)
 
 
 def _q3_k(b):
@@ -98,14 +102,16 @@ def _q3_k(b):
     s = b[:, 96:108]
     sc_low = np.concatenate([s[:, 0:8] & 15, s[:, 0:8] >> 4], 1)  # [B, 16]
     sc_high = (s[:, None, 8:12] >> _SHIFTS2[0]) & 3  # [B, 4 shifts, 4 bytes]: scale j's top bits at [j // 4, j % 4]
-    scale = _f16(b, 108) * ((sc_low | (sc_high.reshape(-1, 16) << 4)).astype(np.float32) - 32)
-    return low.reshape(-1, 256) + 4 * high.reshape(-1, 256), scale, -4 * scale
+    d, sub = _f16(b, 108), (sc_low | (sc_high.reshape(-1, 16) << 4)).astype(np.float32) - 32
+    scale = d * sub
+    return low.reshape(-1, 256) + 4 * high.reshape(-1, 256), scale, -4 * scale, (d, sub, None, None)
 
 
 def _q4_k(b):
     sc, mn = _scale_min_k4(b[:, 4:16])
     qs = b[:, 16:144].reshape(-1, 4, 32)  # four chunks of 32 bytes: low nibbles, then high, per chunk
-    return np.concatenate([qs & 15, qs >> 4], 2).reshape(-1, 256), _f16(b, 0) * sc, -_f16(b, 2) * mn
+    d, dmin = _f16(b, 0), _f16(b, 2)
+    return np.concatenate([qs & 15, qs >> 4], 2).reshape(-1, 256), d * sc, -dmin * mn, (d, sc, dmin, mn)
 
 
 def _q5_k(b):
@@ -113,7 +119,8 @@ def _q5_k(b):
     high = _bits(b[:, 16:48], 8)  # [B, 8, 32]: bit j of qh[l] is the fifth bit of sub-block j's element l
     qs = b[:, 48:176].reshape(-1, 4, 32)
     low = np.concatenate([qs & 15, qs >> 4], 2).reshape(-1, 8, 32)
-    return (low | (high << 4)).reshape(-1, 256), _f16(b, 0) * sc, -_f16(b, 2) * mn
+    d, dmin = _f16(b, 0), _f16(b, 2)
+    return (low | (high << 4)).reshape(-1, 256), d * sc, -dmin * mn, (d, sc, dmin, mn)
 
 
 def _q6_k(b):
@@ -121,8 +128,9 @@ def _q6_k(b):
     low = np.concatenate([ql & 15, ql >> 4], 2)  # [B, 2, 128]
     qh = b[:, 128:192].reshape(-1, 2, 1, 32) >> _SHIFTS2
     high = (qh & 3).reshape(-1, 2, 128)
-    scale = _f16(b, 208) * b[:, 192:208].view(np.int8)
-    return (low | (high << 4)).reshape(-1, 256), scale, -32 * scale
+    d, sub = _f16(b, 208), b[:, 192:208].view(np.int8).astype(np.float32)
+    scale = d * sub
+    return (low | (high << 4)).reshape(-1, 256), scale, -32 * scale, (d, sub, None, None)
 
 
 # type -> (decoder, values per block, group, storage bits)
@@ -136,22 +144,28 @@ CODED_TYPES = tuple(_DECODERS)
 
 
 def decode_codes(data: np.ndarray, qtype: QT, shape: tuple[int, int]) -> CodedWeight:
-    """A 2-D GGUF tensor's raw blocks (uint8, as GGUFReader maps them) -> CodedWeight [N, K]."""
+    """A 2-D GGUF tensor's raw blocks (uint8, as GGUFReader maps them) -> CodedWeight [N, K], with the K-quants'
+    factors (SuperScales) beside their scales."""
     decoder, per_block, group, bits = _DECODERS[qtype]
     n, k = shape
     block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
     blocks_per_row = k // per_block
     codes = torch.empty(n, k, dtype=torch.uint8)
-    scale = torch.empty(n, k // group, dtype=torch.float32)
-    zoff = torch.empty_like(scale)
+    terms: list[torch.Tensor | None] = []  # scale, zoff, then the factors d, sub, dmin, sub_min: each [N, K // group]
     packed = data.reshape(n, blocks_per_row * block_bytes)
     for start in range(0, n, DECODE_ROWS):
         rows = slice(start, start + DECODE_ROWS)
         b = np.asarray(packed[rows]).reshape(-1, block_bytes)  # b: [rows * blocks, bytes]
-        c, s, z = decoder(b)
+        c, scale, zoff, *factors = decoder(b)
         m = b.shape[0] // blocks_per_row
         codes[rows] = torch.from_numpy(np.ascontiguousarray(c, dtype=np.uint8).reshape(m, k))
-        shape = (b.shape[0], per_block // group)
-        scale[rows] = torch.from_numpy(np.broadcast_to(s, shape).reshape(m, k // group).astype(np.float32))
-        zoff[rows] = torch.from_numpy(np.broadcast_to(z, shape).reshape(m, k // group).astype(np.float32))
-    return CodedWeight(codes, scale, zoff, group, bits, qtype.name)
+        values = [scale, zoff, *(factors[0] if factors else ())]
+        if not terms:
+            terms = [None if v is None else torch.empty(n, k // group) for v in values]
+        for t, v in zip(terms, values):
+            if v is not None:  # one value per group: a super-block's d repeated over its groups
+                v = np.broadcast_to(v, (b.shape[0], per_block // group)).reshape(m, -1)
+                t[rows] = torch.from_numpy(v.astype(np.float32))
+    scale, zoff, *factors = terms
+    supers = SuperScales(*factors, per_block // group) if factors else None
+    return CodedWeight(codes, scale, zoff, group, bits, qtype.name, supers)

@@ -6,7 +6,8 @@ for bit (tests/engine/test_fused_decode.py). It takes a step when
 
     every scheduled row is a decode (no prefill chunk in the step),
     the kernels are built (CPUSERVE_KERNELS is not torch) with the int8 dot-product GEMMs, activations are bf16,
-    every layer is a Llama-family block with W4A8 / W8A8 projections (Qwen2's biases and Qwen3's q/k norms too),
+    every layer is a Llama-family block with W4A8 / W6A8 / W8A8 projections, or StackedLinear ones of them (a
+    Q4_K_M qkv: one GEMM per part, into its columns), with Qwen2's biases and Qwen3's q/k norms too,
 
 and CPUSERVE_FUSED_DECODE is not 0. Otherwise, and for replica groups (whose layers call collectives between the
 matmuls), the op-by-op path runs.
@@ -20,6 +21,7 @@ from torch import Tensor
 
 from cpuserve.engine.layers import ops
 from cpuserve.engine.layers.linear.act_int8 import Int8ActLinear
+from cpuserve.engine.layers.linear.stacked import StackedLinear
 
 ENV = "CPUSERVE_FUSED_DECODE"
 
@@ -53,13 +55,14 @@ class FusedDecode:
             linears = (att.qkv, att.o_proj, mlp.gate_up, mlp.down)
             head_norms = [n for n in (att.q_norm, att.k_norm) if n is not None]
             norms = [layer.attention_norm, layer.ffn_norm, *head_norms]
-            if att.kv is None or not all(isinstance(lin, Int8ActLinear) for lin in linears) or any(
+            if att.kv is None or not all(isinstance(lin, (Int8ActLinear, StackedLinear)) for lin in linears) or any(
                     n.eps != model.args.norm_eps or n.weight.dtype != model.dtype for n in norms):
                 return None
-            (qkv, o, gate_up, down) = linears
-            weights += [layer.attention_norm.weight, *_gemm(qkv), *_gemm(o), layer.ffn_norm.weight, *_gemm(gate_up),
-                        *_gemm(down)]
-            meta += [v for lin in linears for v in (lin.bits, lin.act_group)]
+            weights += [layer.attention_norm.weight, layer.ffn_norm.weight]
+            for lin in linears:
+                parts = list(lin.parts) if isinstance(lin, StackedLinear) else [lin]
+                weights += [t for part in parts for t in _gemm(part)]
+                meta += [len(parts), *(v for part in parts for v in (part.bits, part.act_group, _has_supers(part)))]
             pools += [att.kv.kv] if att.kv.scale is None else [att.kv.kv, att.kv.scale]
             extras += [lin.bias for lin in linears] + [n.weight if n is not None else None for n in (att.q_norm, att.k_norm)]
         att = model.layers[0].attention
@@ -77,4 +80,8 @@ class FusedDecode:
 
 
 def _gemm(linear: Int8ActLinear) -> list[Tensor]:
-    return [linear.packed, linear.scales, linear.zoffs]
+    return [linear.packed, linear.scales, linear.zoffs] + ([linear.supers] if _has_supers(linear) else [])
+
+
+def _has_supers(linear: Int8ActLinear) -> int:
+    return int(linear.supers is not None)

@@ -74,6 +74,19 @@ def test_qkv_biases_head_norms_and_partial_rotary_match_too(tmp_path, name):
     _check_every_decode_step(llm, [[5, 17, 99], [3, 250, 42, 42, 7, 130, 64], [8]])
 
 
+def test_q4_k_m_layers_with_stacked_qkv_match_too(tmp_path):
+    """A tiny Q4_K_M file: layer 1's qkv keeps Q4_K q, k and Q6_K v apart (StackedLinear), two GEMMs into one qkv."""
+    from kquant_factory import write_q4_k_m
+
+    from cpuserve.engine.layers.linear.stacked import StackedLinear
+    from cpuserve.engine.llm import LLM
+
+    write_q4_k_m(tmp_path / "tiny-q4_k_m.gguf")
+    llm = LLM(model=str(tmp_path / "tiny-q4_k_m.gguf"), kv_cache_gb=0.02, show_progress=False)
+    assert isinstance(llm.engine.runner.model.layers[1].attention.qkv, StackedLinear)
+    _check_every_decode_step(llm, [[5, 17, 99], [3, 250, 42, 42, 7, 130, 64], [8]])
+
+
 def test_layers_that_do_not_fit_keep_the_op_by_op_path(llm_int4, monkeypatch):
     model = llm_int4.engine.runner.model
     norm = model.layers[3].ffn_norm
@@ -91,7 +104,7 @@ def test_layers_that_do_not_fit_keep_the_op_by_op_path(llm_int4, monkeypatch):
 def test_bad_arguments_are_refused_with_the_count_expected(llm_int4):
     fused = llm_int4.engine.runner.model.fused_decode()
     x = torch.zeros(1, llm_int4.engine.args.dim, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="14 tensors per layer"):
+    with pytest.raises(RuntimeError, match="weights hold fewer tensors"):
         torch.ops.cpuserve.decode_layers(x, fused.weights[:-1], fused.linear_meta, fused.pools, fused.extras, x, x,
                                          torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.int32),
                                          torch.ones(1, dtype=torch.int32), fused.n_heads, fused.eps, fused.scale)

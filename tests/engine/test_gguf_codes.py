@@ -45,14 +45,18 @@ def test_codes_decode_to_ggufs_own_values_bit_for_bit(qtype):
 
 
 def test_q4_k_m_fused_qkv_keeps_both_types_exactly():
-    """A Q4_K_M layer's q, k (Q4_K) beside v (Q6_K): one fused weight, 8-bit codes in groups of 16, same values."""
+    """A Q4_K_M layer's q, k (Q4_K) beside v (Q6_K): each keeps its own codes (CodedRows), the same values; merged
+    into one weight (for the paths that take one), 8-bit codes in groups of 16, still the same values."""
     shapes = {"Q4_K": (64, 256), "Q6_K": (32, 256)}
     parts = [("Q4_K", 1), ("Q4_K", 2), ("Q6_K", 3)]
     raws = [(q, real_blocks(q, shapes[q], seed)) for q, seed in parts]
     fused = concat_rows([decode_codes(raw, QT[q], shapes[q]) for q, raw in raws])
     ref = torch.cat([torch.from_numpy(gguf.quants.dequantize(raw, QT[q])) for q, raw in raws])
-    assert (fused.group, fused.bits, fused.source) == (16, 8, "Q4_K+Q6_K")
+    assert [(p.group, p.bits, p.source) for p in fused.parts] == [(32, 4, "Q4_K"), (16, 8, "Q6_K")]
     assert torch.equal(fused.dequantize(), ref)
+    merged = fused.merged()
+    assert (merged.group, merged.bits, merged.source) == (16, 8, "Q4_K+Q6_K")
+    assert torch.equal(merged.dequantize(), ref)
 
 
 def _x(k: int, rows: int = 5) -> torch.Tensor:
@@ -75,10 +79,10 @@ def test_int8_activation_layer_multiplies_the_files_own_weights(qtype):
         assert layer.zoffs.dtype == torch.int32 and int(layer.zoffs[0]) == SYMMETRIC[qtype]
     else:
         assert layer.zoffs.shape == layer.scales.shape
-    if qtype == "Q4_K":  # most of a Q4_K_M file streams fp16 scales at decode (its sub-scales here are all normal)
-        assert layer.scales.dtype == torch.float16
-    if qtype in ("Q4_0", "Q4_1", "Q8_0") or layer.scales.dtype == torch.float32:
-        # fp16 d and m, or scales kept in fp32: the layer's effective weights are the file's exactly
+    if qtype in KQUANTS:  # the file's factors: a byte per sub-block, fp16 d (and dmin) per super-block
+        assert layer.supers is not None and layer.scales.dtype in (torch.uint8, torch.int8)
+    if qtype in ("Q4_0", "Q4_1", "Q8_0") + KQUANTS or layer.scales.dtype == torch.float32:
+        # fp16 d and m, a K-quant's factors, or scales kept in fp32: the layer's effective weights are the file's
         torch.testing.assert_close(layer.dequantize().double(), ref, rtol=1e-6, atol=1e-9)
     else:  # scales rounded to fp16 (compact_scales): each weight within 2**-11 of the largest its group can hold
         codes = decode_codes(raw, QT[qtype], shape)

@@ -11,6 +11,7 @@ import torch
 
 from cpuserve.engine.layers import native
 from cpuserve.engine.layers.linear.act_int8 import W4A8Linear, W6A8Linear
+from cpuserve.engine.layers.linear.stacked import StackedLinear
 from cpuserve.engine.llm import LLM
 from cpuserve.engine.sampling_params import SamplingParams
 from kquant_factory import bench_module, write_q4_k_m
@@ -60,10 +61,13 @@ def test_q4_k_m_fp32_logits_match_transformers_at_every_position(q4_k_m_file, hf
 def test_q4_k_m_default_engine_keeps_the_files_codes(q4_k_m_file, hf_reference):
     llm = LLM(model=str(q4_k_m_file), kv_cache_gb=0.05, show_progress=False)  # int4 weights, int8 activations
     layers = llm.engine.runner.model.layers
-    # layer 0: every matrix Q4_K -> int4 codes; layer 1 (v and down in Q6_K): the fused qkv holds 6-bit codes in
-    # groups of 16, down Q6_K's own 6-bit codes with only its zero code (symmetric), gate/up stay int4
+    # layer 0: every matrix Q4_K -> int4 codes; layer 1 (v and down in Q6_K): the fused qkv keeps q, k as int4
+    # codes in groups of 32 and v as 6-bit codes in groups of 16 (StackedLinear), down Q6_K's own 6-bit codes with
+    # only its zero code (symmetric), gate/up stay int4
     assert isinstance(layers[0].attention.qkv, W4A8Linear) and layers[0].attention.qkv.group_size == 32
-    assert isinstance(layers[1].attention.qkv, W6A8Linear) and layers[1].attention.qkv.act_group == 16
+    qkv = layers[1].attention.qkv
+    assert isinstance(qkv, StackedLinear) and [(type(p), p.act_group) for p in qkv.parts] == [
+        (W4A8Linear, 32), (W6A8Linear, 16)]
     assert isinstance(layers[1].mlp.gate_up, W4A8Linear) and isinstance(layers[1].mlp.down, W6A8Linear)
     assert int(layers[1].mlp.down.zoffs[0]) == 32
     # what remains against fp32 is the int8 activations and the int8 KV cache

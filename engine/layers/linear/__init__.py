@@ -5,6 +5,7 @@
     int4.py     group-wise RTN int4 in torch's int4pack layout, our GEMM or torch's
     int8.py     per-channel int8, our GEMM or torch's
     coded.py    CodedWeight: a GGUF tensor's own codes + group scales, kept by the int8-activation layers
+    stacked.py  StackedLinear: a fused weight's row blocks of different storage, one int8-activation layer each
     factory.py  build_linear(weight, bias, fmt, group_size): validates and picks the class
 
 The formats and group sizes are listed once, in engine/config.py (WEIGHT_FORMATS, GROUP_SIZES).

@@ -180,8 +180,9 @@ def _unblocked(t: Tensor) -> Tensor:
 
 
 class Int8ActLinear(PackedLinear):
-    """Buffers: packed codes (pack_int4 / pack_int8), scales and zoffs [N/16, S, 16] fp32. Built only where the
-    kernel is (build_linear checks), so PackedLinear's own-kernel path is the only one."""
+    """Buffers: packed codes (pack_int4 / pack_int6 / pack_int8), scales and zoffs [N/16, S, 16] fp32 or fp16
+    (zoffs {z, e} when symmetric), or a K-quant's factored form with supers (coded.super_layout). Built only where
+    the kernel is (build_linear checks), so PackedLinear's own-kernel path is the only one."""
 
     bits: int
     act_group: int
@@ -212,9 +213,17 @@ class Int8ActLinear(PackedLinear):
         return self.true_terms()[1]
 
     def true_terms(self, pick=lambda t: t) -> tuple[Tensor, Tensor]:
-        """(scale, zoff) in fp32 of the blocked buffers cut by pick (all of them by default): the symmetric form's
-        2^e divided out, its zoff made from the zero code."""
+        """(scale, zoff) in fp32 of the blocked buffers cut by pick (all of them by default; pick keeps dim 1, the
+        groups): the symmetric form's 2^e divided out, its zoff made from the zero code, a K-quant's factored form
+        (supers: coded.super_layout) multiplied out as the kernel does, exactly."""
         scale = pick(self.scales).float()
+        if self.supers is not None:
+            per = self.scales.shape[1] // self.supers.shape[1]  # groups per super-block
+            factor = lambda f: pick(self.supers[:, :, f]).float().repeat_interleave(per, 1)  # noqa: E731
+            scale = factor(0) * scale
+            if self.zoffs.dtype == torch.int32:
+                return scale, -int(self.zoffs[0]) * scale
+            return scale, factor(1) * pick(self.zoffs).float()
         if self.zoffs.dtype != torch.int32:
             return scale, pick(self.zoffs).float()
         scale = scale * 2.0 ** -int(self.zoffs[1])
@@ -251,19 +260,23 @@ class Int8ActLinear(PackedLinear):
     def _own_kernel(self) -> bool:
         return True
 
-    def set_codes(self, packed: Tensor, scales: Tensor, zoffs: Tensor, act_group: int) -> "Int8ActLinear":
+    def set_codes(self, packed: Tensor, scales: Tensor, zoffs: Tensor, act_group: int,
+                  supers: Tensor | None = None) -> "Int8ActLinear":
         """The layer's buffers (see the class docstring) and its activation group."""
         self.act_group = act_group
         self.register_buffer("packed", packed)
         self.register_buffer("scales", scales)
         self.register_buffer("zoffs", zoffs)
+        self.register_buffer("supers", supers)
         return self
 
     def _gemm(self, x2: Tensor, own: bool) -> Tensor:
-        return torch.ops.cpuserve.vnni_gemm(x2, self.packed, self.scales, self.zoffs, self.bits, self.act_group)
+        return torch.ops.cpuserve.vnni_gemm(x2, self.packed, self.scales, self.zoffs, self.bits, self.act_group,
+                                            self.supers)
 
     def _gemm_into(self, x2: Tensor, y: Tensor) -> None:
-        torch.ops.cpuserve.vnni_gemm.out(x2, self.packed, self.scales, self.zoffs, self.bits, self.act_group, out=y)
+        torch.ops.cpuserve.vnni_gemm.out(x2, self.packed, self.scales, self.zoffs, self.bits, self.act_group,
+                                         self.supers, out=y)
 
 
 class W4A8Linear(Int8ActLinear):

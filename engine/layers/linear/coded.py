@@ -17,15 +17,35 @@ import torch
 from torch import Tensor
 
 from cpuserve.engine.layers.linear.act_int8 import (BLOCK_N, Int8ActLinear, W4A8Linear, W6A8Linear, W8A8Linear,
-                                                     compact_scales, pack_int4, pack_int6, pack_int8)
+                                                     _blocked, compact_scales, pack_int4, pack_int6, pack_int8,
+                                                     zero_code)
 from cpuserve.engine.layers.linear.int4 import INNER_K_TILES, Int4Linear
 
 DEQUANTIZE_ROWS = 2048  # rows per float64 pass: bounded temporaries for any tensor size
 
 
 @dataclass
+class SuperScales:
+    """A K-quant's scales as its file factors them: scale = d * sub and zoff = -dmin * sub_min, with d, dmin fp16
+    values per super-block of `groups` groups and sub, sub_min small integers per group (every product exact in
+    fp32). Each is [N, K // group] fp32 (d, dmin repeated over their super-block's groups), so any cut or
+    rearrangement of the scales applies to them alike. dmin and sub_min are None for symmetric types (Q3_K, Q6_K)."""
+
+    d: Tensor
+    sub: Tensor
+    dmin: Tensor | None
+    sub_min: Tensor | None
+    groups: int
+
+    def map(self, fn: Callable[[Tensor], Tensor]) -> "SuperScales":
+        each = [None if t is None else fn(t) for t in (self.d, self.sub, self.dmin, self.sub_min)]
+        return SuperScales(*each, self.groups)
+
+
+@dataclass
 class CodedWeight:
-    """codes [N, K] uint8 below 2**bits; scale, zoff [N, K // group] fp32; source: the file's type (e.g. "Q4_K")."""
+    """codes [N, K] uint8 below 2**bits; scale, zoff [N, K // group] fp32; source: the file's type (e.g. "Q4_K");
+    supers: the K-quants' factors of scale and zoff, or None."""
 
     codes: Tensor
     scale: Tensor
@@ -33,6 +53,7 @@ class CodedWeight:
     group: int
     bits: int  # 4 or 8: the narrowest storage that holds every code
     source: str
+    supers: SuperScales | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -54,7 +75,8 @@ class CodedWeight:
 
     def map_rows(self, fn: Callable[[Tensor], Tensor]) -> "CodedWeight":
         """The same weight with its rows rearranged by fn (applied to codes, scales and offsets alike)."""
-        return CodedWeight(fn(self.codes), fn(self.scale), fn(self.zoff), self.group, self.bits, self.source)
+        supers = self.supers.map(fn) if self.supers else None
+        return CodedWeight(fn(self.codes), fn(self.scale), fn(self.zoff), self.group, self.bits, self.source, supers)
 
     def slice_with(self, fn: Callable[[Tensor], Tensor]) -> "CodedWeight":
         """The weight cut by fn, a function that cuts an [N, K] tensor (rows, whole groups of columns, zero rows
@@ -69,10 +91,13 @@ class CodedWeight:
         if ids.shape[1] % g or not torch.equal(ids.view(-1, g), ids.view(-1, g)[:, :1].expand(-1, g)):
             raise ValueError(f"a cut of this {self.source} weight splits its groups of {g} columns")
         part = lambda t: fn(t.repeat_interleave(g, 1))[:, ::g].contiguous()  # noqa: E731 - [rows, K'] -> [rows, G']
-        return CodedWeight(fn(self.codes).contiguous(), part(self.scale), part(self.zoff), g, self.bits, self.source)
+        supers = self.supers.map(part) if self.supers and _keeps_super_blocks(ids, g, self.supers.groups) else None
+        return CodedWeight(fn(self.codes).contiguous(), part(self.scale), part(self.zoff), g, self.bits, self.source,
+                           supers)
 
     def regroup(self, group: int) -> "CodedWeight":
-        """The same values with a finer group (a divisor of self.group): each scale repeated, exactly."""
+        """The same values with a finer group (a divisor of self.group): each scale repeated, exactly (without the
+        factors: a finer group is for a weight merged with another type's)."""
         if group == self.group:
             return self
         assert self.group % group == 0, (self.group, group)
@@ -81,23 +106,77 @@ class CodedWeight:
                            group, self.bits, self.source)
 
 
-def as_float(weight: Tensor | CodedWeight) -> Tensor:
-    return weight.dequantize() if isinstance(weight, CodedWeight) else weight
+def _keeps_super_blocks(ids: Tensor, group: int, groups: int) -> bool:
+    """ids [1, K'], the source group of each column of a cut: whole super-blocks of `groups` groups, each starting
+    at a super-block's first group."""
+    size = group * groups
+    if ids.shape[1] % size:
+        return False
+    runs = ids.view(-1, size)
+    first = runs[:, :1]
+    return bool((first % groups == 0).all() and (runs == first + torch.arange(size) // group).all())
 
 
-def concat_rows(parts: list[Tensor | CodedWeight]) -> Tensor | CodedWeight:
-    """Stack weights along N (a fused qkv or gate/up). Coded parts keep their codes: the finest group and the widest
-    storage of the parts (a Q4_K_M file's Q4_K q / k beside its Q6_K v become 8-bit codes in groups of 16, exactly).
+def as_float(weight: Tensor | CodedWeight | CodedRows) -> Tensor:
+    return weight.dequantize() if isinstance(weight, (CodedWeight, CodedRows)) else weight
+
+
+def concat_rows(parts: list[Tensor | CodedWeight]) -> Tensor | CodedWeight | CodedRows:
+    """Stack weights along N (a fused qkv or gate/up). Coded parts keep their codes: parts of one storage (the same
+    type, group and code bits) as one CodedWeight; parts of different storage as CodedRows, so each keeps its own
+    width (a Q4_K_M file's Q4_K q / k beside its Q6_K v: 4-bit codes and 6-bit ones, not all 6-bit in groups of 16).
     A float part among coded ones makes the whole fused weight float."""
     if not all(isinstance(p, CodedWeight) for p in parts):
         return torch.cat([as_float(p) for p in parts])
-    group = min(p.group for p in parts)
-    if any(p.group % group for p in parts):
-        return torch.cat([as_float(p) for p in parts])
-    coded = [p.regroup(group) for p in parts]
+    runs: list[list[CodedWeight]] = []
+    for p in parts:  # consecutive parts of one storage fuse
+        if runs and _storage(runs[-1][0]) == _storage(p):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    fused = [_stack(run) for run in runs]
+    return fused[0] if len(fused) == 1 else CodedRows(fused)
+
+
+@dataclass
+class CodedRows:
+    """Consecutive row blocks of one weight, each a CodedWeight of its own storage (concat_rows)."""
+
+    parts: list[CodedWeight]
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]))
+
+    def dequantize(self) -> Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def merged(self) -> CodedWeight | Tensor:
+        """One CodedWeight of the finest group and the widest storage of the parts, exactly (for paths that take
+        one weight: torch's int4 layout, re-quantization); float when the groups do not nest."""
+        group = min(p.group for p in self.parts)
+        if any(p.group % group for p in self.parts):
+            return self.dequantize()
+        return _stack([p.regroup(group) for p in self.parts])
+
+
+def _storage(weight: CodedWeight) -> tuple[str, int, int]:
+    return weight.source, weight.group, weight.bits
+
+
+def _stack(parts: list[CodedWeight]) -> CodedWeight:
+    """Parts of one group stacked along N, in the widest storage of the parts."""
     sources = "+".join(dict.fromkeys(p.source for p in parts))
-    return CodedWeight(torch.cat([p.codes for p in coded]), torch.cat([p.scale for p in coded]),
-                       torch.cat([p.zoff for p in coded]), group, max(p.bits for p in parts), sources)
+    cat = lambda name: torch.cat([getattr(p, name) for p in parts])  # noqa: E731
+    supers = [p.supers for p in parts]
+    if all(supers) and len({(x.groups, x.dmin is None) for x in supers}) == 1:  # one type's factors
+        joined = [None if getattr(supers[0], f) is None else torch.cat([getattr(x, f) for x in supers])
+                  for f in ("d", "sub", "dmin", "sub_min")]
+        supers = SuperScales(*joined, supers[0].groups)
+    else:
+        supers = None
+    return CodedWeight(cat("codes"), cat("scale"), cat("zoff"), parts[0].group, max(p.bits for p in parts), sources,
+                       supers)
 
 
 def coded_misfit(weight: CodedWeight) -> str:
@@ -122,10 +201,49 @@ def to_linear(weight: CodedWeight, fmt: str) -> Int8ActLinear:
         bits, cls, pack = 6, W6A8Linear, pack_int6
     else:
         bits, cls, pack = 8, W8A8Linear, pack_int8
-    # fp16: exactly for Q4_0, Q4_1, Q8_0; rounded within 2**-11 for the K-quants and Q5_x (act_int8.compact_scales)
-    scales, zoffs = compact_scales(weight.scale, weight.zoff, exact=False, bits=bits)
     layer = cls(k, n, "int4" if bits == 4 else "int8", weight.group)
+    factored = super_layout(weight, bits)
+    if factored is not None:  # a K-quant's own factors: exactly the file's scales
+        return layer.set_codes(pack(weight.codes), *factored[:2], weight.group, supers=factored[2])
+    # fp16: exactly for Q4_0, Q4_1, Q8_0; rounded within 2**-11 for Q5_x and cut K-quants (act_int8.compact_scales)
+    scales, zoffs = compact_scales(weight.scale, weight.zoff, exact=False, bits=bits)
     return layer.set_codes(pack(weight.codes), scales, zoffs, weight.group)
+
+
+def super_layout(weight: CodedWeight, bits: int) -> tuple[Tensor, Tensor, Tensor] | None:
+    """(scales, zoffs, supers) of a K-quant in the kernel's factored form (vnni_gemm.cpp), or None where it does
+    not fit (no factors, a cut through a super-block, 8-bit storage): then compact_scales' fp16 products.
+
+        scales  the sub-scales, uint8 (or int8 where negative: Q3_K, Q6_K) [N/16, S, 16]
+        zoffs   the sub-mins, uint8 [N/16, S, 16]; or {z, 0} int32 where zoff = -z * scale (Q3_K, Q6_K)
+        supers  fp16 [N/16, S/P, F, 16]: d, then -dmin (F = 2; F = 1 without sub-mins), P groups a super-block
+
+    Per weight 4-bit codes in groups of 32 stream 0.578 bytes (the file's Q4_K: 0.5625) where fp16 products took
+    0.625, and Q6_K's 0.82 bytes are the file's."""
+    s, n, g = weight.supers, *weight.scale.shape
+    if s is None or bits not in (4, 6) or g % s.groups or s.groups & (s.groups - 1):  # the kernel shifts by log2 P
+        return None
+    firsts = [t[:, ::s.groups] for t in (s.d, -s.dmin if s.dmin is not None else None) if t is not None]
+    exact = torch.equal(s.d * s.sub, weight.scale) and all(
+        torch.equal(f.half().float(), f) for f in firsts) and torch.equal(firsts[0].repeat_interleave(s.groups, 1), s.d)
+    sub = _small_ints(s.sub, signed=True)
+    if s.sub_min is None:
+        z = zero_code(weight.scale, weight.zoff, bits)
+        zoffs = None if z is None else torch.tensor([z, 0], dtype=torch.int32)
+    else:
+        exact = exact and torch.equal(-(s.dmin * s.sub_min), weight.zoff)
+        zoffs = _small_ints(s.sub_min, signed=False)
+    if not exact or sub is None or zoffs is None:
+        return None
+    supers = torch.stack([_blocked(f) for f in firsts], 2).half()  # supers: [N/16, S/P, F, 16]
+    return sub, zoffs, supers
+
+
+def _small_ints(t: Tensor, signed: bool) -> Tensor | None:
+    """Integer values [N, G] blocked as uint8 when they fit it, else as int8 when signed and they fit that."""
+    lo, hi = float(t.min()), float(t.max())
+    dtype = torch.uint8 if lo >= 0 and hi < 256 else torch.int8 if signed and lo >= -128 and hi < 128 else None
+    return None if dtype is None else _blocked(t).to(dtype)
 
 
 def int4pack_misfit(weight: CodedWeight) -> str:

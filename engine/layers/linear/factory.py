@@ -11,11 +11,12 @@ from cpuserve.engine.config import ACTIVATION_FORMATS, GROUP_SIZES, WEIGHT_FORMA
 from cpuserve.engine.layers import native
 from cpuserve.engine.layers.linear.act_int8 import W4A8Linear, W8A8Linear
 from cpuserve.engine.layers.linear.base import QuantLinear
-from cpuserve.engine.layers.linear.coded import (CodedWeight, coded_misfit, int4pack_misfit, to_int4pack_linear,
-                                                 to_linear)
+from cpuserve.engine.layers.linear.coded import (CodedRows, CodedWeight, coded_misfit, int4pack_misfit,
+                                                 to_int4pack_linear, to_linear)
 from cpuserve.engine.layers.linear.dense import DenseLinear
 from cpuserve.engine.layers.linear.int4 import Int4Linear
 from cpuserve.engine.layers.linear.int8 import Int8Linear
+from cpuserve.engine.layers.linear.stacked import StackedLinear
 
 _CLASSES = {"int4": Int4Linear, "int8": Int8Linear, "bf16": DenseLinear, "fp32": DenseLinear}
 _INT8_ACT_CLASSES = {"int4": W4A8Linear, "int8": W8A8Linear}  # activations="int8"
@@ -23,7 +24,7 @@ assert tuple(_CLASSES) == WEIGHT_FORMATS, "every weight format needs a class"
 log = logging.getLogger(__name__)
 
 
-def build_linear(weight: Tensor | CodedWeight, bias: Tensor | None, fmt: str, group_size: int = 32,
+def build_linear(weight: Tensor | CodedWeight | CodedRows, bias: Tensor | None, fmt: str, group_size: int = 32,
                  use_fallback: bool = False, activations: str = "bf16") -> QuantLinear:
     """Quantize a float weight into the runtime format, or keep a file's codes.
 
@@ -31,7 +32,8 @@ def build_linear(weight: Tensor | CodedWeight, bias: Tensor | None, fmt: str, gr
         weight: [N (out_features), K (in_features)] float, or a CodedWeight (a GGUF's block-quantized tensor). Its
             codes are kept as they are (group_size is then the file's) when fmt is int4 / int8 and activations
             int8 on the VNNI kernels: 4-bit codes as int4 if fmt is int4, wider ones as int8. Else it is
-            dequantized and quantized like a float weight.
+            dequantized and quantized like a float weight. CodedRows (a fused weight whose row blocks differ in
+            storage) keep each block's codes in a StackedLinear where every block's would be kept, else merge.
         bias: [N] or None.
         fmt: one of WEIGHT_FORMATS.
         group_size: int4 group along K, one of GROUP_SIZES (validated for every fmt).
@@ -54,6 +56,10 @@ def build_linear(weight: Tensor | CodedWeight, bias: Tensor | None, fmt: str, gr
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
     with torch.no_grad():
+        if isinstance(weight, CodedRows):
+            if all(_keeps_codes(p, fmt, use_fallback, activations) for p in weight.parts):
+                return _with_bias(StackedLinear([to_linear(p, fmt) for p in weight.parts]), bias)
+            weight = weight.merged()
         if isinstance(weight, CodedWeight):
             if _keeps_codes(weight, fmt, use_fallback, activations):
                 linear = to_linear(weight, fmt)
