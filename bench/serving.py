@@ -60,12 +60,15 @@ def engine_alone(model: str, threads: int, max_streams: int):
         engine.shutdown()
 
 
-async def measure(target, levels: list[int], args, round_: int) -> dict[int, dict]:
+async def measure(target, levels: list[int], args, round_: int, index: int = 0) -> dict[int, dict]:
+    """index: the target's place among one server's targets (cpuserve's HTTP, then gRPC). Each gets prompts of its
+    own, so the second is not served from the prefix cache the first one filled; every server's first target gets
+    the same prompts."""
     async with target() as send:
-        await run_level(send, make_prompts(2, args.prompt_len, 10_000 + round_), 2, 4)  # warm-up
+        await run_level(send, make_prompts(2, args.prompt_len, 10_000 + round_ + 100 * index), 2, 4)  # warm-up
         rows = {}
         for n in levels:
-            prompts = make_prompts(n * args.prompts_per_stream, args.prompt_len, 1000 * round_ + n)
+            prompts = make_prompts(n * args.prompts_per_stream, args.prompt_len, 1000 * round_ + n + 500 * index)
             rows[n] = (await run_level(send, prompts, n, args.max_tokens)).row()
             print(f"  {n:>3} streams: {json.dumps(rows[n])}", file=sys.stderr, flush=True)
         return rows
@@ -87,8 +90,8 @@ def run(args) -> tuple[dict, dict]:
             print(f"round {r + 1}: {name} ...", file=sys.stderr, flush=True)
             try:
                 with servers[name](args.model, args.threads, max(levels)) as targets:
-                    for label, target in targets.items():
-                        rows = asyncio.run(measure(target, levels, args, r))
+                    for index, (label, target) in enumerate(targets.items()):
+                        rows = asyncio.run(measure(target, levels, args, r, index))
                         for n, row in rows.items():
                             results.setdefault(label, {}).setdefault(n, []).append(row)
             except Exception as e:  # noqa: BLE001 - one server failing must not lose the others' numbers
