@@ -46,7 +46,9 @@ class DirectHTTP:
 
     def start(self, app: Any) -> None:
         """Serve `app` (an ASGI callable) from now on; call on the event loop that should run it."""
-        config = uvicorn.Config(app, lifespan="off", log_config=None, log_level="warning", **self.options)
+        # keep-alive as long as Serve's proxy keeps it (90 s): a pooled client connection outlives its pauses
+        config = uvicorn.Config(app, lifespan="off", log_config=None, log_level="warning", timeout_keep_alive=90,
+                                **self.options)
         self.server = uvicorn.Server(config)
         self.server.install_signal_handlers = lambda: None  # not the main thread: Ray's worker owns signals
         self.task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[self.sock]))
