@@ -82,8 +82,10 @@ def start_serving(config: ServeConfig, blocking_timeout_s: float = 600) -> None:
     # takes this from the pod's environment instead.
     os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(2 * config.max_request_bytes))
     app = build_app(config)  # before Ray starts: a config the model cannot take fails here
-    if config.direct_http and not config.ray_address:  # the Ingress will bind it on this machine: fail here
-        bind(config.host, config.http_port).close()
+    if not config.ray_address:  # the Ingress will bind these on this machine: fail here, before Ray starts
+        for on, name in ((config.direct_http, "http_port"), (config.direct_grpc, "grpc_port")):
+            if on:
+                bind(config.host, getattr(config, name), name).close()
     if not ray.is_initialized():
         if config.ray_address:
             ray.init(address=config.ray_address, log_to_driver=False)
@@ -97,7 +99,7 @@ def start_serving(config: ServeConfig, blocking_timeout_s: float = 600) -> None:
                          resources={config.socket_resource: config.replicas * config.ranks_per_replica}
                          if config.socket_resource else None)
     if config.tls_cert_file:
-        log.warning("TLS applies to HTTP only: Ray Serve's gRPC proxy listens in plaintext on port %d",
+        log.warning("TLS applies to HTTP only: gRPC listens in plaintext on port %d",
                     config.grpc_port)
     logging.getLogger("ray.serve").addFilter(_quiet_serve_start)
     if config.direct_http:  # the Ingress replica owns http_port; Serve's proxy answers on a private port
@@ -106,7 +108,9 @@ def start_serving(config: ServeConfig, blocking_timeout_s: float = 600) -> None:
         http = HTTPOptions(host=config.host, port=config.http_port, ssl_certfile=config.tls_cert_file,
                            ssl_keyfile=config.tls_key_file)
     serve.start(http_options=http,
-                grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]))
+                # with direct_grpc no servicer: Serve then starts no gRPC proxy
+                grpc_options=gRPCOptions(port=config.grpc_port,
+                                         grpc_servicer_functions=[] if config.direct_grpc else [GRPC_SERVICER]))
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
 
 

@@ -92,9 +92,13 @@ class ServeConfig(BaseSettings):
 
     # -- endpoints ----------------------------------------------------------------------------------------
     host: str = "127.0.0.1"
-    """Address of the HTTP and metrics endpoints."""
+    """Address of the HTTP, gRPC (with direct_grpc) and metrics endpoints."""
     grpc_port: int = Field(9000, ge=1, le=65535)
     """gRPC endpoint (cpuserve.v1.Inference)."""
+    direct_grpc: bool = True
+    """The Ingress replica serves gRPC on grpc_port itself (serving/direct_grpc.py, on `host`), one process hop
+    less per message than through Serve's gRPC proxy, which is then not started. False: Serve's proxy listens on
+    grpc_port, on all interfaces (what a Serve config applied through Ray's REST API, as the operator's, does)."""
     http_port: int = Field(8000, ge=1, le=65535)
     """OpenAI-compatible HTTP endpoint."""
     direct_http: bool = True

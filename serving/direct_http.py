@@ -21,8 +21,8 @@ import uvicorn
 log = logging.getLogger(__name__)
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """A listening socket on host:port; RuntimeError naming the port when another process holds it."""
+def bind(host: str, port: int, name: str = "http_port") -> socket.socket:
+    """A listening socket on host:port; RuntimeError naming the field (name) when another process holds it."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted replica rebinds past TIME_WAIT
@@ -30,7 +30,7 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise RuntimeError(f"http_port={port}: cannot bind {host}:{port} ({e.strerror}); choose a free port") from e
+        raise RuntimeError(f"{name}={port}: cannot bind {host}:{port} ({e.strerror}); choose a free port") from e
     return sock
 
 

@@ -38,13 +38,15 @@ _STRING_FIELDS: dict[int, Any] = {1: "model", 2: "text", 6: "request_id",
                                       4: "structured_output.grammar", 5: {1: "structured_output.choice"}}}
 
 
-def add_InferenceServicer_to_server(servicer: Any, server: grpc.Server) -> None:  # noqa: N802 (grpc's naming)
-    """Ray Serve's gRPC proxy calls this (gRPCOptions.grpc_servicer_functions); requests stay raw bytes."""
+def add_InferenceServicer_to_server(servicer: Any, server: grpc.Server,  # noqa: N802 (grpc's naming)
+                                    response_serializer: Any = None) -> None:
+    """Ray Serve's gRPC proxy calls this (gRPCOptions.grpc_servicer_functions); requests stay raw bytes. The proxy
+    serializes responses itself; a server of our own (direct_grpc.py) passes response_serializer."""
     handlers = {}
     for method in SERVICE.methods:
         make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
         handlers[method.name] = make(getattr(servicer, method.name, None), request_deserializer=None,
-                                     response_serializer=None)
+                                     response_serializer=response_serializer)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
 
 

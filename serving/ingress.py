@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException
 
 from cpuserve.serving import grpc_api
 from cpuserve.serving.config import ServeConfig
+from cpuserve.serving.direct_grpc import DirectGRPC
 from cpuserve.serving.direct_http import DirectHTTP, bind
 from cpuserve.serving.metrics import build_serving_metrics, initialize_serving_metrics
 from cpuserve.serving.openai_api import ChatRequest, CompletionRequest, parse_body
@@ -309,12 +310,16 @@ class Ingress(IngressCore):
 
     def __init__(self, config: dict[str, Any], llm_server: Any):
         super().__init__(config, own_data_plane(llm_server))
-        self.direct_http = None
-        if self.config.direct_http:  # bound now: a port in use fails the replica's start, naming the port
-            c = self.config
+        c, loop = self.config, asyncio.get_running_loop()
+        self.direct_http = self.direct_grpc = None
+        # bound now: a port in use fails the replica's start, naming the port
+        if c.direct_http:
             self.direct_http = DirectHTTP(bind(c.host, c.http_port), c.tls_cert_file, c.tls_key_file, c.access_log)
             # Serve's wrapper sets the app (`self.app`) right after this constructor returns
-            asyncio.get_running_loop().call_soon(lambda: self.direct_http.start(self.app))
+            loop.call_soon(lambda: self.direct_http.start(self.app))
+        if c.direct_grpc:
+            self.direct_grpc = DirectGRPC(self, c.host, c.grpc_port, 2 * c.max_request_bytes)
+            loop.create_task(self.direct_grpc.start())
 
     def __del__(self):
         if getattr(self, "direct_http", None) is not None:

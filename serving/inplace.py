@@ -26,10 +26,10 @@ PROXY_FIELDS = frozenset({"grpc_port", "http_port", "tls_cert_file", "tls_key_fi
 
 def application_args(config: ServeConfig) -> dict[str, Any]:
     """build_app's args: the config's explicitly set fields, less what is applied in place or by the proxies.
-    Serve's proxy listens on http_port here (the document's http_options), so the Ingress does not."""
+    Serve's proxies listen on http_port and grpc_port here (the document's options), so the Ingress does not."""
     args = {k: v for k, v in config.model_dump(exclude_unset=True).items()
             if k not in LIGHTWEIGHT | PROXY_FIELDS and v is not None}
-    return {**args, "direct_http": False}
+    return {**args, "direct_http": False, "direct_grpc": False}
 
 
 def build_serve_deploy_config(config: ServeConfig) -> dict[str, Any]:

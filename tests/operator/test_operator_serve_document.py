@@ -39,7 +39,7 @@ def test_the_document_is_a_valid_serve_deploy_config():
                            "max_num_batched_tokens": 2048, "max_queued_requests": 256, "host": "0.0.0.0",
                            "metrics_port": 8180, "socket_resource": "cpuserve_socket",
                            "placement_strategy": "STRICT_SPREAD", "api_key_file": "/etc/cpuserve/api-keys/keys.txt",
-                           "direct_http": False}  # Serve's proxy owns the port here (http_options)
+                           "direct_http": False, "direct_grpc": False}  # Serve's proxies own the ports here
     assert {d["name"]: d for d in app["deployments"]}["LLMServer"]["num_replicas"] == 2
     assert {d["name"]: d for d in app["deployments"]}["Ingress"]["user_config"] == {"replicas": 2}
     assert doc["http_options"] == {"host": "0.0.0.0", "port": 8100, "ssl_certfile": "/etc/cpuserve/tls/tls.crt",

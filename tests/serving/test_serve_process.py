@@ -44,7 +44,7 @@ def test_registrations_written_while_serving_are_found_by_time(tmp_path):
 # in ray/serve/_private/grpc_util.py and replica.py), and the dashboard/runtime-env agents' HTTP servers, which take
 # the host's address. docs/serving.md lists them; the HTTP and metrics endpoints follow --host.
 WIDE = {"::", "0.0.0.0"}
-LOOPBACK = {"127.0.0.1", "::1"}
+LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}  # the last: grpc's dual-stack socket bound to 127.0.0.1
 
 
 def test_only_the_normal_shutdown_line_is_dropped_from_forwarded_logs():
@@ -88,6 +88,7 @@ def test_serve_binds_its_endpoints_to_host_and_sigterm_stops_every_process(tmp_p
         tree = [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
         sockets = listening(tree)
         assert sockets[("127.0.0.1", ports["http"])] and sockets[("127.0.0.1", ports["metrics"])]
+        assert any(sockets.get((ip, ports["grpc"])) for ip in LOOPBACK)  # direct_grpc: on host, not all interfaces
         host_ips = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs} - LOOPBACK
         unexpected = {k: v for k, v in sockets.items() if k[0] not in LOOPBACK | WIDE | host_ips}
         assert unexpected == {}

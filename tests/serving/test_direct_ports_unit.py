@@ -1,5 +1,5 @@
-"""direct_http without a running app: a taken port is refused by name, before Ray starts; a Serve config applied
-through Ray's REST API (the operator's) leaves http_port to Serve's proxy."""
+"""direct_http / direct_grpc without a running app: a taken port is refused by name, before Ray starts; a Serve
+config applied through Ray's REST API (the operator's) leaves the ports to Serve's proxies."""
 
 from __future__ import annotations
 
@@ -27,10 +27,11 @@ def test_a_taken_http_port_is_refused_by_name(taken_port):
         bind("127.0.0.1", taken_port)
 
 
-def test_a_serve_config_applied_through_the_rest_api_leaves_the_port_to_serves_proxy():
+def test_a_serve_config_applied_through_the_rest_api_leaves_the_ports_to_serves_proxies():
     doc = build_serve_deploy_config(ServeConfig(http_port=8123))
     assert doc["http_options"]["port"] == 8123
-    assert doc["applications"][0]["args"]["direct_http"] is False
+    assert doc["grpc_options"]["port"] == 9000
+    assert doc["applications"][0]["args"]["direct_http"] is doc["applications"][0]["args"]["direct_grpc"] is False
 
 
 def test_cpuserve_serve_refuses_a_taken_http_port_before_starting_ray(taken_port):
@@ -38,6 +39,9 @@ def test_cpuserve_serve_refuses_a_taken_http_port_before_starting_ray(taken_port
 
     from cpuserve.serving.app import start_serving
 
+    other = taken_port + 1 if taken_port < 65535 else 1024
     with pytest.raises(RuntimeError, match=f"http_port={taken_port}: cannot bind"):
-        start_serving(ServeConfig(http_port=taken_port, grpc_port=taken_port + 1 if taken_port < 65535 else 1024))
+        start_serving(ServeConfig(http_port=taken_port, grpc_port=other))
+    with pytest.raises(RuntimeError, match=f"grpc_port={taken_port}: cannot bind"):
+        start_serving(ServeConfig(http_port=other, grpc_port=taken_port))
     assert not ray.is_initialized()

@@ -1,5 +1,6 @@
-"""The Ingress replica answers HTTP on http_port itself (direct_http, the default of `cpuserve serve`), and Serve's
-own HTTP proxy moves to a private port and still routes to the same app."""
+"""The Ingress replica answers HTTP on http_port and gRPC on grpc_port itself (direct_http, direct_grpc: the
+defaults of `cpuserve serve`); Serve's own HTTP proxy moves to a private port and still routes to the same app, and
+Serve starts no gRPC proxy."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 
 import httpx
 import psutil
+import pytest
 
 
 def _listener(port: int) -> psutil.Process:
@@ -37,6 +39,26 @@ def test_the_ingress_replica_owns_the_http_port(serving, http_url):
     chunks = _stream(http_url)
     assert chunks[-1]["usage"]["completion_tokens"] == 8
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+
+
+def test_the_ingress_replica_owns_the_grpc_port_and_serve_runs_no_grpc_proxy(serving):
+    import grpc
+
+    from cpuserve.v1 import inference_pb2 as pb
+    from cpuserve.v1 import inference_pb2_grpc as pb_grpc
+
+    holder = _listener(serving.grpc_port)
+    assert "Ingress" in " ".join(holder.cmdline())
+    with grpc.insecure_channel(f"127.0.0.1:{serving.grpc_port}") as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        request = pb.GenerateRequest(text="The history of the bicycle",
+                                     sampling=pb.SamplingParameters(max_tokens=8, temperature=0))
+        reply = stub.Complete(request, timeout=120)
+        assert reply.usage.completion_tokens == 8
+        with pytest.raises(grpc.RpcError) as refused:  # a refusal keeps its status and message, as via the proxy
+            stub.Complete(pb.GenerateRequest(model="another", text="x"), timeout=60)
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+    assert refused.value.details().startswith("model='another' is not served here")
 
 
 def test_serves_proxy_still_routes_to_the_same_app(serving, http_url):
