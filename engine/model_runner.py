@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from cpuserve.engine import huge_pages
 from cpuserve.engine.layers import ops
 from cpuserve.engine.models.args import ModelArgs
 from cpuserve.engine.models.llama import AttentionMetadata, LayerKV, LlamaModel, PrefillChunk
@@ -34,8 +35,10 @@ class ModelRunner:
         shape = (num_blocks, block_size, 2 * args.n_kv_heads, args.head_dim)  # K heads then V heads
         dtype = KV_DTYPES[kv_cache]
         for layer in model.layers:  # one pool per layer, pre-allocated once and updated in place
-            scale = torch.zeros(shape[:3]) if kv_cache == "int8" else None
-            layer.attention.kv = LayerKV(torch.zeros(shape, dtype=dtype), scale)
+            pool, scale = torch.empty(shape, dtype=dtype), torch.empty(shape[:3]) if kv_cache == "int8" else None
+            huge_pages.advise([t for t in (pool, scale) if t is not None])  # before the first write
+            layer.attention.kv = LayerKV(pool.zero_(), scale.zero_() if scale is not None else None)
+        huge_pages.collapse([t for m in model.modules() for t in (*m.parameters(False), *m.buffers(False))])
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> ModelRunnerOutput:

@@ -1,0 +1,77 @@
+"""engine/huge_pages.py: the weights and KV pools end up on 2 MiB pages, as the kernel's own accounting
+(/proc/self/smaps, AnonHugePages of the mapping holding the tensor) reports them, and CPUSERVE_HUGE_PAGES=0 leaves
+them alone."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from cpuserve.engine import huge_pages
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+pytestmark = pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(),
+                                reason="transparent huge pages are off on this kernel ([never] or absent)")
+MB = 1 << 20
+
+
+def anon_huge_kb(t: torch.Tensor) -> int:
+    """AnonHugePages of the mappings that hold t's storage, from /proc/self/smaps (a madvise may have split one)."""
+    begin = t.untyped_storage().data_ptr()
+    end, total, inside = begin + t.untyped_storage().nbytes(), 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+        if head:
+            inside = int(head.group(1), 16) < end and begin < int(head.group(2), 16)
+        elif inside and line.startswith("AnonHugePages:"):
+            total += int(line.split()[1])
+    return total
+
+
+def test_regions_cover_the_storage_in_aligned_steps():
+    t = torch.ones(5 * MB, dtype=torch.uint8)
+    starts = huge_pages.regions([t, t[MB:]])  # a view adds nothing: its storage is the same
+    begin, end = t.data_ptr(), t.data_ptr() + t.numel()
+    assert all(s % huge_pages.HUGE == 0 for s in starts)
+    assert starts == sorted(set(starts))
+    assert starts[0] <= begin < starts[0] + huge_pages.HUGE and starts[-1] < end <= starts[-1] + huge_pages.HUGE
+    assert len(starts) == (starts[-1] - starts[0]) // huge_pages.HUGE + 1  # no gaps
+    assert huge_pages.regions([torch.empty(0)]) == []
+
+
+def test_collapse_puts_written_memory_on_huge_pages(monkeypatch):
+    monkeypatch.delenv(huge_pages.ENV, raising=False)
+    t = torch.full((16 * MB,), 7, dtype=torch.uint8)  # written: on 4 KiB pages under THP's madvise mode
+    before = anon_huge_kb(t)
+    collapsed = huge_pages.collapse([t])
+    # the interior 2 MiB regions (at least 6 of the 8 the 16 MiB span) are whole inside its mapping
+    assert collapsed >= 12 * MB, f"collapsed only {collapsed} bytes"
+    assert anon_huge_kb(t) >= before + 12 * 1024
+    assert bool((t == 7).all())  # same contents
+
+
+def test_advise_before_the_first_write(monkeypatch):
+    monkeypatch.delenv(huge_pages.ENV, raising=False)
+    t = torch.empty(16 * MB, dtype=torch.uint8)
+    huge_pages.advise([t])
+    t.fill_(1)
+    assert anon_huge_kb(t) >= 12 * 1024
+
+
+def test_off_leaves_pages_alone(monkeypatch):
+    monkeypatch.setenv(huge_pages.ENV, "0")
+    t = torch.full((16 * MB,), 7, dtype=torch.uint8)
+    before = anon_huge_kb(t)
+    assert huge_pages.collapse([t]) == 0
+    assert anon_huge_kb(t) == before
+
+
+def test_the_runner_backs_weights_and_pools(llm_int4):
+    model = llm_int4.engine.runner.model
+    biggest = max((b for m in model.modules() for b in m.buffers(False)), key=lambda b: b.untyped_storage().nbytes())
+    pool = model.layers[0].attention.kv.kv
+    assert biggest.untyped_storage().nbytes() >= 4 * MB, "SmolLM2 should have a weight of several MiB"
+    assert anon_huge_kb(biggest) > 0, "the largest weight is not on 2 MiB pages"
+    assert anon_huge_kb(pool) > 0, "the KV pool is not on 2 MiB pages"
