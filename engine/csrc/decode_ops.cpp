@@ -329,28 +329,68 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const c10
 // qkv [N, H + 2 * Hkv, D] in place: heads 0..H+Hkv-1 rotated (rotate_half layout) with cos/sin [N, D]. Then
 // rows H..H+2Hkv-1 (K heads, V heads) go to pool slot slot_mapping[n]: quantized per (token, head) to int8 with
 // scale absmax / 127 (round half to even), or cast for bf16/fp32 pools.
+// One head's row r [D] rotated in place by the row's c, s [D] (x: scratch [D])
+template <typename act_t>
+inline void rope_row(act_t* r, const float* c, const float* s, float* x, int64_t D) {
+  const int64_t half = D / 2;
+#if defined(__AVX512F__)
+  if (half % 16 == 0) {  // the scalar loop's arithmetic, 16 lanes at a time
+    for (int64_t i = 0; i < half; i += 16) {
+      const __m512 lo = load16(r + i), hi = load16(r + i + half);
+      const __m512 a = _mm512_sub_ps(_mm512_mul_ps(lo, _mm512_loadu_ps(c + i)), _mm512_mul_ps(hi, _mm512_loadu_ps(s + i)));
+      const __m512 b = _mm512_add_ps(_mm512_mul_ps(hi, _mm512_loadu_ps(c + i + half)),
+                                     _mm512_mul_ps(lo, _mm512_loadu_ps(s + i + half)));
+      cpuserve_simd::store16(r + i, a);
+      cpuserve_simd::store16(r + i + half, b);
+    }
+    return;
+  }
+#endif
+  load_row(r, x, D);
+  for (int64_t i = 0; i < half; ++i) {
+    r[i] = store<act_t>(x[i] * c[i] - x[i + half] * s[i]);
+    r[i + half] = store<act_t>(x[i + half] * c[i + half] + x[i] * s[i + half]);
+  }
+}
+
+// x [D] -> dst int8 with *scale = absmax / 127, as the scalar path below and kv_quant.py's writer do (division,
+// round half to even, clamp); false where D is not a multiple of 16 (the caller's scalar loop runs)
+inline bool quantize_row_int8(const float* x, int64_t D, int8_t* dst, float* scale) {
+#if defined(__AVX512F__)
+  if (D % 16 != 0) return false;
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + d)));
+  const float sc = std::max(_mm512_reduce_max_ps(amax) / kInt8Max, kMinScale);
+  const __m512 vsc = _mm512_set1_ps(sc), hi = _mm512_set1_ps(kInt8Max), lo = _mm512_set1_ps(-kInt8Max);
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + d), vsc),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i i32 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(q, lo), hi));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d), _mm512_cvtepi32_epi8(i32));
+  }
+  *scale = sc;
+  return true;
+#else
+  return false;
+#endif
+}
+
 template <typename act_t, typename cache_t>
 void rope_write_kv_kernel(act_t* qkv, const act_t* cos, const act_t* sin, cache_t* pool, float* pool_scale,
                           const int64_t* slots, int64_t N, int64_t H, int64_t Hkv, int64_t D) {
-  const int64_t heads = H + 2 * Hkv, half = D / 2;
+  const int64_t heads = H + 2 * Hkv;
   at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> c(D), s(D), x(D);
     for (int64_t n = begin; n < end; ++n) {
       load_row(cos + n * D, c.data(), D);
       load_row(sin + n * D, s.data(), D);
-      for (int64_t h = 0; h < H + Hkv; ++h) {
-        act_t* r = qkv + (n * heads + h) * D;
-        load_row(r, x.data(), D);
-        for (int64_t i = 0; i < half; ++i) {
-          r[i] = store<act_t>(x[i] * c[i] - x[i + half] * s[i]);
-          r[i + half] = store<act_t>(x[i + half] * c[i + half] + x[i] * s[i + half]);
-        }
-      }
+      for (int64_t h = 0; h < H + Hkv; ++h) rope_row(qkv + (n * heads + h) * D, c.data(), s.data(), x.data(), D);
       const int64_t slot = slots[n];
       for (int64_t j = 0; j < 2 * Hkv; ++j) {
         load_row(qkv + (n * heads + H + j) * D, x.data(), D);
         cache_t* dst = pool + (slot * 2 * Hkv + j) * D;
         if constexpr (std::is_same_v<cache_t, int8_t>) {
+          if (quantize_row_int8(x.data(), D, dst, pool_scale + slot * 2 * Hkv + j)) continue;
           float amax = 0.f;
           for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
           const float sc = std::max(amax / kInt8Max, kMinScale);
@@ -436,21 +476,22 @@ at::Tensor& silu_mul_out(const at::Tensor& gate_up, at::Tensor& out) {
     const scalar_t* in = gate_up.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-      std::vector<float> a(inner), b(inner);
       for (int64_t i = begin; i < end; ++i) {
-        load_row(in + i * width, a.data(), inner);
-        load_row(in + i * width + inner, b.data(), inner);
+        const scalar_t *a = in + i * width, *b = a + inner;
+        scalar_t* o = op + i * inner;
         int64_t d = 0;
 #if defined(__AVX512F__)
-        for (; d + 16 <= inner; d += 16) {  // a / (1 + e^-a) * b, 16 lanes at a time
-          const __m512 x = _mm512_loadu_ps(a.data() + d);
+        for (; d + 16 <= inner; d += 16) {  // a / (1 + e^-a) * b, 16 lanes at a time, loaded and stored as such
+          const __m512 x = load16(a + d);
           const __m512 e = cpuserve_simd::exp512(_mm512_sub_ps(_mm512_setzero_ps(), x));
           const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-          _mm512_storeu_ps(a.data() + d, _mm512_mul_ps(silu, _mm512_loadu_ps(b.data() + d)));
+          cpuserve_simd::store16(o + d, _mm512_mul_ps(silu, load16(b + d)));
         }
 #endif
-        for (; d < inner; ++d) a[d] = a[d] / (1.f + std::exp(-a[d])) * b[d];
-        for (d = 0; d < inner; ++d) op[i * inner + d] = store<scalar_t>(a[d]);
+        for (; d < inner; ++d) {
+          const float x = load(a[d]);
+          o[d] = store<scalar_t>(x / (1.f + std::exp(-x)) * load(b[d]));
+        }
       }
     });
   });

@@ -62,6 +62,12 @@ inline __m256i to_bf16(__m512 x) {
 #endif
 }
 
+// 16 fp32 lanes stored as float, or as bf16 rounded exactly as at::BFloat16's constructor (store<T> of the kernels)
+inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+inline void store16(c10::BFloat16* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16_exact(x));
+}
+
 }  // namespace cpuserve_simd
 
 #endif
