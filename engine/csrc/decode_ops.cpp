@@ -24,7 +24,6 @@
 namespace {
 
 constexpr float kInt8Max = 127.0f;
-constexpr int64_t kMaxGroup = 16;  // query heads per kv head held in registers by the AVX-512 score loop
 constexpr float kMinScale = 1e-30f;  // engine/layers/kv_quant.py: an all-zero row divides 0 by a tiny number
 
 inline float load(float x) { return x; }
@@ -84,104 +83,11 @@ void dispatch_cache(at::Tensor& pool, Fn&& fn) {
 //
 // q [S, H, D] (any stride but the last: a slice of the fused qkv rows); kv [num_blocks, B, 2 * Hkv, D] (K heads,
 // then V heads); scale [num_blocks, B, 2 * Hkv] fp32 for int8 pools; block_tables [S, max_blocks] int32;
-// context_lens [S] int32. A task is one sequence and a range of its kv heads: each of their query heads scores
-// every context token (scaled by the token's K scale), softmax, then the V rows weighted by p * V scale are
-// summed. A task walks the context once for K and once for V, reading each slot's heads together (one slot's
-// heads share cache lines). Only the first context_lens[s] tokens are read, so unwritten slots never matter.
+// context_lens [S] int32. A task is one sequence and a range of its kv heads. Per kv head, its g query heads score
+// every context token (scaled by the token's K scale), sixteen tokens at a time with their sums reduced together;
+// softmax; then the V rows weighted by p * V scale are summed, each column block's sums held in registers over the
+// whole context. Only the first context_lens[s] tokens are read, so unwritten slots never matter.
 // window > 0 (a sliding-window layer, Gemma 3): only the last `window` of them, t >= len - window.
-
-// Scores of query rows qf [n, D] against one cached row k [D], into out[j * stride] (n <= kMaxGroup).
-#if defined(__AVX512F__)
-// DC = D / 16 chunks of the K row converted once and held in registers; each row's sum stays in one register
-// (an array of n accumulators indexed at run time lived on the stack: a load and a store per FMA)
-template <int DC, typename cache_t>
-inline void score_row_regs(const float* qf, int64_t n, const cache_t* k, float ks, float* out, int64_t stride) {
-  __m512 kc[DC];
-  for (int c = 0; c < DC; ++c) kc[c] = load16(k + 16 * c);
-  for (int64_t j = 0; j < n; ++j) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int c = 0; c < DC; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + j * 16 * DC + 16 * c), kc[c], acc);
-    out[j * stride] = _mm512_reduce_add_ps(acc) * ks;
-  }
-}
-#endif
-
-template <typename cache_t>
-inline void score_row(const float* qf, int64_t n, const cache_t* k, int64_t D, float ks, float* out,
-                      int64_t stride, float* buf) {
-#if defined(__AVX512F__)
-  switch (D) {  // the same FMAs in the same order as the generic loop below: the same bits
-    case 64: return score_row_regs<4>(qf, n, k, ks, out, stride);
-    case 96: return score_row_regs<6>(qf, n, k, ks, out, stride);
-    case 128: return score_row_regs<8>(qf, n, k, ks, out, stride);
-    default: break;
-  }
-  if (D % 16 == 0 && n <= kMaxGroup) {
-    __m512 acc[kMaxGroup];
-    for (int64_t j = 0; j < n; ++j) acc[j] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < D; c += 16) {
-      const __m512 kc = load16(k + c);
-      for (int64_t j = 0; j < n; ++j) acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + j * D + c), kc, acc[j]);
-    }
-    for (int64_t j = 0; j < n; ++j) out[j * stride] = _mm512_reduce_add_ps(acc[j]) * ks;
-    return;
-  }
-#endif
-  load_row(k, buf, D);
-  for (int64_t j = 0; j < n; ++j) out[j * stride] = dot(qf + j * D, buf, D) * ks;
-}
-
-// acc[j] += w[j * stride] * vs * v for the n rows of acc [n, D].
-template <typename cache_t>
-inline void accumulate_row(float* acc, int64_t n, const cache_t* v, int64_t D, float vs, const float* w,
-                           int64_t stride, float* buf) {
-#if defined(__AVX512F__)
-  if (D % 16 == 0) {
-    for (int64_t c = 0; c < D; c += 16) {
-      const __m512 vc = load16(v + c);
-      for (int64_t j = 0; j < n; ++j) {
-        float* a = acc + j * D + c;
-        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(w[j * stride] * vs), vc, _mm512_loadu_ps(a)));
-      }
-    }
-    return;
-  }
-#endif
-  load_row(v, buf, D);
-  for (int64_t j = 0; j < n; ++j) {
-    const float wj = w[j * stride] * vs;
-    for (int64_t d = 0; d < D; ++d) acc[j * D + d] += wj * buf[d];
-  }
-}
-
-#if defined(__AVX512F__)
-// acc[j * D .. + 16] (columns c..c+15 of query row j, j < J) += sum over tokens t of w[j * len + t] * vs_t * v_t[c..],
-// v_t the V row of `head` in slot slots[t]; the J x 16 sums stay in registers across all the tokens
-template <int J, typename cache_t>
-void accumulate_columns_n(float* acc, int64_t D, const cache_t* kv, const float* scale, const int64_t* slots,
-                          int64_t len, int64_t row, int64_t head, int64_t c, const float* w) {
-  __m512 a[J];
-  for (int j = 0; j < J; ++j) a[j] = _mm512_loadu_ps(acc + j * D);
-  for (int64_t t = 0; t < len; ++t) {
-    const int64_t at = slots[t] * row + head;
-    const float vs = scale ? scale[at] : 1.f;
-    const __m512 vc = load16(kv + at * D + c);
-    for (int j = 0; j < J; ++j) a[j] = _mm512_fmadd_ps(_mm512_set1_ps(w[j * len + t] * vs), vc, a[j]);
-  }
-  for (int j = 0; j < J; ++j) _mm512_storeu_ps(acc + j * D, a[j]);
-}
-
-template <typename cache_t>
-void accumulate_columns(float* acc, int64_t n, int64_t D, const cache_t* kv, const float* scale,
-                        const int64_t* slots, int64_t len, int64_t row, int64_t head, int64_t c, const float* w) {
-  switch (n) {  // 1..4 query rows
-    case 1: return accumulate_columns_n<1>(acc, D, kv, scale, slots, len, row, head, c, w);
-    case 2: return accumulate_columns_n<2>(acc, D, kv, scale, slots, len, row, head, c, w);
-    case 3: return accumulate_columns_n<3>(acc, D, kv, scale, slots, len, row, head, c, w);
-    default: return accumulate_columns_n<4>(acc, D, kv, scale, slots, len, row, head, c, w);
-  }
-}
-#endif
 
 // sc[t] = exp(sc[t] - max) over a row of scores, in place; returns their sum. Sixteen at a time where the CPU has
 // AVX-512: a scalar exp per score took over half of a 32-sequence decode step's attention.
@@ -211,6 +117,118 @@ inline float softmax_numerators(float* sc, int64_t len) {
 #endif
 }
 
+// The portable path (no AVX-512, or D not a multiple of 16): per token, each query row's dot product, then the
+// V row weighted by p * V scale
+inline void score_row(const float* qf, int64_t n, const float* k, int64_t D, float ks, float* out, int64_t stride) {
+  for (int64_t j = 0; j < n; ++j) out[j * stride] = dot(qf + j * D, k, D) * ks;
+}
+
+inline void accumulate_row(float* acc, int64_t n, const float* v, int64_t D, const float* w, int64_t stride) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float wj = w[j * stride];
+    for (int64_t d = 0; d < D; ++d) acc[j * D + d] += wj * v[d];
+  }
+}
+
+#if defined(__AVX512F__)
+// Lane i of the result is the sum of v[i]'s 16 lanes: 45 shuffles and adds for 16 sums, where one
+// _mm512_reduce_add_ps per sum takes about 8.
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: v[2i] 0+2, v[2i+1] 0+2, v[2i] 1+3, v[2i+1] 1+3
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane's sum of v[4i] .. v[4i+3]
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+  const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
+}
+
+// scores[j * len + t], t < nt <= 16, of the n query rows qf [n, D] against the K rows kf [16, D] (fp32, rows past
+// nt ignored), times each token's K scale ks[t]: sixteen tokens' sums in registers, reduced together
+inline void score_block(const float* qf, int64_t n, int64_t D, const float* kf, const float* ks, int64_t nt,
+                        float* scores, int64_t len) {
+  const __mmask16 live = nt == 16 ? __mmask16(0xFFFF) : __mmask16((1u << nt) - 1);
+  const __m512 ksv = _mm512_maskz_loadu_ps(live, ks);
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D; c += 16) {
+      const __m512 qc = _mm512_loadu_ps(qf + j * D + c);
+      for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(kf + i * D + c), acc[i]);
+    }
+    _mm512_mask_storeu_ps(scores + j * len, live, _mm512_mul_ps(sum_lanes16(acc), ksv));
+  }
+}
+
+// acc[j * D .. + 16] (columns c..c+15 of query row j, j < J) += sum over tokens t of w[j * len + t] * v_t[c..], v_t
+// the V row at vrows[t]; w already holds p * V scale. The J x 16 sums stay in registers across all the tokens.
+template <int J, typename cache_t>
+void accumulate_columns_n(float* acc, int64_t D, const cache_t* const* vrows, int64_t len, int64_t c, const float* w) {
+  __m512 a[J];
+  for (int j = 0; j < J; ++j) a[j] = _mm512_loadu_ps(acc + j * D);
+  for (int64_t t = 0; t < len; ++t) {
+    const __m512 vc = load16(vrows[t] + c);
+    for (int j = 0; j < J; ++j) a[j] = _mm512_fmadd_ps(_mm512_set1_ps(w[j * len + t]), vc, a[j]);
+  }
+  for (int j = 0; j < J; ++j) _mm512_storeu_ps(acc + j * D, a[j]);
+}
+
+template <typename cache_t>
+void accumulate_columns(float* acc, int64_t n, int64_t D, const cache_t* const* vrows, int64_t len, int64_t c,
+                        const float* w) {
+  switch (n) {  // 1..4 query rows
+    case 1: return accumulate_columns_n<1>(acc, D, vrows, len, c, w);
+    case 2: return accumulate_columns_n<2>(acc, D, vrows, len, c, w);
+    case 3: return accumulate_columns_n<3>(acc, D, vrows, len, c, w);
+    default: return accumulate_columns_n<4>(acc, D, vrows, len, c, w);
+  }
+}
+#endif
+
+// One task's kv head: scores[j * len + t] of its g query rows qf [g, D] against the keys at krows[t] (scales ks[t]),
+// fp32 scratch kf [16 * D]
+template <typename cache_t>
+void score_head(const float* qf, int64_t g, int64_t D, const cache_t* const* krows, const float* ks, int64_t len,
+                float* kf, float* scores) {
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {  // sixteen tokens at a time, their K rows converted to fp32 once for all g query rows
+    for (int64_t t0 = 0; t0 < len; t0 += 16) {
+      const int64_t nt = std::min<int64_t>(16, len - t0);
+      for (int64_t i = 0; i < nt; ++i)
+        for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(kf + i * D + c, load16(krows[t0 + i] + c));
+      score_block(qf, g, D, kf, ks + t0, nt, scores + t0, len);
+    }
+    return;
+  }
+#endif
+  for (int64_t t = 0; t < len; ++t) {
+    load_row(krows[t], kf, D);
+    score_row(qf, g, kf, D, ks[t], scores + t, len);
+  }
+}
+
+// acc [g, D] = sum over t of w[j * len + t] * V row at vrows[t] (w: p * V scale), v: fp32 scratch [D]
+template <typename cache_t>
+void accumulate_head(float* acc, int64_t g, int64_t D, const cache_t* const* vrows, int64_t len, const float* w,
+                     float* v) {
+  std::fill(acc, acc + g * D, 0.f);
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    for (int64_t c = 0; c < D; c += 16)
+      for (int64_t j = 0; j < g; j += 4)
+        accumulate_columns(acc + j * D + c, std::min<int64_t>(4, g - j), D, vrows, len, c, w + j * len);
+    return;
+  }
+#endif
+  for (int64_t t = 0; t < len; ++t) {
+    load_row(vrows[t], v, D);
+    accumulate_row(acc, g, v, D, w + t, len);
+  }
+}
+
 template <typename cache_t, typename act_t>
 void decode_attention_kernel(const act_t* q, int64_t q_stride_s, int64_t q_stride_h, const cache_t* kv,
                              const float* scale, const int32_t* tables, const int32_t* lens, act_t* out, int64_t S,
@@ -223,50 +241,38 @@ void decode_attention_kernel(const act_t* q, int64_t q_stride_s, int64_t q_strid
   const int64_t tasks_per_seq = Hkv / per_task, num_tasks = S * tasks_per_seq;
   // sequences differ in length, so threads take the next task from a shared counter rather than a fixed share
   cpuserve_tasks::share_tasks(num_tasks, [&](const auto& next) {
-    std::vector<float> qf(per_task * g * D), acc(per_task * g * D), buf(D), scores, inv_sum(per_task * g);
+    std::vector<float> qf(g * D), acc(g * D), kf(16 * D), inv(g), scores, ks, vs;
+    std::vector<const cache_t*> krows, vrows;
     std::vector<int64_t> slots;
     for (int64_t task; (task = next()) >= 0;) {
-      const int64_t s = task / tasks_per_seq, h0 = task % tasks_per_seq * per_task;
+      const int64_t s = task / tasks_per_seq;
       const int64_t t0 = window > 0 ? std::max<int64_t>(0, lens[s] - window) : 0;  // first key seen
-      const int64_t len = lens[s] - t0, n = per_task * g;  // n query rows: heads h0*g .. (h0+per_task)*g - 1
+      const int64_t len = lens[s] - t0;
       const int32_t* table = tables + s * max_blocks;
-      for (int64_t j = 0; j < n; ++j) {
-        load_row(q + s * q_stride_s + (h0 * g + j) * q_stride_h, qf.data() + j * D, D);
-        for (int64_t d = 0; d < D; ++d) qf[j * D + d] *= sm_scale;
-      }
-      scores.resize(n * len);  // scores[j * len + t], key t0 + t
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = static_cast<int64_t>(table[(t0 + t) / B]) * B + (t0 + t) % B;
-        for (int64_t h = 0; h < per_task; ++h) {
-          const int64_t head = slot * row + h0 + h;
-          score_row(qf.data() + h * g * D, g, kv + head * D, D, scale ? scale[head] : 1.f,
-                    scores.data() + h * g * len + t, len, buf.data());
+      scores.resize(g * len), ks.resize(len), vs.resize(len), krows.resize(len), vrows.resize(len), slots.resize(len);
+      for (int64_t t = 0, b = t0 / B, i = t0 % B; t < len; ++t, i = i + 1 == B ? (++b, 0) : i + 1)
+        slots[t] = static_cast<int64_t>(table[b]) * B + i;  // key t0 + t's slot, block by block (no divisions)
+      for (int64_t h = task % tasks_per_seq * per_task; h < (task % tasks_per_seq + 1) * per_task; ++h) {
+        for (int64_t t = 0; t < len; ++t) {  // kv head h of key t0 + t: its K and V rows and scales
+          const int64_t slot = slots[t];
+          krows[t] = kv + (slot * row + h) * D, vrows[t] = kv + (slot * row + Hkv + h) * D;
+          ks[t] = scale ? scale[slot * row + h] : 1.f, vs[t] = scale ? scale[slot * row + Hkv + h] : 1.f;
         }
-      }
-      for (int64_t j = 0; j < n; ++j) inv_sum[j] = 1.f / softmax_numerators(scores.data() + j * len, len);
-      std::fill(acc.begin(), acc.end(), 0.f);
-#if defined(__AVX512F__)
-      if (D % 16 == 0) {  // register accumulators: the same FMAs, per element in token order, as accumulate_row
-        slots.resize(len);
-        for (int64_t t = 0; t < len; ++t) slots[t] = static_cast<int64_t>(table[(t0 + t) / B]) * B + (t0 + t) % B;
-        for (int64_t h = 0; h < per_task; ++h)
-          for (int64_t c = 0; c < D; c += 16)
-            for (int64_t j = 0; j < g; j += 4)
-              accumulate_columns(acc.data() + (h * g + j) * D + c, std::min<int64_t>(4, g - j), D, kv, scale,
-                                 slots.data(), len, row, Hkv + h0 + h, c, scores.data() + (h * g + j) * len);
-      } else
-#endif
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = static_cast<int64_t>(table[(t0 + t) / B]) * B + (t0 + t) % B;
-        for (int64_t h = 0; h < per_task; ++h) {
-          const int64_t head = slot * row + Hkv + h0 + h;
-          accumulate_row(acc.data() + h * g * D, g, kv + head * D, D, scale ? scale[head] : 1.f,
-                         scores.data() + h * g * len + t, len, buf.data());
+        for (int64_t j = 0; j < g; ++j) {  // query heads h*g .. h*g+g-1, pre-scaled
+          load_row(q + s * q_stride_s + (h * g + j) * q_stride_h, qf.data() + j * D, D);
+          for (int64_t d = 0; d < D; ++d) qf[j * D + d] *= sm_scale;
         }
-      }
-      for (int64_t j = 0; j < n; ++j) {
-        act_t* o = out + (s * H + h0 * g + j) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = store<act_t>(acc[j * D + d] * inv_sum[j]);
+        score_head(qf.data(), g, D, krows.data(), ks.data(), len, kf.data(), scores.data());
+        for (int64_t j = 0; j < g; ++j) {
+          float* p = scores.data() + j * len;
+          inv[j] = 1.f / softmax_numerators(p, len);
+          for (int64_t t = 0; t < len; ++t) p[t] *= vs[t];  // each V row's weight, p * its scale
+        }
+        accumulate_head(acc.data(), g, D, vrows.data(), len, scores.data(), kf.data());
+        for (int64_t j = 0; j < g; ++j) {
+          act_t* o = out + (s * H + h * g + j) * D;
+          for (int64_t d = 0; d < D; ++d) o[d] = store<act_t>(acc[j * D + d] * inv[j]);
+        }
       }
     }
   });

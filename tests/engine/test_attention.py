@@ -160,6 +160,21 @@ def test_paged_decode_matches_reference(cache_dtype, q_dtype, impl, chunk_tokens
             assert (out[s].float() - truth[0]).abs().max() < INT8_VS_TRUTH_TOL, f"sequence {s} vs fp32 truth"
 
 
+@pytest.mark.parametrize("head_dim", [24, 96, 128])  # the portable loops (24) and 16-wide blocks of 6 and 8
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (7, 1)])  # 4 query rows per kv head, and 7 (two row groups)
+def test_native_decode_other_head_shapes(head_dim, heads, kv_heads):
+    block_size, lens = 16, [1, 15, 16, 17, 40]  # a token, a block but one, one, one over, a tail of 8
+    cache = make_cache(torch.int8, 24, block_size, kv_heads, head_dim)
+    tables, _ = fill_sequences(cache, lens, block_size, 3, kv_heads, head_dim)
+    q = rand(len(lens), heads, head_dim, seed=7)
+    out = native_decode(q, cache, tables, torch.tensor(lens, dtype=torch.int32), head_dim ** -0.5)
+    for s, length in enumerate(lens):
+        k = gather_kv(cache[0], cache[1], tables[s], length, torch.float32)
+        v = gather_kv(cache[2], cache[3], tables[s], length, torch.float32)
+        ref = reference_attention(q[s:s + 1], k, v, length - 1, head_dim ** -0.5)
+        assert (out[s] - ref[0]).abs().max() < 1e-5, f"sequence {s} (length {length})"
+
+
 def test_native_slim_rows_do_not_depend_on_chunking():
     """A prompt prefilled whole, in chunks, or after a prefix-cache hit must give bit-identical rows: replica
     ranks and batch-invariance tests compare engines whose prompts were split differently."""
