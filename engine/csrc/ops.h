@@ -13,7 +13,7 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin
                    const at::Tensor& slot_mapping);  // decode_ops.cpp
 at::Tensor& decode_attention_out(const at::Tensor& q, const at::Tensor& kv, const c10::optional<at::Tensor>& scale,
                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double sm_scale,
-                                 at::Tensor& out);  // decode_ops.cpp
+                                 at::Tensor& out);  // decode_attention.cpp
 at::Tensor& vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                           const at::Tensor& zoffs, int64_t bits, int64_t act_group,
                           const c10::optional<at::Tensor>& supers, at::Tensor& out);  // vnni_gemm.cpp

@@ -24,11 +24,12 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = [CSRC / name for name in ("decode_ops.cpp", "slim_attention.cpp", "int4_gemm.cpp", "int4_few_rows.cpp",
-                                     "int8_gemm.cpp", "vnni_gemm.cpp", "decode_layers.cpp",
+SOURCES = [CSRC / name for name in ("decode_ops.cpp", "decode_attention.cpp", "slim_attention.cpp", "int4_gemm.cpp",
+                                     "int4_few_rows.cpp", "int8_gemm.cpp", "vnni_gemm.cpp", "decode_layers.cpp",
                                      "argmax.cpp")]
 # headers are part of the build's cache key too
-HEADERS = [CSRC / name for name in ("simd.h", "tasks.h", "int4_few_rows.h", "bf16_dot.h", "act_quant.h", "ops.h")]
+HEADERS = [CSRC / name for name in ("simd.h", "tasks.h", "int4_few_rows.h", "bf16_dot.h", "act_quant.h", "ops.h",
+                                     "rows.h")]
 # -fassociative-math lets GCC vectorize the reductions; with alignment peeling off, their summation order depends
 # only on the length, never on where a buffer happens to sit: results are reproducible across processes and
 # batch layouts (a replica group's ranks must match one rank bit for bit).
