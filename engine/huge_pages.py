@@ -56,6 +56,9 @@ def _runs(starts: list[int]) -> list[tuple[int, int]]:
 
 
 def _libc():
+    """glibc's madvise, or None where this is turned off or not glibc"""
+    if not enabled():
+        return None
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
     except OSError:  # not glibc: leave the pages as they are
@@ -67,7 +70,7 @@ def _libc():
 def advise(tensors: Iterable[torch.Tensor]) -> None:
     """Before first touch (torch.empty, then fill): the page faults themselves then allocate 2 MiB pages, where the
     aligned region lies inside the mapping, at no extra cost."""
-    libc = _libc() if enabled() else None
+    libc = _libc()
     if libc is None:
         return
     for address, length in _runs(regions(tensors)):
@@ -76,13 +79,14 @@ def advise(tensors: Iterable[torch.Tensor]) -> None:
 
 def collapse(tensors: Iterable[torch.Tensor]) -> int:
     """Memory already written (the weights): collapse it in place; returns the bytes now on 2 MiB pages."""
-    libc = _libc() if enabled() else None
+    libc = _libc()
     if libc is None:
         return 0
     collapsed = left = 0
     starts = regions(tensors)
     runs = _runs(starts)
-    log.info("huge pages: collapsing %.0f MB of weights into 2 MiB pages (a few seconds a GB)", len(starts) * HUGE / 1e6)
+    log.info("huge pages: collapsing %.0f MB of weights into 2 MiB pages (a few seconds a GB)",
+             len(starts) * HUGE / 1e6)
     for address, length in runs:
         if libc.madvise(address, length, MADV_COLLAPSE) == 0:
             collapsed += length

@@ -193,7 +193,8 @@ void decode_attention_kernel(const act_t* q, int64_t q_stride_s, int64_t q_strid
       const int64_t t0 = window > 0 ? std::max<int64_t>(0, lens[s] - window) : 0;  // first key seen
       const int64_t len = lens[s] - t0;
       const int32_t* table = tables + s * max_blocks;
-      scores.resize(g * len), ks.resize(len), vs.resize(len), krows.resize(len), vrows.resize(len), slots.resize(len);
+      scores.resize(g * len), ks.resize(len), vs.resize(len);
+      krows.resize(len), vrows.resize(len), slots.resize(len);
       for (int64_t t = 0, b = t0 / B, i = t0 % B; t < len; ++t, i = i + 1 == B ? (++b, 0) : i + 1)
         slots[t] = static_cast<int64_t>(table[b]) * B + i;  // key t0 + t's slot, block by block (no divisions)
       for (int64_t h = task % tasks_per_seq * per_task; h < (task % tasks_per_seq + 1) * per_task; ++h) {
@@ -221,7 +222,6 @@ void decode_attention_kernel(const act_t* q, int64_t q_stride_s, int64_t q_strid
     }
   });
 }
-
 
 at::Tensor& decode_attention_out(const at::Tensor& q, const at::Tensor& kv, const c10::optional<at::Tensor>& scale,
                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double sm_scale,
