@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -173,6 +174,33 @@ void accumulate_head(float* acc, int64_t g, int64_t D, const cache_t* const* vro
   }
 }
 
+// Reads one word of every cache line of a sequence's context blocks (its K and V rows of every kv head, and their
+// scales), front to back, before any arithmetic. The kernel itself visits a block one kv head at a time, K rows then
+// V rows, each 2 * Hkv rows apart: strided reads the hardware prefetchers barely follow. At 32 sequences the
+// pool's working set outgrows the caches, and each sequence's context came from memory a line at a time: a
+// sequential pass first lets the prefetchers stream it. 32 sequences x 192 tokens, SmolLM2's heads, 30 layers'
+// pools: 265 -> 170 us a layer.
+template <typename cache_t>
+void warm_blocks(const cache_t* kv, const float* scale, const int32_t* table, int64_t first_block, int64_t last_block,
+                 int64_t block_elems, int64_t block_scales) {
+  constexpr int64_t kLine = 64;
+  uint64_t sink = 0;
+  const auto read_lines = [&](const void* start, int64_t bytes) {
+    const char* p = static_cast<const char*>(start);
+    for (int64_t o = 0; o < bytes; o += kLine) {
+      uint64_t word;
+      std::memcpy(&word, p + o, sizeof(word));
+      sink ^= word;
+    }
+  };
+  for (int64_t b = first_block; b <= last_block; ++b) {
+    read_lines(kv + static_cast<int64_t>(table[b]) * block_elems, block_elems * static_cast<int64_t>(sizeof(cache_t)));
+    if (scale) read_lines(scale + static_cast<int64_t>(table[b]) * block_scales, block_scales * 4);
+  }
+  volatile uint64_t keep = sink;  // the reads are wanted for their side effect alone
+  (void)keep;
+}
+
 template <typename cache_t, typename act_t>
 void decode_attention_kernel(const act_t* q, int64_t q_stride_s, int64_t q_stride_h, const cache_t* kv,
                              const float* scale, const int32_t* tables, const int32_t* lens, act_t* out, int64_t S,
@@ -197,6 +225,7 @@ void decode_attention_kernel(const act_t* q, int64_t q_stride_s, int64_t q_strid
       krows.resize(len), vrows.resize(len), slots.resize(len);
       for (int64_t t = 0, b = t0 / B, i = t0 % B; t < len; ++t, i = i + 1 == B ? (++b, 0) : i + 1)
         slots[t] = static_cast<int64_t>(table[b]) * B + i;  // key t0 + t's slot, block by block (no divisions)
+      if (per_task == Hkv) warm_blocks(kv, scale, table, t0 / B, (lens[s] - 1) / B, B * row * D, B * row);
       for (int64_t h = task % tasks_per_seq * per_task; h < (task % tasks_per_seq + 1) * per_task; ++h) {
         for (int64_t t = 0; t < len; ++t) {  // kv head h of key t0 + t: its K and V rows and scales
           const int64_t slot = slots[t];
