@@ -13,11 +13,11 @@
 #include "rows.h"
 #include "simd.h"
 #include "tasks.h"
+#include "warm.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 namespace {
@@ -174,31 +174,21 @@ void accumulate_head(float* acc, int64_t g, int64_t D, const cache_t* const* vro
   }
 }
 
-// Reads one word of every cache line of a sequence's context blocks (its K and V rows of every kv head, and their
-// scales), front to back, before any arithmetic. The kernel itself visits a block one kv head at a time, K rows then
-// V rows, each 2 * Hkv rows apart: strided reads the hardware prefetchers barely follow. At 32 sequences the
-// pool's working set outgrows the caches, and each sequence's context came from memory a line at a time: a
-// sequential pass first lets the prefetchers stream it. 32 sequences x 192 tokens, SmolLM2's heads, 30 layers'
-// pools: 265 -> 170 us a layer.
+// Reads a sequence's context blocks (its K and V rows of every kv head, and their scales) front to back before any
+// arithmetic. The kernel visits a block one kv head at a time, K rows then V rows, each 2 * Hkv rows apart: strided
+// reads the hardware prefetchers barely follow. In a decode step the weights stream through the caches between one
+// layer's attention and the next step's, so every sequence's context comes from memory, and came a line at a time.
+// 32 sequences x 192 tokens, SmolLM2's heads, 30 layers' pools: 265 -> 143-156 us a layer.
 template <typename cache_t>
 void warm_blocks(const cache_t* kv, const float* scale, const int32_t* table, int64_t first_block, int64_t last_block,
                  int64_t block_elems, int64_t block_scales) {
-  constexpr int64_t kLine = 64;
   uint64_t sink = 0;
-  const auto read_lines = [&](const void* start, int64_t bytes) {
-    const char* p = static_cast<const char*>(start);
-    for (int64_t o = 0; o < bytes; o += kLine) {
-      uint64_t word;
-      std::memcpy(&word, p + o, sizeof(word));
-      sink ^= word;
-    }
-  };
   for (int64_t b = first_block; b <= last_block; ++b) {
-    read_lines(kv + static_cast<int64_t>(table[b]) * block_elems, block_elems * static_cast<int64_t>(sizeof(cache_t)));
-    if (scale) read_lines(scale + static_cast<int64_t>(table[b]) * block_scales, block_scales * 4);
+    const int64_t block = table[b];
+    sink ^= cpuserve_warm::read_lines(kv + block * block_elems, block_elems * static_cast<int64_t>(sizeof(cache_t)));
+    if (scale) sink ^= cpuserve_warm::read_lines(scale + block * block_scales, block_scales * 4);
   }
-  volatile uint64_t keep = sink;  // the reads are wanted for their side effect alone
-  (void)keep;
+  cpuserve_warm::keep(sink);
 }
 
 template <typename cache_t, typename act_t>
