@@ -5,26 +5,7 @@
 // instruction. vpdpbusd does 64 (16 lanes x 4 byte pairs), so once activations are int8 (act_quant.h, each row on
 // its own) the same units do 4x the work, and weights never leave their packed bytes.
 //
-// Every width is unsigned codes (vpdpbusd's unsigned operand) times signed activations, w = code * scale + zoff:
-//
-//   bits 4  packed [N/16][K/8][64]: the 16 columns c of a block and inputs k0..k0+7 as 64 bytes, byte 4c + j
-//           holding code(c, k0 + j) in its low nibble and code(c, k0 + 4 + j) in its high one (masking and shifting
-//           one load gives two operands); codes 0..15, one scale per group along K.
-//   bits 6  packed [N/16][K/16 * 3][64]: per 16 inputs k0..k0+15, two int4 rows of the codes' low nibbles (k0..k0+7,
-//           then k0+8..k0+15), then 64 bytes of their top 2 bits, byte 4c + j holding those of inputs k0 + j,
-//           k0 + 4 + j, k0 + 8 + j, k0 + 12 + j in bits 0-1, 2-3, 4-5, 6-7; codes 0..63 (a GGUF's Q6_K and 5-bit
-//           types: 0.75 bytes per weight where 8-bit codes take 1).
-//   bits 8  packed [N/16][K/4][64]: byte 4c + j = code(c, k0 + j); codes 0..255.
-//   scales  [N/16][S][16] fp32 or fp16, S = K / group (per group) or 1 (per channel). At decode the kernel streams
-//           codes and scales from memory: fp16 makes 32 int4 weights 20 bytes, not 24.
-//   zoffs   the same shape and type, or, for symmetric codes (zoff = -z * scale everywhere: Q4_0 z = 8, Q8_0 128,
-//           Q6_K 32, the engine's own int8 128), two int32 {z, e}: no zoff is stored or read, and the scales are
-//           stored multiplied by 2^e (a Q6_K's small scales brought into fp16's normal range), which the output
-//           divides out.
-//   supers  (optional) a K-quant's factored scales, as its file stores them: scales then hold the uint8 / int8
-//           sub-scales and zoffs the uint8 sub-mins (or {z, 0}), supers [N/16][S/P][F][16] fp16 d and -dmin per
-//           super-block of P groups, and scale = d * sub, zoff = -dmin * sub_min are formed here, exactly in fp32
-//           (SuperScales): a Q4_K's 256 weights stream 148 bytes instead of 160, a Q6_K's 210 (the file's) not 224.
+// The packed layouts of codes, scales, zoffs and supers: vnni_layouts.h.
 //
 // Per activation group g (act_group inputs; x ~= ax[g] * q, axs[g] = ax[g] * sum of q over g, qs[g] that sum):
 //     y += float(sum code * q) * scale * ax[g] + zoff * axs[g]                    (zoffs stored)
@@ -46,11 +27,7 @@
 #include "ops.h"
 #include "simd.h"
 #include "tasks.h"
-
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define CPUSERVE_VNNI 1
-#endif
+#include "vnni_layouts.h"
 
 #include <algorithm>
 #include <cmath>
@@ -89,73 +66,10 @@ bool vnni_gemm_supported() {
 #if defined(CPUSERVE_VNNI)
 using cpuserve_simd::load16;
 using cpuserve_simd::to_bf16;
-
-// acc += w (unsigned bytes) . the 4 signed bytes at p, broadcast to every lane inside the instruction ({1to16}): GCC
-// otherwise emits a separate vpbroadcastd per operand, one more instruction per dot product at few columns
-inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
-  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
-  return acc;
-}
-
-// The operands of inputs k..k+4*kOps-1 of column block `blk`'s packed stream at byte p (see the layouts above)
-template <int Bits>
-struct Codes {
-  static constexpr int kOps = Bits == 6 ? 4 : 2;  // vpdpbusd operands (4 inputs each) per step
-  static constexpr int kStep = 4 * kOps;          // inputs per step
-
-  static void load(const uint8_t* p, __m512i* w) {
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    if constexpr (Bits == 8) {
-      w[0] = _mm512_loadu_si512(p);
-      w[1] = _mm512_loadu_si512(p + 64);
-    } else {
-      const __m512i raw = _mm512_loadu_si512(p);
-      w[0] = _mm512_and_si512(raw, low);
-      w[1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-      if constexpr (Bits == 6) {
-        const __m512i raw2 = _mm512_loadu_si512(p + 64), top = _mm512_loadu_si512(p + 128);
-        const __m512i top_bits = _mm512_set1_epi8(0x30);
-        w[2] = _mm512_and_si512(raw2, low);
-        w[3] = _mm512_and_si512(_mm512_srli_epi16(raw2, 4), low);
-        // each operand's 2 top bits moved to bits 4-5 of its byte (the 16-bit shifts' spill is masked off)
-        const __m512i t[4] = {_mm512_slli_epi16(top, 4), _mm512_slli_epi16(top, 2), top, _mm512_srli_epi16(top, 2)};
-        for (int i = 0; i < 4; ++i) w[i] = _mm512_ternarylogic_epi32(w[i], t[i], top_bits, 0xF8);  // a | (b & c)
-      }
-    }
-  }
-};
-
-// Scales and zoffs as stored: fp32 or fp16 [N/16, S, 16] (S = 1: per channel), zo null when symmetric. b0: the
-// first column block the arrays hold (0, or a tile's copy of a few blocks: Gemm::run_tiles).
-template <typename T>
-struct StoredScales {
-  static constexpr bool kFactored = false;
-  const T *sc, *zo;
-  int64_t S, b0;
-  bool symmetric() const { return zo == nullptr; }
-  __m512 scale(int64_t b, int64_t g) const { return load16(sc + ((b - b0) * S + g) * 16); }
-  __m512 zoff(int64_t b, int64_t g) const { return load16(zo + ((b - b0) * S + g) * 16); }
-};
-
-// A K-quant's factored scales (engine/layers/linear/coded.py super_layout): scale = d * sub, zoff = -dmin * sub_min
-// per group, d and -dmin fp16 per super-block of 2^shift groups. Each product is exact in fp32: the very floats of
-// the file's own dequantization, from 1 byte per group and 2 per super-block instead of an fp16 per group.
-template <typename Sub>
-struct SuperScales {
-  static constexpr bool kFactored = true;
-  const Sub* sub;          // [N/16, S, 16] uint8 or int8
-  const uint8_t* sub_min;  // [N/16, S, 16]; null when symmetric
-  const at::Half* sup;     // [N/16, S >> shift, F, 16]: d, then -dmin (F = 2) unless symmetric (F = 1)
-  int64_t S, shift, F;
-  bool symmetric() const { return sub_min == nullptr; }
-  const at::Half* super(int64_t b, int64_t g) const { return sup + (b * (S >> shift) + (g >> shift)) * F * 16; }
-  __m512 scale(int64_t b, int64_t g) const {
-    return _mm512_mul_ps(load16(super(b, g)), load16(sub + (b * S + g) * 16));
-  }
-  __m512 zoff(int64_t b, int64_t g) const {
-    return _mm512_mul_ps(load16(super(b, g) + 16), load16(sub_min + (b * S + g) * 16));
-  }
-};
+using cpuserve_vnni::Codes;
+using cpuserve_vnni::dpbusd_bcast;
+using cpuserve_vnni::StoredScales;
+using cpuserve_vnni::SuperScales;
 
 // One GEMM's operands; block<R, C>(m, b, ahead) computes rows m..m+R-1 of column blocks b..b+C-1, prefetching the
 // codes `ahead` bytes past each step's.

@@ -29,7 +29,7 @@ SOURCES = [CSRC / name for name in ("decode_ops.cpp", "decode_attention.cpp", "s
                                      "argmax.cpp")]
 # headers are part of the build's cache key too
 HEADERS = [CSRC / name for name in ("simd.h", "tasks.h", "int4_few_rows.h", "bf16_dot.h", "act_quant.h", "ops.h",
-                                     "rows.h", "warm.h")]
+                                     "rows.h", "warm.h", "vnni_layouts.h")]
 # -fassociative-math lets GCC vectorize the reductions; with alignment peeling off, their summation order depends
 # only on the length, never on where a buffer happens to sit: results are reproducible across processes and
 # batch layouts (a replica group's ranks must match one rank bit for bit).
