@@ -55,19 +55,21 @@ async def run_level(send, prompts: list[list[int]], concurrency: int, max_tokens
     return level
 
 
-def openai_sender(client, base_url: str, model: str | None, extra: dict):
-    """send() for an OpenAI-compatible server; `extra`: its fields for ignore-eos (and anything it needs)."""
+def openai_sender(session, base_url: str, model: str | None, extra: dict):
+    """send() for an OpenAI-compatible server over an aiohttp session, the HTTP client of `vllm bench serve` (at 32
+    streams it took 16 us of CPU per token where httpx took 46, and it shares the servers' cores); `extra`: the
+    server's fields for ignore-eos (and anything it needs)."""
     async def send(prompt: list[int], max_tokens: int) -> tuple[float, int]:
         body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}, **extra}
         if model:
             body["model"] = model
         start, ttft, usage = time.perf_counter(), None, None
-        async with client.stream("POST", f"{base_url}/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: {"):
+        async with session.post(f"{base_url}/v1/completions", json=body) as r:
+            if r.status != 200:
+                raise RuntimeError(f"HTTP {r.status}: {(await r.read())[:200]!r}")
+            async for line in r.content:  # one SSE line at a time
+                if not line.startswith(b"data: {"):
                     continue
                 chunk = json.loads(line[6:])
                 if ttft is None and any(c.get("text") for c in chunk.get("choices") or []):

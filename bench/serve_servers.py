@@ -32,9 +32,10 @@ def free_port() -> int:
 def openai_target(base_url: str, model: str | None, extra: dict):
     @contextlib.asynccontextmanager
     async def target():
-        import httpx
+        import aiohttp
 
-        async with httpx.AsyncClient(timeout=httpx.Timeout(900), limits=httpx.Limits(max_connections=256)) as c:
+        connector = aiohttp.TCPConnector(limit=256)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=900)) as c:
             yield openai_sender(c, base_url, model, extra)
 
     return target
