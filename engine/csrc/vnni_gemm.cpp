@@ -311,9 +311,11 @@ void check_scales(const at::Tensor& scales, const at::Tensor& zoffs, const c10::
   TORCH_CHECK((scales.scalar_type() == at::kByte || scales.scalar_type() == at::kChar) && shape && S > 1,
               "with supers, scales must be contiguous uint8 or int8 sub-scales [N/16, K/act_group, 16], got ",
               scales.scalar_type(), " ", scales.sizes());
-  TORCH_CHECK(symmetric ? header[1] == 0 : zoffs.scalar_type() == at::kByte && like_scales,
-              "with supers, zoffs must be uint8 sub-mins like scales, or {z, 0}; got ", zoffs.scalar_type(), " ",
-              zoffs.sizes());
+  const bool twelve_bits = scales.scalar_type() == at::kByte && zoffs.scalar_type() == at::kByte &&
+                           zoffs.is_contiguous() && S % 2 == 0 && zoffs.sizes() == at::IntArrayRef({N / 16, S / 2, 16});
+  TORCH_CHECK(symmetric ? header[1] == 0 : twelve_bits,
+              "with supers, zoffs must be {z, 0} or the sub-mins' high nibbles, uint8 [N/16, S/2, 16] (two groups a "
+              "byte, beside uint8 scales); got ", zoffs.scalar_type(), " ", zoffs.sizes());
   const int64_t P = sp.dim() == 4 && sp.size(1) > 0 && S % sp.size(1) == 0 ? S / sp.size(1) : 0;
   TORCH_CHECK(sp.scalar_type() == at::kHalf && sp.is_contiguous() && P > 0 && (P & (P - 1)) == 0 &&
                   sp.sizes() == at::IntArrayRef({N / 16, S / P, symmetric ? 1 : 2, 16}),

@@ -17,10 +17,13 @@
 //           Q6_K 32, the engine's own int8 128), two int32 {z, e}: no zoff is stored or read, and the scales are
 //           stored multiplied by 2^e (a Q6_K's small scales brought into fp16's normal range), which the output
 //           divides out.
-//   supers  (optional) a K-quant's factored scales, as its file stores them: scales then hold the uint8 / int8
-//           sub-scales and zoffs the uint8 sub-mins (or {z, 0}), supers [N/16][S/P][F][16] fp16 d and -dmin per
-//           super-block of P groups, and scale = d * sub, zoff = -dmin * sub_min are formed here, exactly in fp32
-//           (SuperScales): a Q4_K's 256 weights stream 148 bytes instead of 160, a Q6_K's 210 (the file's) not 224.
+//   supers  (optional) a K-quant's factored scales, as its file stores them: supers [N/16][S/P][F][16] fp16 d and
+//           -dmin per super-block of P groups, scales the uint8 / int8 sub-scales, and scale = d * sub,
+//           zoff = -dmin * sub_min are formed here, exactly in fp32 (SuperScales). Symmetric types (Q3_K, Q6_K): zoffs
+//           {z, 0}. With sub-mins (Q2_K, Q4_K, Q5_K: both below 64) 12 bits a group, as the file packs them: scales
+//           [N/16][S][16] uint8 hold the sub-scale in bits 0-5 and the sub-min's low 2 bits in bits 6-7, zoffs
+//           [N/16][S/2][16] uint8 the sub-min's high 4 bits, group 2j's in the low nibble and 2j+1's in the high one.
+//           A Q4_K's 256 weights stream 144 bytes (the file's) instead of 160, a Q6_K's 210 (the file's) not 224.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -88,21 +91,31 @@ struct StoredScales {
 
 // A K-quant's factored scales (engine/layers/linear/coded.py super_layout): scale = d * sub, zoff = -dmin * sub_min
 // per group, d and -dmin fp16 per super-block of 2^shift groups. Each product is exact in fp32: the very floats of
-// the file's own dequantization, from 1 byte per group and 2 per super-block instead of an fp16 per group.
+// the file's own dequantization, from 8 or 12 bits per group and 2 or 4 bytes per super-block instead of one or two
+// fp16 per group.
 template <typename Sub>
 struct SuperScales {
   static constexpr bool kFactored = true;
-  const Sub* sub;          // [N/16, S, 16] uint8 or int8
-  const uint8_t* sub_min;  // [N/16, S, 16]; null when symmetric
-  const at::Half* sup;     // [N/16, S >> shift, F, 16]: d, then -dmin (F = 2) unless symmetric (F = 1)
+  const Sub* sub;         // [N/16, S, 16] uint8 or int8; with sub-mins, their low 2 bits in bits 6-7
+  const uint8_t* min_hi;  // [N/16, S/2, 16]: the sub-mins' high 4 bits, two groups a byte; null when symmetric
+  const at::Half* sup;    // [N/16, S >> shift, F, 16]: d, then -dmin (F = 2) unless symmetric (F = 1)
   int64_t S, shift, F;
-  bool symmetric() const { return sub_min == nullptr; }
+  bool symmetric() const { return min_hi == nullptr; }
   const at::Half* super(int64_t b, int64_t g) const { return sup + (b * (S >> shift) + (g >> shift)) * F * 16; }
+  __m512i sub_bytes(int64_t b, int64_t g) const {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub + (b * S + g) * 16)));
+  }
   __m512 scale(int64_t b, int64_t g) const {
-    return _mm512_mul_ps(load16(super(b, g)), load16(sub + (b * S + g) * 16));
+    if (symmetric()) return _mm512_mul_ps(load16(super(b, g)), load16(sub + (b * S + g) * 16));
+    const __m512i s = _mm512_and_si512(sub_bytes(b, g), _mm512_set1_epi32(63));
+    return _mm512_mul_ps(load16(super(b, g)), _mm512_cvtepi32_ps(s));
   }
   __m512 zoff(int64_t b, int64_t g) const {
-    return _mm512_mul_ps(load16(super(b, g) + 16), load16(sub_min + (b * S + g) * 16));
+    const auto* hp = reinterpret_cast<const __m128i*>(min_hi + (b * (S >> 1) + (g >> 1)) * 16);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(hp)), 4 * (g & 1)),
+                                        _mm512_set1_epi32(15));
+    const __m512i m = _mm512_or_si512(_mm512_slli_epi32(hi, 2), _mm512_srli_epi32(sub_bytes(b, g), 6));
+    return _mm512_mul_ps(load16(super(b, g) + 16), _mm512_cvtepi32_ps(m));
   }
 };
 

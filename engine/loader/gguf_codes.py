@@ -18,8 +18,9 @@ w = q * scale + offset. Per type (llama.cpp's ggml-common.h block layouts; QK_K 
 d, dmin, m are fp16; sc4/m4 4-bit, sc6/m6 6-bit, sc8 int8 sub-block scales: every product is exact in fp32, so the
 engine's weights are the file's, bit for bit (tests/engine/test_gguf_codes.py holds them to gguf's own decoder).
 The K-quants also keep the factors (SuperScales: d, dmin per super-block of 256, the sub-block integers per group),
-which the int8-activation layers store instead of the products: 1 byte per sub-block and 2 per super-block rather
-than 2 fp16 per group (coded.py to_linear).
+which the int8-activation layers store instead of the products: 12 bits per sub-block for a sub-scale and sub-min
+(8 for a sub-scale alone, twelve_bits.py) and 2 bytes each for d and dmin per super-block, rather than 2 fp16 per
+group (coded.py to_linear).
 """
 from __future__ import annotations
 

@@ -77,9 +77,11 @@ def test_int8_activation_layer_multiplies_the_files_own_weights(qtype):
     assert isinstance(layer, W4A8Linear if qtype in FOUR_BIT else W6A8Linear if qtype in SIX_BIT else W8A8Linear)
     if qtype in SYMMETRIC:
         assert layer.zoffs.dtype == torch.int32 and int(layer.zoffs[0]) == SYMMETRIC[qtype]
+    elif qtype in KQUANTS:  # the sub-mins' high nibbles, two groups a byte (twelve_bits.py)
+        assert layer.zoffs.dtype == torch.uint8 and layer.zoffs.shape[1] * 2 == layer.scales.shape[1]
     else:
         assert layer.zoffs.shape == layer.scales.shape
-    if qtype in KQUANTS:  # the file's factors: a byte per sub-block, fp16 d (and dmin) per super-block
+    if qtype in KQUANTS:  # the file's factors: a sub-scale (and sub-min) per sub-block, fp16 d (and dmin) per 256
         assert layer.supers is not None and layer.scales.dtype in (torch.uint8, torch.int8)
     if qtype in ("Q4_0", "Q4_1", "Q8_0") + KQUANTS or layer.scales.dtype == torch.float32:
         # fp16 d and m, a K-quant's factors, or scales kept in fp32: the layer's effective weights are the file's

@@ -11,6 +11,7 @@ from kquant_factory import real_blocks
 from cpuserve.engine.layers import native
 from cpuserve.engine.layers.linear import build_linear
 from cpuserve.engine.layers.linear.act_int8 import _blocked, _unblocked
+from cpuserve.engine.layers.linear.twelve_bits import pack_twelve_bits, split_twelve_bits
 from cpuserve.engine.loader.gguf_codes import decode_codes
 
 QT = gguf.GGMLQuantizationType
@@ -75,10 +76,11 @@ def test_a_row_does_not_depend_on_the_batch_or_the_threads(qtype):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("qtype,nbytes", [("Q4_K", 148), ("Q6_K", 210), ("Q5_K", 212)])
+@pytest.mark.parametrize("qtype,nbytes", [("Q4_K", 144), ("Q6_K", 210), ("Q5_K", 208), ("Q2_K", 156)])
 def test_bytes_per_super_block_row(qtype, nbytes):
-    """Per 256 weights of a row: codes, a byte per sub-block (and per sub-min), fp16 d (and dmin). Q6_K: the file's
-    210; Q4_K: 148 against the file's 144 (its 6-bit sub-scales packed) and 160 with fp16 products per group."""
+    """Per 256 weights of a row: codes, 12 bits per sub-block for a sub-scale and sub-min (8 for a sub-scale alone),
+    fp16 d (and dmin). Q4_K and Q6_K: the file's 144 and 210 (160 and 224 with fp16 products per group); Q5_K's
+    5-bit codes take 6 bits, Q2_K's 2-bit codes 4."""
     layer, _, _ = _layer(qtype)
     total = sum(b.nbytes for b in (layer.packed, layer.scales, layer.supers))
     total += layer.zoffs.nbytes if layer.zoffs.dtype != torch.int32 else 0
@@ -91,6 +93,18 @@ def test_rows_of_the_factored_form_are_the_dequantized_rows():
         layer, _, _ = _layer(qtype)
         ids = torch.tensor([0, 5, 15, 16, 17, 63, 40, 5])
         assert torch.equal(layer.rows(ids), layer.dequantize()[ids])
+
+
+def test_twelve_bits_hold_every_sub_scale_and_sub_min():
+    values = torch.arange(64, dtype=torch.float32)
+    sub, sub_min = values.repeat_interleave(64), values.repeat(64)  # every pair, 4096 groups of one column block
+    blocked = lambda t: t.reshape(1, -1, 1).expand(1, -1, 16)  # noqa: E731
+    scales, zoffs = pack_twelve_bits(blocked(sub), blocked(sub_min))
+    assert scales.dtype == zoffs.dtype == torch.uint8 and zoffs.shape == (1, 2048, 16)
+    got_sub, got_min = split_twelve_bits(scales, zoffs)
+    assert torch.equal(got_sub, blocked(sub).int()) and torch.equal(got_min, blocked(sub_min).int())
+    assert pack_twelve_bits(blocked(sub + 1), blocked(sub_min)) == (None, None)  # 64 does not fit
+    assert pack_twelve_bits(blocked(sub[:3]), blocked(sub_min[:3])) == (None, None)  # an odd number of groups
 
 
 def test_a_cut_through_a_super_block_falls_back_to_the_products():
@@ -116,7 +130,9 @@ def test_kernel_refuses_supers_of_the_wrong_form():
         call(layer.scales, layer.zoffs, layer.supers[:, :3].contiguous())
     with pytest.raises(RuntimeError, match="uint8 or int8 sub-scales"):
         call(layer.scales.float(), layer.zoffs, layer.supers)
-    with pytest.raises(RuntimeError, match="uint8 sub-mins like scales"):
-        call(layer.scales, _blocked(torch.zeros(64, 32)), layer.supers)
+    with pytest.raises(RuntimeError, match="sub-mins' high nibbles, uint8 \\[N/16, S/2, 16\\]"):
+        call(layer.scales, _blocked(torch.zeros(64, 16)), layer.supers)  # fp32
+    with pytest.raises(RuntimeError, match="sub-mins' high nibbles, uint8 \\[N/16, S/2, 16\\]"):
+        call(layer.scales, torch.zeros_like(layer.scales), layer.supers)  # a byte per group
     with pytest.raises(RuntimeError, match="4- or 6-bit codes"):
         call(layer.scales, layer.zoffs, layer.supers, bits=8)

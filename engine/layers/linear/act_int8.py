@@ -34,6 +34,7 @@ from torch import Tensor
 from cpuserve.engine.layers.linear.base import PackedLinear
 from cpuserve.engine.layers.linear.int4 import quantize_int4
 from cpuserve.engine.layers.linear.int8 import quantize_int8
+from cpuserve.engine.layers.linear.twelve_bits import split_twelve_bits
 
 BLOCK_N = 16  # output columns per packed block (one vpdpbusd's 16 int32 lanes)
 W8A8_ACT_GROUP = 32
@@ -220,10 +221,10 @@ class Int8ActLinear(PackedLinear):
         if self.supers is not None:
             per = self.scales.shape[1] // self.supers.shape[1]  # groups per super-block
             factor = lambda f: pick(self.supers[:, :, f]).float().repeat_interleave(per, 1)  # noqa: E731
-            scale = factor(0) * scale
             if self.zoffs.dtype == torch.int32:
-                return scale, -int(self.zoffs[0]) * scale
-            return scale, factor(1) * pick(self.zoffs).float()
+                return factor(0) * scale, -int(self.zoffs[0]) * factor(0) * scale
+            sub, sub_min = split_twelve_bits(pick(self.scales), pick(self.zoffs))
+            return factor(0) * sub.float(), factor(1) * sub_min.float()
         if self.zoffs.dtype != torch.int32:
             return scale, pick(self.zoffs).float()
         scale = scale * 2.0 ** -int(self.zoffs[1])

@@ -20,6 +20,7 @@ from cpuserve.engine.layers.linear.act_int8 import (BLOCK_N, Int8ActLinear, W4A8
                                                      _blocked, compact_scales, pack_int4, pack_int6, pack_int8,
                                                      zero_code)
 from cpuserve.engine.layers.linear.int4 import INNER_K_TILES, Int4Linear
+from cpuserve.engine.layers.linear.twelve_bits import pack_twelve_bits
 
 DEQUANTIZE_ROWS = 2048  # rows per float64 pass: bounded temporaries for any tensor size
 
@@ -214,12 +215,13 @@ def super_layout(weight: CodedWeight, bits: int) -> tuple[Tensor, Tensor, Tensor
     """(scales, zoffs, supers) of a K-quant in the kernel's factored form (vnni_gemm.cpp), or None where it does
     not fit (no factors, a cut through a super-block, 8-bit storage): then compact_scales' fp16 products.
 
-        scales  the sub-scales, uint8 (or int8 where negative: Q3_K, Q6_K) [N/16, S, 16]
-        zoffs   the sub-mins, uint8 [N/16, S, 16]; or {z, 0} int32 where zoff = -z * scale (Q3_K, Q6_K)
+        scales  the sub-scales, uint8 (or int8 where negative: Q3_K, Q6_K) [N/16, S, 16]; with sub-mins, each
+                byte's bits 6-7 hold its sub-min's low 2 bits
+        zoffs   the sub-mins' high 4 bits, uint8 [N/16, S/2, 16], groups 2j and 2j+1 in one byte's low and high
+                nibble; or {z, 0} int32 where zoff = -z * scale (Q3_K, Q6_K)
         supers  fp16 [N/16, S/P, F, 16]: d, then -dmin (F = 2; F = 1 without sub-mins), P groups a super-block
 
-    Per weight 4-bit codes in groups of 32 stream 0.578 bytes (the file's Q4_K: 0.5625) where fp16 products took
-    0.625, and Q6_K's 0.82 bytes are the file's."""
+    Per weight, Q4_K's 0.5625 bytes and Q6_K's 0.82 are the file's; fp16 products took 0.625 and 0.875."""
     s, n, g = weight.supers, *weight.scale.shape
     if s is None or bits not in (4, 6) or g % s.groups or s.groups & (s.groups - 1):  # the kernel shifts by log2 P
         return None
@@ -232,7 +234,7 @@ def super_layout(weight: CodedWeight, bits: int) -> tuple[Tensor, Tensor, Tensor
         zoffs = None if z is None else torch.tensor([z, 0], dtype=torch.int32)
     else:
         exact = exact and torch.equal(-(s.dmin * s.sub_min), weight.zoff)
-        zoffs = _small_ints(s.sub_min, signed=False)
+        sub, zoffs = pack_twelve_bits(_blocked(s.sub), _blocked(s.sub_min))
     if not exact or sub is None or zoffs is None:
         return None
     supers = torch.stack([_blocked(f) for f in firsts], 2).half()  # supers: [N/16, S/P, F, 16]
