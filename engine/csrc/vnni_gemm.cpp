@@ -40,7 +40,11 @@ namespace {
 using bf16 = at::BFloat16;
 constexpr int64_t kPrefetch = 1024;  // bytes ahead in a column block's stream (tasks interleave between threads)
 constexpr int64_t kQuantRowsPerTask = 8;
-constexpr int kCols = 2;  // column blocks per register block: 4 rows x 2 blocks = 8 int32 + 8 fp32 accumulators
+// Register blocks beyond kFewRows rows: kRows rows x kCols column blocks, 12 int32 + 12 fp32 accumulators. One
+// thread, SmolLM2's layer GEMMs at 512 rows, hot: 6 x 2 made 294-319 G multiply-adds a second, 5 x 2 293-314,
+// 4 x 2 280-298, 4 x 3 271-297, 8 x 2 (spilling) 242-254.
+constexpr int kCols = 2;
+constexpr int kRows = 6;
 // Up to kFewRows rows (decode) a task is one column block in register blocks of 8 rows x 1 block: one sequential
 // stream of weights per thread, each loaded once for 8 rows. One thread, CPU time, SmolLM2's 30 layers of int4
 // weights, against 4 rows x 2 blocks: 1.14-1.4x at 1-8 rows, 1.04-1.08x at 12-16,
@@ -50,10 +54,8 @@ constexpr int64_t kFewRows = 16;
 // and takes the shared counter (a cache line the threads pass back and forth) a few times per GEMM, not once per
 // 16 columns
 constexpr int64_t kDecodeTasksPerThread = 4;
-// Beyond kFewRows and up to kRunRows rows (batched decode), likewise (Gemm::tile_runs). Past that (prefill) each
-// tile's weights serve many row blocks from the caches, and a task per tile balances the threads best.
+// Beyond kFewRows rows, likewise (Gemm::tile_runs)
 constexpr int64_t kTileRunsPerThread = 4;
-constexpr int64_t kRunRows = 64;
 
 bool vnni_gemm_supported() {
 #if defined(CPUSERVE_VNNI)
@@ -88,11 +90,13 @@ struct Gemm {
   bf16* out;
   int64_t ldo;                // out's row stride (N, or more when out is a block of columns of a wider output)
 
-  template <int R, int C>
+  // Steps > 0: act_group is Steps * W::kStep inputs (the group's steps unrolled); Sym >= 0: symmetric() is Sym
+  template <int R, int C, int Steps = 0, int Sym = -1>
   void block(int64_t m, int64_t b, int64_t ahead) const {
     const int64_t A = K / act_group, wstride = K * 2 * Bits;  // packed bytes per column block
     const int8_t* qm = q + m * K;
-    const bool per_channel = S == 1, symmetric = scales.symmetric();
+    const bool per_channel = Steps == 0 && S == 1, symmetric = Sym >= 0 ? Sym == 1 : scales.symmetric();
+    const int64_t group = Steps > 0 ? Steps * W::kStep : act_group;
     __m512 y[R][C];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) y[r][c] = _mm512_setzero_ps();
@@ -102,7 +106,8 @@ struct Gemm {
         const __m512i start = symmetric ? _mm512_set1_epi32(-z * qs[(m + r) * A + g]) : _mm512_setzero_si512();
         for (int c = 0; c < C; ++c) acc[r][c] = start;
       }
-      for (int64_t k = g * act_group; k < (g + 1) * act_group; k += W::kStep) {
+#pragma GCC unroll 8
+      for (int64_t k = g * group; k < (g + 1) * group; k += W::kStep) {
         __m512i wk[C][W::kOps];
         for (int c = 0; c < C; ++c) {
           const uint8_t* p = w + (b + c) * wstride + k * 2 * Bits;  // 64 bytes per 4 inputs' worth of operands
@@ -159,19 +164,33 @@ struct Gemm {
 
   // Every row through column blocks b..b+C-1: R rows per register block, then one block of the last M % R. The
   // first register block prefetches `ahead` bytes past its codes (the rest find them in the caches).
-  template <int R, int C>
+  template <int R, int C, int Steps = 0, int Sym = -1>
   void all_rows(int64_t M, int64_t b, int64_t ahead = kPrefetch) const {
     int64_t m = 0;
-    for (; m + R <= M; m += R) block<R, C>(m, b, m == 0 ? ahead : kPrefetch);
-    rest<R - 1, C>(m, M - m, b, m == 0 ? ahead : kPrefetch);
+    for (; m + R <= M; m += R) block<R, C, Steps, Sym>(m, b, m == 0 ? ahead : kPrefetch);
+    rest<R - 1, C, Steps, Sym>(m, M - m, b, m == 0 ? ahead : kPrefetch);
   }
 
-  template <int R, int C>
+  template <int R, int C, int Steps = 0, int Sym = -1>
   void rest(int64_t m, int64_t left, int64_t b, int64_t ahead) const {  // left < R + 1 rows
     if constexpr (R > 0) {
-      if (left == R) return block<R, C>(m, b, ahead);
-      rest<R - 1, C>(m, left, b, ahead);
+      if (left == R) return block<R, C, Steps, Sym>(m, b, ahead);
+      rest<R - 1, C, Steps, Sym>(m, left, b, ahead);
     }
+  }
+
+  // all_rows with the group's steps and the symmetric form fixed at compile time where they are the usual ones
+  // (groups of 32): the group's steps unrolled and its epilogue free of branches. The same instructions for each
+  // output element in the same order, so a row's result is the runtime path's. One thread, SmolLM2's layer GEMMs:
+  // 294-319 against 230-243 G multiply-adds a second at 512 rows, 173-272 against 159-221 at 8 rows.
+  template <int R, int C>
+  void all_rows_fixed(int64_t M, int64_t b, int64_t ahead) const {
+    constexpr int kGroupSteps = 32 / W::kStep;  // groups of 32 inputs
+    if (S > 1 && act_group == 32) {
+      if (scales.symmetric()) return all_rows<R, C, kGroupSteps, 1>(M, b, ahead);
+      return all_rows<R, C, kGroupSteps, 0>(M, b, ahead);
+    }
+    all_rows<R, C>(M, b, ahead);
   }
 
   // Beyond kFewRows rows a task is a run of adjacent tiles of kCols column blocks. While a tile's first register
@@ -179,11 +198,14 @@ struct Gemm {
   // this tile's arithmetic. With a task per tile, each tile started cold: its row blocks prefetched kPrefetch bytes
   // ahead, too close for memory, and the next tile was likely another thread's. SmolLM2 at 32 rows, 30 layers'
   // four GEMMs with their weights from memory, in one process alternating with the old form: 10.81 -> 10.18 ms,
-  // the 8-bit lm_head 3.33 -> 3.05 ms.
+  // the 8-bit lm_head 3.33 -> 3.05 ms. In prefill, tasks of one tile also put the two threads' stores on
+  // neighbouring 64-byte lines of every output row (a tile's 32 columns of bf16 are one line), and the lines went
+  // back and forth between the cores: with runs, 2 threads at 512 rows went from 425-497 to 517-636 G
+  // multiply-adds a second, where one thread makes 294-319.
   template <typename Tile>
   void tile_runs(const Tile& tile, int64_t M) const {
     const int64_t tiles = (N / 16 + kCols - 1) / kCols;
-    const int64_t run = M > kRunRows ? 1 : std::max<int64_t>(1, tiles / (kTileRunsPerThread * at::get_num_threads()));
+    const int64_t run = std::max<int64_t>(1, tiles / (kTileRunsPerThread * at::get_num_threads()));
     cpuserve_tasks::share_tasks((tiles + run - 1) / run, [&](const auto& next) {
       auto state = tile.begin();  // per thread
       for (int64_t t; (t = next()) >= 0;) {
@@ -200,7 +222,8 @@ struct Gemm {
       const int64_t run = std::max<int64_t>(1, num_blocks / (kDecodeTasksPerThread * at::get_num_threads()));
       cpuserve_tasks::share_tasks((num_blocks + run - 1) / run, [&](const auto& next) {
         for (int64_t t; (t = next()) >= 0;)
-          for (int64_t b = t * run; b < std::min(num_blocks, (t + 1) * run); ++b) all_rows<8, 1>(M, b);
+          for (int64_t b = t * run; b < std::min(num_blocks, (t + 1) * run); ++b)
+            all_rows_fixed<8, 1>(M, b, kPrefetch);
       });
       return;
     }
@@ -221,8 +244,8 @@ struct Gemm {
   template <typename G>
   static void all_rows_of(const G& gemm, int64_t M, int64_t b, int64_t ahead) {
     const int64_t num_blocks = gemm.N / 16;
-    if (b + kCols <= num_blocks) return gemm.template all_rows<4, kCols>(M, b, ahead);
-    for (int64_t bb = b; bb < num_blocks; ++bb) gemm.template all_rows<4, 1>(M, bb);
+    if (b + kCols <= num_blocks) return gemm.template all_rows_fixed<kRows, kCols>(M, b, ahead);
+    for (int64_t bb = b; bb < num_blocks; ++bb) gemm.template all_rows<kRows, 1>(M, bb);
   }
 
   // Beyond kFewRows rows with factored scales: a tile's scales and zoffs are multiplied out into fp32 once (a
