@@ -180,15 +180,18 @@ struct Gemm {
   }
 
   // all_rows with the group's steps and the symmetric form fixed at compile time where they are the usual ones
-  // (groups of 32): the group's steps unrolled and its epilogue free of branches. The same instructions for each
+  // (groups of 32 or 16): the group's steps unrolled and its epilogue free of branches. The same instructions for each
   // output element in the same order, so a row's result is the runtime path's. One thread, SmolLM2's layer GEMMs:
   // 294-319 against 230-243 G multiply-adds a second at 512 rows, 173-272 against 159-221 at 8 rows.
   template <int R, int C>
   void all_rows_fixed(int64_t M, int64_t b, int64_t ahead) const {
-    constexpr int kGroupSteps = 32 / W::kStep;  // groups of 32 inputs
     if (S > 1 && act_group == 32) {
-      if (scales.symmetric()) return all_rows<R, C, kGroupSteps, 1>(M, b, ahead);
-      return all_rows<R, C, kGroupSteps, 0>(M, b, ahead);
+      if (scales.symmetric()) return all_rows<R, C, 32 / W::kStep, 1>(M, b, ahead);
+      return all_rows<R, C, 32 / W::kStep, 0>(M, b, ahead);
+    }
+    if (S > 1 && act_group == 16) {  // Q6_K, Q3_K (symmetric), Q2_K
+      if (scales.symmetric()) return all_rows<R, C, 16 / W::kStep, 1>(M, b, ahead);
+      return all_rows<R, C, 16 / W::kStep, 0>(M, b, ahead);
     }
     all_rows<R, C>(M, b, ahead);
   }
