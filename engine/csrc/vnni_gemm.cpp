@@ -45,6 +45,10 @@ constexpr int64_t kQuantRowsPerTask = 8;
 // 4 x 2 280-298, 4 x 3 271-297, 8 x 2 (spilling) 242-254.
 constexpr int kCols = 2;
 constexpr int kRows = 6;
+// Up to kSmallRows rows (batched decode) the blocks are 4 rows x 2 column blocks: 32 rows as 6 x 5 + 2 made 279-353
+// (qkv, o) and 396-465 (down, gate_up) G multiply-adds a second on 2 threads, as 4 x 8 378-460 and 452-547.
+constexpr int64_t kSmallRows = 32;
+constexpr int kSmallRowsBlock = 4;
 // Up to kFewRows rows (decode) a task is one column block in register blocks of 8 rows x 1 block: one sequential
 // stream of weights per thread, each loaded once for 8 rows. One thread, CPU time, SmolLM2's 30 layers of int4
 // weights, against 4 rows x 2 blocks: 1.14-1.4x at 1-8 rows, 1.04-1.08x at 12-16,
@@ -247,7 +251,10 @@ struct Gemm {
   template <typename G>
   static void all_rows_of(const G& gemm, int64_t M, int64_t b, int64_t ahead) {
     const int64_t num_blocks = gemm.N / 16;
-    if (b + kCols <= num_blocks) return gemm.template all_rows_fixed<kRows, kCols>(M, b, ahead);
+    if (b + kCols <= num_blocks) {
+      if (M <= kSmallRows) return gemm.template all_rows_fixed<kSmallRowsBlock, kCols>(M, b, ahead);
+      return gemm.template all_rows_fixed<kRows, kCols>(M, b, ahead);
+    }
     for (int64_t bb = b; bb < num_blocks; ++bb) gemm.template all_rows<kRows, 1>(M, bb);
   }
 
