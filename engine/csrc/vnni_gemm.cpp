@@ -73,6 +73,8 @@ bool vnni_gemm_supported() {
 using cpuserve_simd::load16;
 using cpuserve_simd::to_bf16;
 using cpuserve_vnni::Codes;
+using cpuserve_vnni::broadcast4;
+using cpuserve_vnni::dpbusd;
 using cpuserve_vnni::dpbusd_bcast;
 using cpuserve_vnni::StoredScales;
 using cpuserve_vnni::SuperScales;
@@ -110,8 +112,7 @@ struct Gemm {
         const __m512i start = symmetric ? _mm512_set1_epi32(-z * qs[(m + r) * A + g]) : _mm512_setzero_si512();
         for (int c = 0; c < C; ++c) acc[r][c] = start;
       }
-#pragma GCC unroll 8
-      for (int64_t k = g * group; k < (g + 1) * group; k += W::kStep) {
+      const auto step = [&](int64_t k) {
         __m512i wk[C][W::kOps];
         for (int c = 0; c < C; ++c) {
           const uint8_t* p = w + (b + c) * wstride + k * 2 * Bits;  // 64 bytes per 4 inputs' worth of operands
@@ -119,8 +120,21 @@ struct Gemm {
           W::load(p, wk[c]);
         }
         for (int r = 0; r < R; ++r)
-          for (int c = 0; c < C; ++c)
-            for (int i = 0; i < W::kOps; ++i) acc[r][c] = dpbusd_bcast(acc[r][c], wk[c][i], qm + r * K + k + 4 * i);
+          for (int i = 0; i < W::kOps; ++i) {
+            if constexpr (C == 1) {
+              acc[r][0] = dpbusd_bcast(acc[r][0], wk[0][i], qm + r * K + k + 4 * i);
+            } else {  // one broadcast for the C blocks: Zen 4 runs the memory-broadcast form slower (a loop of
+                      // vpdpbusd alone, 6 x 2: 404-459 G multiply-adds a second against 534-540)
+              const __m512i a = broadcast4(qm + r * K + k + 4 * i);
+              for (int c = 0; c < C; ++c) acc[r][c] = dpbusd(acc[r][c], wk[c][i], a);
+            }
+          }
+      };
+      if constexpr (Steps > 0) {
+#pragma GCC unroll 16
+        for (int s = 0; s < Steps; ++s) step(g * group + s * W::kStep);
+      } else {
+        for (int64_t k = g * group; k < (g + 1) * group; k += W::kStep) step(k);
       }
       if (per_channel) {
         for (int r = 0; r < R; ++r) {

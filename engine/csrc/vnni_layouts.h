@@ -49,6 +49,12 @@ inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
   return acc;
 }
 
+// acc += w (unsigned bytes) . a (signed bytes), both in registers
+inline __m512i dpbusd(__m512i acc, __m512i w, __m512i a) { return _mm512_dpbusd_epi32(acc, w, a); }
+
+// The 4 bytes at p in every lane
+inline __m512i broadcast4(const int8_t* p) { return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p)); }
+
 // The operands of inputs k..k+4*kOps-1 of column block `blk`'s packed stream at byte p (see the layouts above)
 template <int Bits>
 struct Codes {
