@@ -89,6 +89,7 @@ struct Gemm {
   const int32_t* qs;          // [M, K / act_group]: sum of the codes (the symmetric form's zero term)
   const float* axt;           // [M]: sum of the row's axs (the per-channel form's zero term)
   const uint8_t* w;           // packed
+  int64_t w0;                 // the first column block w holds (0, or a tile's unpacked copy: TileView)
   Scales scales;              // StoredScales or SuperScales
   int32_t z;                  // the symmetric form's zero code
   float unscale;              // the symmetric form's 2^-e
@@ -115,8 +116,8 @@ struct Gemm {
       const auto step = [&](int64_t k) {
         __m512i wk[C][W::kOps];
         for (int c = 0; c < C; ++c) {
-          const uint8_t* p = w + (b + c) * wstride + k * 2 * Bits;  // 64 bytes per 4 inputs' worth of operands
-          _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T0);
+          const uint8_t* p = w + (b + c - w0) * wstride + k * 2 * Bits;  // 64 bytes per 4 inputs' worth of operands
+          if (ahead > 0) _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T0);
           W::load(p, wk[c]);
         }
         for (int r = 0; r < R; ++r)
@@ -185,8 +186,9 @@ struct Gemm {
   template <int R, int C, int Steps = 0, int Sym = -1>
   void all_rows(int64_t M, int64_t b, int64_t ahead = kPrefetch) const {
     int64_t m = 0;
-    for (; m + R <= M; m += R) block<R, C, Steps, Sym>(m, b, m == 0 ? ahead : kPrefetch);
-    rest<R - 1, C, Steps, Sym>(m, M - m, b, m == 0 ? ahead : kPrefetch);
+    const int64_t later = ahead > 0 ? kPrefetch : 0;  // none: the codes are a tile's unpacked copy
+    for (; m + R <= M; m += R) block<R, C, Steps, Sym>(m, b, m == 0 ? ahead : later);
+    rest<R - 1, C, Steps, Sym>(m, M - m, b, m == 0 ? ahead : later);
   }
 
   template <int R, int C, int Steps = 0, int Sym = -1>
@@ -214,28 +216,92 @@ struct Gemm {
     all_rows<R, C>(M, b, ahead);
   }
 
-  // Beyond kFewRows rows a task is a run of adjacent tiles of kCols column blocks. While a tile's first register
-  // block streams its codes, it prefetches the next tile's, kCols column blocks further on, so they arrive during
-  // this tile's arithmetic. With a task per tile, each tile started cold: its row blocks prefetched kPrefetch bytes
-  // ahead, too close for memory, and the next tile was likely another thread's. SmolLM2 at 32 rows, 30 layers'
-  // four GEMMs with their weights from memory, in one process alternating with the old form: 10.81 -> 10.18 ms,
-  // the 8-bit lm_head 3.33 -> 3.05 ms. In prefill, tasks of one tile also put the two threads' stores on
-  // neighbouring 64-byte lines of every output row (a tile's 32 columns of bf16 are one line), and the lines went
-  // back and forth between the cores: with runs, 2 threads at 512 rows went from 425-497 to 517-636 G
-  // multiply-adds a second, where one thread makes 294-319.
-  template <typename Tile>
-  void tile_runs(const Tile& tile, int64_t M) const {
+  // Beyond kFewRows rows a task is a run of adjacent tiles of kCols column blocks, each computed by a thread's
+  // TileView. 6-bit codes are unpacked to 8 bits once per tile there, and a K-quant's factored scales multiplied out
+  // into fp32 once, so every register block of rows reads 8-bit codes and stored scales. Unpacking 6-bit codes in the
+  // register block took 14 vector instructions per 16 inputs of a column block on the pipes the dot products use,
+  // once per row block. (4-bit codes take 3 per 8 inputs and stay packed: unpacked ones made a 4 x 2 block slower,
+  // twice the loads for the same dot products.) The same integers and floats either way: a row's result does not
+  // depend on the path.
+  //
+  // While a tile is unpacked (or its first register block streams its codes), the next tile of the run is
+  // prefetched, kCols column blocks further on. With a task per tile, each tile started cold, and in prefill the two
+  // threads' stores fell on neighbouring 64-byte lines of every output row (a tile's 32 columns of bf16 are one
+  // line), which went back and forth between the cores: with runs, 2 threads at 512 rows went from 425-497 to
+  // 517-636 G multiply-adds a second, where one thread made 294-319.
+  void tile_runs(int64_t M) const {
     const int64_t tiles = (N / 16 + kCols - 1) / kCols;
     const int64_t run = std::max<int64_t>(1, tiles / (kTileRunsPerThread * at::get_num_threads()));
     cpuserve_tasks::share_tasks((tiles + run - 1) / run, [&](const auto& next) {
-      auto state = tile.begin();  // per thread
+      TileView view(*this);  // per thread
       for (int64_t t; (t = next()) >= 0;) {
         const int64_t end = std::min(tiles, (t + 1) * run);
-        for (int64_t i = t * run; i < end; ++i)
-          tile(state, i * kCols, i + 1 < end ? kCols * K * 2 * Bits : kPrefetch);
+        for (int64_t i = t * run; i < end; ++i) view.compute(M, i * kCols, i + 1 < end ? kCols * K * 2 * Bits : 0);
       }
     });
   }
+
+  // A thread's view of one tile at a time: 4- or 8-bit codes and stored scales
+  struct TileView {
+    static constexpr bool kUnpack = Bits == 6;
+    static constexpr int kViewBits = kUnpack ? 8 : Bits;
+    using ViewScales = std::conditional_t<Scales::kFactored, StoredScales<float>, Scales>;
+    const Gemm& gemm;
+    __m512i *codes, *scales;  // kCols column blocks' 8-bit codes [K/4][64]; fp32 scales and zoffs [S][16] each
+    Gemm<kViewBits, ViewScales> view;
+
+    explicit TileView(const Gemm& g) : gemm(g) {
+      // kept between calls (a thread's first GEMM allocates it): fresh pages would fault on every call
+      thread_local std::vector<__m512i> scratch;
+      const int64_t n_codes = kUnpack ? kCols * g.K / 4 : 0, n_scales = Scales::kFactored ? 2 * kCols * g.S : 0;
+      if (static_cast<int64_t>(scratch.size()) < n_codes + n_scales) scratch.resize(n_codes + n_scales);
+      codes = scratch.data(), scales = codes + n_codes;
+      const auto* sc = reinterpret_cast<float*>(scales);
+      ViewScales vs;
+      if constexpr (Scales::kFactored) {
+        vs = StoredScales<float>{sc, g.scales.symmetric() ? nullptr : sc + kCols * g.S * 16, g.S, 0};
+      } else {
+        vs = g.scales;
+      }
+      view = Gemm<kViewBits, ViewScales>{g.q, g.ax,      g.axs, g.qs,        g.axt, g.w, 0,     vs,
+                                         g.z, g.unscale, g.K,   g.act_group, g.S,   g.N, g.out, g.ldo};
+      if constexpr (kUnpack) view.w = reinterpret_cast<const uint8_t*>(codes);
+    }
+
+    // Every row through the column blocks of tile b (kCols, fewer at the end), prefetching `ahead` bytes past its
+    // codes (the next tile's) while unpacking them
+    void compute(int64_t M, int64_t b, int64_t ahead) {
+      const int64_t n = std::min<int64_t>(kCols, gemm.N / 16 - b), K = gemm.K;
+      if constexpr (kUnpack) {
+        using W = Codes<Bits>;
+        auto* dst = reinterpret_cast<uint8_t*>(codes);
+        for (int64_t c = 0; c < n; ++c) {
+          const uint8_t* src = gemm.w + (b + c) * K * 2 * Bits;
+          for (int64_t k = 0; k < K; k += W::kStep) {
+            const uint8_t* p = src + k * 2 * Bits;
+            if (ahead > 0)
+              for (int64_t o = 0; o < W::kStep * 2 * Bits; o += 64)
+                _mm_prefetch(reinterpret_cast<const char*>(p + ahead + o), _MM_HINT_T0);
+            __m512i wk[W::kOps];
+            W::load(p, wk);
+            for (int i = 0; i < W::kOps; ++i) _mm512_store_si512(dst + (c * K + k) * 16 + 64 * i, wk[i]);
+          }
+        }
+        view.w0 = b;
+      }
+      if constexpr (Scales::kFactored) {
+        auto* sc = reinterpret_cast<float*>(scales);
+        float* zo = sc + kCols * gemm.S * 16;
+        for (int64_t c = 0; c < n; ++c)
+          for (int64_t g = 0; g < gemm.S; ++g) {
+            _mm512_store_ps(sc + (c * gemm.S + g) * 16, gemm.scales.scale(b + c, g));
+            if (!gemm.scales.symmetric()) _mm512_store_ps(zo + (c * gemm.S + g) * 16, gemm.scales.zoff(b + c, g));
+          }
+        view.scales.b0 = b;
+      }
+      all_rows_of(view, M, b, kUnpack ? 0 : (ahead > 0 ? ahead : kPrefetch));
+    }
+  };
 
   void run(int64_t M) const {
     const int64_t num_blocks = N / 16;
@@ -248,17 +314,7 @@ struct Gemm {
       });
       return;
     }
-    if constexpr (Scales::kFactored) {
-      run_tiles(M);
-    } else {
-      struct Plain {
-        const Gemm& gemm;
-        int64_t M;
-        int begin() const { return 0; }
-        void operator()(int&, int64_t b, int64_t ahead) const { all_rows_of(gemm, M, b, ahead); }
-      };
-      tile_runs(Plain{*this, M}, M);
-    }
+    tile_runs(M);
   }
 
   // Every row through the column blocks of task tile b (kCols blocks, fewer at the end)
@@ -269,45 +325,7 @@ struct Gemm {
       if (M <= kSmallRows) return gemm.template all_rows_fixed<kSmallRowsBlock, kCols>(M, b, ahead);
       return gemm.template all_rows_fixed<kRows, kCols>(M, b, ahead);
     }
-    for (int64_t bb = b; bb < num_blocks; ++bb) gemm.template all_rows<kRows, 1>(M, bb);
-  }
-
-  // Beyond kFewRows rows with factored scales: a tile's scales and zoffs are multiplied out into fp32 once (a
-  // thread's scratch) and every row block reads them there as stored ones, so the products cost once per tile, not
-  // once per row block, and the epilogue per row block is the stored form's. The same floats either way: a row's
-  // result does not depend on the path.
-  void run_tiles(int64_t M) const {
-    struct Factored {
-      const Gemm& gemm;
-      int64_t M;
-      struct Scratch {
-        std::vector<float> tile;
-        Gemm<Bits, StoredScales<float>> stored;
-      };
-      Scratch begin() const {
-        Scratch s{std::vector<float>(2 * kCols * gemm.S * 16), {}};
-        float *sc = s.tile.data(), *zo = sc + kCols * gemm.S * 16;
-        s.stored = gemm.with_scales(StoredScales<float>{sc, gemm.scales.symmetric() ? nullptr : zo, gemm.S, 0});
-        return s;
-      }
-      void operator()(Scratch& s, int64_t b, int64_t ahead) const {
-        const int64_t S = gemm.S;
-        float *sc = s.tile.data(), *zo = sc + kCols * S * 16;
-        for (int64_t c = 0; c < kCols && b + c < gemm.N / 16; ++c)
-          for (int64_t g = 0; g < S; ++g) {
-            _mm512_storeu_ps(sc + (c * S + g) * 16, gemm.scales.scale(b + c, g));
-            if (!gemm.scales.symmetric()) _mm512_storeu_ps(zo + (c * S + g) * 16, gemm.scales.zoff(b + c, g));
-          }
-        s.stored.scales.b0 = b;
-        all_rows_of(s.stored, M, b, ahead);
-      }
-    };
-    tile_runs(Factored{*this, M}, M);
-  }
-
-  template <typename Other>
-  Gemm<Bits, Other> with_scales(Other other) const {
-    return Gemm<Bits, Other>{q, ax, axs, qs, axt, w, other, z, unscale, K, act_group, S, N, out, ldo};
+    for (int64_t bb = b; bb < num_blocks; ++bb) gemm.template all_rows<kRows, 1>(M, bb, ahead);
   }
 };
 

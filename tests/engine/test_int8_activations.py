@@ -69,8 +69,9 @@ def coded_layer(bits: int, group: int, zero: int | None, n: int = 96, k: int = 5
 @pytest.mark.parametrize("bits,group,zero", [(6, 16, 32), (6, 16, None), (6, 32, None), (6, 64, 16), (4, 32, 8),
                                              (4, 16, None), (8, 32, 128)])
 def test_file_codes_match_the_plain_torch_reference(bits, group, zero):
-    """6-bit storage (Q6_K, the 5-bit types) and symmetric codes (only the zero code kept) at every row count."""
-    m = coded_layer(bits, group, zero)
+    """6-bit storage (Q6_K, the 5-bit types) and symmetric codes (only the zero code kept) at every row count; 7
+    column blocks, so the last tile of two has one (beyond 16 rows 6-bit codes are unpacked a tile at a time)."""
+    m = coded_layer(bits, group, zero, n=112)
     assert m.bits == bits and isinstance(m, {4: W4A8Linear, 6: W6A8Linear, 8: W8A8Linear}[bits])
     assert (m.zoffs.dtype == torch.int32) == (zero is not None)
     for rows in ROWS:
