@@ -32,6 +32,7 @@
 #include "tasks.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -150,6 +151,60 @@ void weigh_values(Products kernel, int64_t m, int64_t D, int64_t keys, const bf1
   at::native::cpublas::brgemm(m, D, keys, ld, D, D, false, p, vh, o, true);
 }
 
+// One key block of a kv head as K^T in VNNI pairs: dst[d/2][t][d%2] = src[t * ld + d] for t < n, zero for
+// n <= t < kKeyBlock. Each 32-bit pair (d, d+1) of a key is one word: sixteen keys' words gathered per store.
+void pack_keys(const bf16* src, int64_t ld, int64_t n, int64_t D, bf16* dst) {
+  auto* out = reinterpret_cast<uint32_t*>(dst);
+#if defined(__AVX512F__)
+  const auto* in = reinterpret_cast<const int*>(src);  // word p of key t at in[t * ld / 2 + p]
+  const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(static_cast<int>(ld / 2)));
+  for (int64_t p = 0; p < D / 2; ++p)
+    for (int64_t t = 0; t < kKeyBlock; t += 16) {
+      const __mmask16 live = t >= n ? 0 : n - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
+      const __m512i words = live ? _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows,
+                                                                in + t * (ld / 2) + p, 4)
+                                 : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + p * kKeyBlock + t, words);
+    }
+#else
+  for (int64_t p = 0; p < D / 2; ++p)
+    for (int64_t t = 0; t < kKeyBlock; ++t) {
+      uint32_t word = 0;
+      if (t < n) std::memcpy(&word, src + t * ld + 2 * p, sizeof(word));
+      out[p * kKeyBlock + t] = word;
+    }
+#endif
+}
+
+// One key block of a kv head's values in VNNI pairs: dst[t/2][d][t%2] = src[t * ld + d] for t < n, zero for
+// n <= t < kKeyBlock: two keys' rows interleaved, sixteen values of each per store.
+void pack_values(const bf16* src, int64_t ld, int64_t n, int64_t D, bf16* dst) {
+  for (int64_t t = 0; t < kKeyBlock; t += 2) {
+    bf16* row = dst + t * D;  // pair t/2: D words
+    int64_t d0 = 0;
+#if defined(__AVX512F__)
+    static const auto kInterleave = [] {  // word i of the result: value i of key t, then of key t + 1
+      std::array<int16_t, 32> idx{};
+      for (int i = 0; i < 16; ++i) idx[2 * i] = static_cast<int16_t>(i), idx[2 * i + 1] = static_cast<int16_t>(32 + i);
+      return idx;
+    }();
+    const __m512i interleave = _mm512_loadu_si512(kInterleave.data());
+    for (; d0 + 16 <= D; d0 += 16) {
+      const auto load = [&](int64_t key) {
+        const auto* part = reinterpret_cast<const __m256i*>(src + key * ld + d0);
+        return key < n ? _mm512_castsi256_si512(_mm256_loadu_si256(part)) : _mm512_setzero_si512();
+      };
+      _mm512_storeu_si512(row + 2 * d0, _mm512_permutex2var_epi16(load(t), interleave, load(t + 1)));
+    }
+#endif
+    for (int64_t d = d0; d < D; ++d) {
+      row[2 * d] = t < n ? src[t * ld + d] : bf16(0.f);
+      row[2 * d + 1] = t + 1 < n ? src[(t + 1) * ld + d] : bf16(0.f);
+    }
+  }
+}
+
 at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t q_start,
                           double sm_scale, int64_t block_rows, int64_t window) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
@@ -172,26 +227,18 @@ at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   const bf16* kd = k.data_ptr<bf16>();
   const bf16* vd = v.data_ptr<bf16>();
 
-  // VNNI pairs: kp[h][kb][d/2][t][d%2] = k[t][h][d] (B = K^T), vp[h][kb][t/2][d][t%2] = v[t][h][d] (B = V)
-  auto kp = at::zeros({Hkv, nkb, D / 2, kKeyBlock, 2}, k.options());  // keys past T score 0, then masked
-  auto vp = at::zeros({Hkv, nkb, kKeyBlock / 2, D, 2}, v.options());  // rows past T stay zero
+  // VNNI pairs: kp[h][kb][d/2][t][d%2] = k[t][h][d] (B = K^T), vp[h][kb][t/2][d][t%2] = v[t][h][d] (B = V); keys
+  // past T are zero (they score 0, then are masked; P V reads zero rows)
+  auto kp = at::empty({Hkv, nkb, D / 2, kKeyBlock, 2}, k.options());
+  auto vp = at::empty({Hkv, nkb, kKeyBlock / 2, D, 2}, v.options());
   bf16* kpd = kp.data_ptr<bf16>();
   bf16* vpd = vp.data_ptr<bf16>();
   const int64_t block_elems = kKeyBlock * D;
   at::parallel_for(0, Hkv * nkb, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task / nkb, kb = task % nkb;
-      bf16* kdst = kpd + task * block_elems;
-      bf16* vdst = vpd + task * block_elems;
-      for (int64_t t = kb * kKeyBlock; t < std::min(T, (kb + 1) * kKeyBlock); ++t) {
-        const int64_t tl = t - kb * kKeyBlock;
-        const bf16* kr = kd + (t * Hkv + h) * D;
-        const bf16* vr = vd + (t * Hkv + h) * D;
-        for (int64_t d = 0; d < D; ++d) {
-          kdst[((d / 2) * kKeyBlock + tl) * 2 + d % 2] = kr[d];
-          vdst[((tl / 2) * D + d) * 2 + tl % 2] = vr[d];
-        }
-      }
+      const int64_t h = task / nkb, kb = task % nkb, t0 = kb * kKeyBlock, n = std::min(kKeyBlock, T - t0);
+      pack_keys(kd + (t0 * Hkv + h) * D, Hkv * D, n, D, kpd + task * block_elems);
+      pack_values(vd + (t0 * Hkv + h) * D, Hkv * D, n, D, vpd + task * block_elems);
     }
   });
 
