@@ -61,6 +61,17 @@ constexpr int64_t kDecodeTasksPerThread = 4;
 // Beyond kFewRows rows, likewise (Gemm::tile_runs)
 constexpr int64_t kTileRunsPerThread = 4;
 
+// Units (tiles or column blocks) per task, about `per_thread` tasks a thread: of the two lengths nearest that, the
+// one whose busiest thread gets fewer units. SmolLM2's o and down (18 tiles) as 9 tasks of 2 left one thread 10
+// tiles to the other's 8; as 6 of 3, 9 each (2 threads, 512 rows: 573-593 -> 638-647 and 591-611 -> 643-657 G
+// multiply-adds a second).
+int64_t run_length(int64_t units, int64_t per_thread) {
+  const int64_t threads = at::get_num_threads(), want = per_thread * threads;
+  const auto busiest = [&](int64_t run) { return ((units + run - 1) / run + threads - 1) / threads * run; };
+  const int64_t shorter = std::max<int64_t>(1, units / want), longer = (units + want - 1) / want;
+  return busiest(shorter) < busiest(longer) ? shorter : longer;
+}
+
 bool vnni_gemm_supported() {
 #if defined(CPUSERVE_VNNI)
   return true;
@@ -231,7 +242,7 @@ struct Gemm {
   // 517-636 G multiply-adds a second, where one thread made 294-319.
   void tile_runs(int64_t M) const {
     const int64_t tiles = (N / 16 + kCols - 1) / kCols;
-    const int64_t run = std::max<int64_t>(1, tiles / (kTileRunsPerThread * at::get_num_threads()));
+    const int64_t run = run_length(tiles, kTileRunsPerThread);
     cpuserve_tasks::share_tasks((tiles + run - 1) / run, [&](const auto& next) {
       TileView view(*this);  // per thread
       for (int64_t t; (t = next()) >= 0;) {
@@ -306,7 +317,7 @@ struct Gemm {
   void run(int64_t M) const {
     const int64_t num_blocks = N / 16;
     if (M <= kFewRows) {  // decode: a task is a run of column blocks, their weights read once for up to 8 rows
-      const int64_t run = std::max<int64_t>(1, num_blocks / (kDecodeTasksPerThread * at::get_num_threads()));
+      const int64_t run = run_length(num_blocks, kDecodeTasksPerThread);
       cpuserve_tasks::share_tasks((num_blocks + run - 1) / run, [&](const auto& next) {
         for (int64_t t; (t = next()) >= 0;)
           for (int64_t b = t * run; b < std::min(num_blocks, (t + 1) * run); ++b)
