@@ -5,6 +5,7 @@ torch.ops.cpuserve.*) and its plain-torch reference, which the tests compare the
     rms_norm           cpuserve.rms_norm                          F.rms_norm
     silu_mul           cpuserve.silu_mul.out                      F.silu(gate) * up
     rope_write_kv      cpuserve.rope_write_kv                     models/rope.py apply_rope + kv_quant.write_kv_fused
+    gather_kv          cpuserve.gather_kv_int8 (int8 pool -> bf16)  kv_quant.gather_kv
     decode_attention   cpuserve.decode_attention.out              attention.paged_decode_attention
     prefill_attention  cpuserve.slim_attention (bf16: AMX/AVX512) attention.slim_attention
     argmax_rows        cpuserve.argmax_rows                       logits.max(dim=-1).indices
@@ -24,7 +25,7 @@ from torch import Tensor
 
 from cpuserve.engine.layers import native
 from cpuserve.engine.layers.attention import decode_mask, paged_decode_attention, slim_attention
-from cpuserve.engine.layers.kv_quant import LayerKV, write_kv_fused
+from cpuserve.engine.layers.kv_quant import LayerKV, gather_kv as gather_kv_reference, write_kv_fused
 from cpuserve.engine.models.rope import apply_rope
 
 NATIVE_SLIM_BLOCK_ROWS = 32  # the C++ kernel's row block (4096-token bench: 16..32 best, 8 and 128 slower)
@@ -48,6 +49,14 @@ def silu_mul(gate_up: Tensor, make_out: Callable[[int, torch.dtype], Tensor]) ->
         return torch.ops.cpuserve.silu_mul.out(gate_up.contiguous(), out=act)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gather_kv(cache: Tensor, scale: Tensor | None, block_table: Tensor, length: int, dtype: torch.dtype) -> Tensor:
+    """One sequence's first `length` tokens of a layer's pool, contiguous and dequantized: [length, Hkv, D] in dtype
+    (kv_quant.gather_kv documents the arguments)."""
+    if native.enabled() and cache.dtype == torch.int8 and dtype == torch.bfloat16:
+        return torch.ops.cpuserve.gather_kv_int8(cache, scale, block_table, length)
+    return gather_kv_reference(cache, scale, block_table, length, dtype)
 
 
 def rope_write_kv(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, kv: LayerKV, slot_mapping: Tensor) -> None:

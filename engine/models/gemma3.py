@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpuserve.engine.layers import ops
-from cpuserve.engine.layers.kv_quant import gather_kv
 from cpuserve.engine.layers.linear import QuantLinear
 from cpuserve.engine.models.args import ModelArgs
 from cpuserve.engine.models.llama import MLP, Attention, AttentionMetadata, LlamaModel, PrefillChunk, RMSNorm
@@ -66,8 +65,8 @@ class Gemma3Attention(Attention):
             first = max(0, p.q_start + 1 - self.window) // align * align
         length = p.q_start + p.num_tokens - first
         table = p.block_table[first // block_size:]
-        k_ctx = gather_kv(kv.k, kv.k_scale, table, length, q.dtype)  # [T, Hkv, D]: positions first .. first + T - 1
-        v_ctx = gather_kv(kv.v, kv.v_scale, table, length, q.dtype)
+        k_ctx = ops.gather_kv(kv.k, kv.k_scale, table, length, q.dtype)  # [T, Hkv, D] from `first` on
+        v_ctx = ops.gather_kv(kv.v, kv.v_scale, table, length, q.dtype)
         return ops.prefill_attention(q, k_ctx, v_ctx, p.q_start - first, self.scale, self.window)
 
 

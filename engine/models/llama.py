@@ -15,7 +15,7 @@ from torch import nn
 
 from cpuserve.engine.layers import ops
 from cpuserve.engine.layers.embedding import CodedEmbedding
-from cpuserve.engine.layers.kv_quant import LayerKV, gather_kv
+from cpuserve.engine.layers.kv_quant import LayerKV
 from cpuserve.engine.layers.linear import QuantLinear
 from cpuserve.engine.models.args import ModelArgs
 from cpuserve.engine.models.fused_decode import FusedDecode
@@ -84,8 +84,8 @@ class Attention(nn.Module):
                                  self.scale, out[: meta.num_decode], meta.decode_invalid)
         for p in meta.prefills:  # prefill: read the context back from the pool, as a later chunk would
             length = p.q_start + p.num_tokens
-            k_ctx = gather_kv(kv.k, kv.k_scale, p.block_table, length, q.dtype)  # [T, Hkv, D]
-            v_ctx = gather_kv(kv.v, kv.v_scale, p.block_table, length, q.dtype)
+            k_ctx = ops.gather_kv(kv.k, kv.k_scale, p.block_table, length, q.dtype)  # [T, Hkv, D]
+            v_ctx = ops.gather_kv(kv.v, kv.v_scale, p.block_table, length, q.dtype)
             rows = slice(p.token_start, p.token_start + p.num_tokens)
             out[rows] = ops.prefill_attention(q[rows], k_ctx, v_ctx, p.q_start, self.scale)
         return self.o_proj(buf)

@@ -33,3 +33,33 @@ def test_decode_mask_only_for_the_reference(monkeypatch):
     assert ops.prepare_decode_mask(lens, 16) is None  # the kernel masks by context_lens itself
     monkeypatch.setattr(native, "enabled", lambda: False)
     assert torch.equal(ops.prepare_decode_mask(lens, 16), decode_mask(lens, 16))
+
+
+def _int8_pool(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, seed: int = 0):
+    """A layer's int8 pool as the engine holds it, K heads then V heads side by side, with random codes and scales."""
+    gen = torch.Generator().manual_seed(seed)
+    kv = torch.randint(-127, 128, (num_blocks, block_size, 2 * kv_heads, head_dim), generator=gen, dtype=torch.int8)
+    scale = torch.rand(num_blocks, block_size, 2 * kv_heads, generator=gen) * 0.05
+    return kv, scale
+
+
+@pytest.mark.parametrize("head_dim", [64, 72])  # 72: a tail past the 16-wide steps
+@pytest.mark.parametrize("length", [1, 16, 37, 160])
+def test_gather_kv_kernel_gives_the_references_bits(head_dim, length):
+    assert native.available(), "the fused kernels must build here (gcc and ninja are installed by the project)"
+    kv, scale = _int8_pool(14, 16, 3, head_dim)
+    table = torch.randperm(14, generator=torch.Generator().manual_seed(length))[:10]
+    for table_dtype in (torch.int32, torch.int64):
+        for heads in (slice(0, 3), slice(3, 6)):  # the K heads' and the V heads' views
+            cache, sc = kv[:, :, heads], scale[:, :, heads]
+            got = torch.ops.cpuserve.gather_kv_int8(cache, sc, table.to(table_dtype), length)
+            assert torch.equal(got, ops.gather_kv_reference(cache, sc, table, length, torch.bfloat16))
+
+
+def test_gather_kv_kernel_refuses_a_block_outside_the_pool():
+    assert native.available()
+    kv, scale = _int8_pool(4, 16, 2, 64)
+    with pytest.raises(RuntimeError, match=r"block_table\[1\] = 9 is not a block of the pool \(4\)"):
+        torch.ops.cpuserve.gather_kv_int8(kv[:, :, :2], scale[:, :, :2], torch.tensor([0, 9]), 20)
+    with pytest.raises(RuntimeError, match="at least ceil\\(length / B\\) = 2 blocks"):
+        torch.ops.cpuserve.gather_kv_int8(kv[:, :, :2], scale[:, :, :2], torch.tensor([0]), 20)
