@@ -1,34 +1,37 @@
-// One sequence's context read back from an int8 KV pool for prefill attention, dequantized to bf16 in one pass.
+// One sequence's context read back from a layer's int8 KV pool for prefill attention: K and V, dequantized to bf16
+// in one pass over the block table.
 //
-// The plain-torch path (engine/layers/kv_quant.py gather_kv) takes four ops per call: index_select of the blocks,
-// a copy to fp32, the multiply by the scales, a copy back to bf16; two calls per layer per prefilled sequence.
-// Here each (token, head) row is read once and written once: out[t][h][d] = bf16(float(code) * scale[t][h]), the
-// reference's fp32 multiply and round-half-to-even, so the two give the same bits.
+// The plain-torch path (engine/layers/kv_quant.py gather_kv) takes four ops for K and four for V: index_select of
+// the blocks, a copy to fp32, the multiply by the scales, a copy back to bf16. Here each (token, head) row is read
+// once and written once: out[t][h][d] = bf16(float(code) * scale[t][h]), the reference's fp32 multiply and
+// round-half-to-even, so the two give the same bits.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "simd.h"
+#include "rows.h"
 
 #include <cstdint>
+#include <tuple>
 
 namespace {
 
 using bf16 = at::BFloat16;
+using cpuserve_rows::load;
+using cpuserve_rows::store;
 constexpr int64_t kTokensPerTask = 64;
 
-// cache [num_blocks, B, Hkv, D] int8 with contiguous rows, scale [num_blocks, B, Hkv] fp32 (views of a pool that
-// holds K and V heads side by side: any strides), block_table [>= ceil(length / B)] int32 or int64 -> [length, Hkv,
-// D] bf16
-at::Tensor gather_kv_int8(const at::Tensor& cache, const at::Tensor& scale, const at::Tensor& block_table,
-                          int64_t length) {
-  TORCH_CHECK(cache.scalar_type() == at::kChar && cache.dim() == 4 && cache.stride(3) == 1,
-              "cache must be int8 [num_blocks, B, Hkv, D] with contiguous rows, got ", cache.scalar_type(), " ",
-              cache.sizes(), " strides ", cache.strides());
-  const int64_t num_blocks = cache.size(0), B = cache.size(1), Hkv = cache.size(2), D = cache.size(3);
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.sizes() == at::IntArrayRef({num_blocks, B, Hkv}),
-              "scale must be fp32 [", num_blocks, ", ", B, ", ", Hkv, "], got ", scale.scalar_type(), " ",
+// kv [num_blocks, B, 2 * Hkv, D] int8 (K heads, then V heads) with contiguous rows, scale [num_blocks, B, 2 * Hkv]
+// fp32 (any strides), block_table [>= ceil(length / B)] int32 or int64 -> K and V, each [length, Hkv, D] bf16
+std::tuple<at::Tensor, at::Tensor> gather_kv_int8(const at::Tensor& kv, const at::Tensor& scale,
+                                                  const at::Tensor& block_table, int64_t length) {
+  TORCH_CHECK(kv.scalar_type() == at::kChar && kv.dim() == 4 && kv.size(2) % 2 == 0 && kv.stride(3) == 1,
+              "kv must be int8 [num_blocks, B, 2 * Hkv, D] with contiguous rows, got ", kv.scalar_type(), " ",
+              kv.sizes(), " strides ", kv.strides());
+  const int64_t num_blocks = kv.size(0), B = kv.size(1), heads = kv.size(2), Hkv = heads / 2, D = kv.size(3);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.sizes() == at::IntArrayRef({num_blocks, B, heads}),
+              "scale must be fp32 [", num_blocks, ", ", B, ", ", heads, "], got ", scale.scalar_type(), " ",
               scale.sizes());
   const int64_t used = (length + B - 1) / B;
   TORCH_CHECK(length >= 0 && block_table.dim() == 1 && block_table.size(0) >= used,
@@ -38,36 +41,34 @@ at::Tensor gather_kv_int8(const at::Tensor& cache, const at::Tensor& scale, cons
   for (int64_t i = 0; i < used; ++i)
     TORCH_CHECK(id[i] >= 0 && id[i] < num_blocks, "block_table[", i, "] = ", id[i], " is not a block of the pool (",
                 num_blocks, ")");
-  auto out = at::empty({length, Hkv, D}, cache.options().dtype(at::kBFloat16));
-  const int8_t* codes = cache.data_ptr<int8_t>();
+  auto k = at::empty({length, Hkv, D}, kv.options().dtype(at::kBFloat16));
+  auto v = at::empty_like(k);
+  const int8_t* codes = kv.data_ptr<int8_t>();
   const float* scales = scale.data_ptr<float>();
-  bf16* dst = out.data_ptr<bf16>();
+  bf16* const dst[2] = {k.data_ptr<bf16>(), v.data_ptr<bf16>()};
   at::parallel_for(0, length, kTokensPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t block = id[t / B], offset = t % B;
-      for (int64_t h = 0; h < Hkv; ++h) {
-        const int8_t* row = codes + block * cache.stride(0) + offset * cache.stride(1) + h * cache.stride(2);
+      for (int64_t h = 0; h < heads; ++h) {  // K heads 0 .. Hkv - 1, then V heads
+        const int8_t* row = codes + block * kv.stride(0) + offset * kv.stride(1) + h * kv.stride(2);
         const float s = scales[block * scale.stride(0) + offset * scale.stride(1) + h * scale.stride(2)];
-        bf16* o = dst + (t * Hkv + h) * D;
+        bf16* o = dst[h / Hkv] + (t * Hkv + h % Hkv) * D;
         int64_t d = 0;
 #if defined(__AVX512F__)
-        for (; d + 16 <= D; d += 16) {
-          const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d));
-          const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), _mm512_set1_ps(s));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), cpuserve_simd::to_bf16_exact(v));
-        }
+        for (; d + 16 <= D; d += 16)
+          cpuserve_simd::store16(o + d, _mm512_mul_ps(cpuserve_simd::load16(row + d), _mm512_set1_ps(s)));
 #endif
-        for (; d < D; ++d) o[d] = static_cast<bf16>(static_cast<float>(row[d]) * s);
+        for (; d < D; ++d) o[d] = store<bf16>(load(row[d]) * s);
       }
     }
   });
-  return out;
+  return {k, v};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(cpuserve, m) {
-  m.def("gather_kv_int8(Tensor cache, Tensor scale, Tensor block_table, int length) -> Tensor");
+  m.def("gather_kv_int8(Tensor kv, Tensor scale, Tensor block_table, int length) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(cpuserve, CPU, m) { m.impl("gather_kv_int8", &gather_kv_int8); }

@@ -5,7 +5,7 @@ torch.ops.cpuserve.*) and its plain-torch reference, which the tests compare the
     rms_norm           cpuserve.rms_norm                          F.rms_norm
     silu_mul           cpuserve.silu_mul.out                      F.silu(gate) * up
     rope_write_kv      cpuserve.rope_write_kv                     models/rope.py apply_rope + kv_quant.write_kv_fused
-    gather_kv          cpuserve.gather_kv_int8 (int8 pool -> bf16)  kv_quant.gather_kv
+    gather_kv          cpuserve.gather_kv_int8 (int8 pool -> bf16)  kv_quant.gather_kv, for K and for V
     decode_attention   cpuserve.decode_attention.out              attention.paged_decode_attention
     prefill_attention  cpuserve.slim_attention (bf16: AMX/AVX512) attention.slim_attention
     argmax_rows        cpuserve.argmax_rows                       logits.max(dim=-1).indices
@@ -51,12 +51,13 @@ def silu_mul(gate_up: Tensor, make_out: Callable[[int, torch.dtype], Tensor]) ->
     return F.silu(gate) * up
 
 
-def gather_kv(cache: Tensor, scale: Tensor | None, block_table: Tensor, length: int, dtype: torch.dtype) -> Tensor:
-    """One sequence's first `length` tokens of a layer's pool, contiguous and dequantized: [length, Hkv, D] in dtype
-    (kv_quant.gather_kv documents the arguments)."""
-    if native.enabled() and cache.dtype == torch.int8 and dtype == torch.bfloat16:
-        return torch.ops.cpuserve.gather_kv_int8(cache, scale, block_table, length)
-    return gather_kv_reference(cache, scale, block_table, length, dtype)
+def gather_kv(kv: LayerKV, block_table: Tensor, length: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """One sequence's first `length` tokens of a layer's pool, K and V, each contiguous and dequantized:
+    [length, Hkv, D] in dtype (kv_quant.gather_kv documents the block table)."""
+    if native.enabled() and kv.kv.dtype == torch.int8 and dtype == torch.bfloat16:
+        return torch.ops.cpuserve.gather_kv_int8(kv.kv, kv.scale, block_table, length)
+    return (gather_kv_reference(kv.k, kv.k_scale, block_table, length, dtype),
+            gather_kv_reference(kv.v, kv.v_scale, block_table, length, dtype))
 
 
 def rope_write_kv(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, kv: LayerKV, slot_mapping: Tensor) -> None:

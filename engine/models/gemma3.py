@@ -65,8 +65,7 @@ class Gemma3Attention(Attention):
             first = max(0, p.q_start + 1 - self.window) // align * align
         length = p.q_start + p.num_tokens - first
         table = p.block_table[first // block_size:]
-        k_ctx = ops.gather_kv(kv.k, kv.k_scale, table, length, q.dtype)  # [T, Hkv, D] from `first` on
-        v_ctx = ops.gather_kv(kv.v, kv.v_scale, table, length, q.dtype)
+        k_ctx, v_ctx = ops.gather_kv(kv, table, length, q.dtype)  # each [T, Hkv, D], positions from `first` on
         return ops.prefill_attention(q, k_ctx, v_ctx, p.q_start - first, self.scale, self.window)
 
 

@@ -84,8 +84,7 @@ class Attention(nn.Module):
                                  self.scale, out[: meta.num_decode], meta.decode_invalid)
         for p in meta.prefills:  # prefill: read the context back from the pool, as a later chunk would
             length = p.q_start + p.num_tokens
-            k_ctx = ops.gather_kv(kv.k, kv.k_scale, p.block_table, length, q.dtype)  # [T, Hkv, D]
-            v_ctx = ops.gather_kv(kv.v, kv.v_scale, p.block_table, length, q.dtype)
+            k_ctx, v_ctx = ops.gather_kv(kv, p.block_table, length, q.dtype)  # each [T, Hkv, D]
             rows = slice(p.token_start, p.token_start + p.num_tokens)
             out[rows] = ops.prefill_attention(q[rows], k_ctx, v_ctx, p.q_start, self.scale)
         return self.o_proj(buf)

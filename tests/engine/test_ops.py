@@ -7,6 +7,7 @@ import torch
 
 from cpuserve.engine.layers import native, ops
 from cpuserve.engine.layers.attention import decode_mask
+from cpuserve.engine.layers.kv_quant import LayerKV
 
 ENGINE = Path(__file__).resolve().parents[2] / "engine"
 MODEL_CODE = [*sorted((ENGINE / "models").glob("*.py")), ENGINE / "distributed" / "sharding.py"]
@@ -48,18 +49,18 @@ def _int8_pool(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, s
 def test_gather_kv_kernel_gives_the_references_bits(head_dim, length):
     assert native.available(), "the fused kernels must build here (gcc and ninja are installed by the project)"
     kv, scale = _int8_pool(14, 16, 3, head_dim)
+    layer = LayerKV(kv, scale)
     table = torch.randperm(14, generator=torch.Generator().manual_seed(length))[:10]
     for table_dtype in (torch.int32, torch.int64):
-        for heads in (slice(0, 3), slice(3, 6)):  # the K heads' and the V heads' views
-            cache, sc = kv[:, :, heads], scale[:, :, heads]
-            got = torch.ops.cpuserve.gather_kv_int8(cache, sc, table.to(table_dtype), length)
-            assert torch.equal(got, ops.gather_kv_reference(cache, sc, table, length, torch.bfloat16))
+        k, v = torch.ops.cpuserve.gather_kv_int8(kv, scale, table.to(table_dtype), length)
+        assert torch.equal(k, ops.gather_kv_reference(layer.k, layer.k_scale, table, length, torch.bfloat16))
+        assert torch.equal(v, ops.gather_kv_reference(layer.v, layer.v_scale, table, length, torch.bfloat16))
 
 
 def test_gather_kv_kernel_refuses_a_block_outside_the_pool():
     assert native.available()
     kv, scale = _int8_pool(4, 16, 2, 64)
     with pytest.raises(RuntimeError, match=r"block_table\[1\] = 9 is not a block of the pool \(4\)"):
-        torch.ops.cpuserve.gather_kv_int8(kv[:, :, :2], scale[:, :, :2], torch.tensor([0, 9]), 20)
+        torch.ops.cpuserve.gather_kv_int8(kv, scale, torch.tensor([0, 9]), 20)
     with pytest.raises(RuntimeError, match="at least ceil\\(length / B\\) = 2 blocks"):
-        torch.ops.cpuserve.gather_kv_int8(kv[:, :, :2], scale[:, :, :2], torch.tensor([0]), 20)
+        torch.ops.cpuserve.gather_kv_int8(kv, scale, torch.tensor([0]), 20)
