@@ -25,6 +25,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # engine_workers, peers, attention
+import machine  # noqa: E402
 import peer_envs  # noqa: E402
 import real_sizes  # noqa: E402
 from engine_workers import CACHE_DIR, Worker, log, run_worker  # noqa: E402
@@ -302,11 +303,14 @@ def main(argv: list[str] | None = None) -> None:
     real = [s for s in a.real_sizes.split(",") if s]
     if any(s not in real_sizes.REAL for s in real):
         ap.error(f"--real-sizes takes {', '.join(real_sizes.REAL)}, got {a.real_sizes!r}")
-    raw = collect(cfg, model, peers, a.skip_1b, save=save, real=real)
+    cpu_line = machine.describe(machine.int8_peak_gmacs())  # before the engines start: a quiet core
+    log(cpu_line)
+    raw = collect(cfg, model, peers, a.skip_1b, save=lambda r: save(dict(r, machine=cpu_line)), real=real)
     errors = {k: v["error"] for k, v in raw.items() if isinstance(v, dict) and v.get("error", "skipped") != "skipped"}
     print(f"cpuserve / peer, {cfg['threads']} threads, medians of {cfg['reps']} runs after a warm-up; "
           f"model {os.path.basename(model)}, cpuserve weights {a.weights}; decode: {cfg['prompt_len']}-token prompts, {cfg['gen_tokens']} "
           f"new tokens each; {tree_state()}")
+    print(cpu_line)
     print(format_table(build_rows(raw), errors))
 
 

@@ -27,6 +27,7 @@ import uuid
 
 import numpy as np
 
+import machine
 from serve_client import run_level
 from serve_servers import SERVERS
 from workload import make_prompts
@@ -177,11 +178,13 @@ def main() -> None:
     unknown = set(filter(None, args.servers.split(","))) - set(SERVERS)
     if unknown:
         p.error(f"--servers: unknown {sorted(unknown)}; known: {', '.join(SERVERS)}")
+    cpu_line = machine.describe(machine.int8_peak_gmacs())  # before any server starts: a quiet core
+    print(cpu_line, file=sys.stderr, flush=True)
     results, failures = run(args)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": results, "failures": failures}, f, indent=1)
-    print("\n" + table(results, failures, args))
+            json.dump({"args": vars(args), "machine": cpu_line, "results": results, "failures": failures}, f, indent=1)
+    print("\n" + cpu_line + "\n" + table(results, failures, args))
 
 
 if __name__ == "__main__":
