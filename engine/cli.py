@@ -27,7 +27,7 @@ ENGINE_FLAGS = {
     "kv_cache_gb": "memory budget of the KV block pool, GiB",
     "block_size": "tokens per KV block",
     "max_num_seqs": "sequences running at once",
-    "max_num_batched_tokens": "token budget of one engine step (chunked prefill above it)",
+    "max_num_batched_tokens": "token budget of one engine step (chunked prefill above it; a step runs up to 1/16 more to finish a prompt)",
     "max_model_len": "context length; none = the model's",
     "num_threads": "torch threads; none = the cores in the process's affinity mask",
 }

@@ -24,7 +24,7 @@ class EngineConfig:
     kv_cache_gb: float = 1.0  # memory budget of the KV block pool
     block_size: int = 16  # tokens per KV block
     max_num_seqs: int = 64  # sequences running at once
-    max_num_batched_tokens: int = 512  # token budget of one engine step (chunked prefill above it)
+    max_num_batched_tokens: int = 512  # token budget of one engine step (chunked prefill above it, +1/16 to finish a prompt)
     max_model_len: int | None = None  # None = the model's context length
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # None = the cores of this process's affinity mask

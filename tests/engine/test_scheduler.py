@@ -36,6 +36,21 @@ def test_decodes_come_first_and_share_the_budget_with_a_new_prefill():
     assert [(x.request_id, len(x.token_ids)) for x in out.scheduled] == [("a", 1), ("b", 9)]
 
 
+def test_a_prompt_is_not_cut_to_leave_a_sliver_for_the_next_step():
+    s = make_scheduler(num_blocks=64, budget=32)  # max_overrun 2
+    for rid in ("a", "b"):
+        s.add(make_request(rid, [1, 2, 3], max_tokens=5))
+    run_step(s)  # both prefilled: from now on each takes one token of the budget
+    s.add(make_request("c", list(range(1, 33)), max_tokens=1))  # 32 tokens, 30 left in the budget: 2 over
+    s.add(make_request("d", list(range(101, 134)), max_tokens=1))  # no prefix shared with c
+    out = run_step(s)
+    assert [(x.request_id, len(x.token_ids)) for x in out.scheduled] == [("a", 1), ("b", 1), ("c", 32)]
+    assert out.scheduled[-1].needs_sample  # c's first token comes from this step
+    out = run_step(s)  # d's 33 tokens: 3 over the 30 left, more than max_overrun, so it is cut at the budget
+    assert [(x.request_id, len(x.token_ids)) for x in out.scheduled] == [("a", 1), ("b", 1), ("d", 30)]
+    assert not out.scheduled[-1].needs_sample
+
+
 def test_pool_exhaustion_preempts_the_latest_and_everything_completes():
     s = make_scheduler(num_blocks=4, block_size=4, budget=64)
     a = make_request("a", [1, 2, 3, 4, 5, 6], max_tokens=6, arrival=0.0)
