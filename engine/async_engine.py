@@ -126,6 +126,7 @@ class AsyncLLMEngine:
                 if not self.engine.has_unfinished_requests():
                     self._wakeup.wait(timeout=1.0)
                     self._wakeup.clear()
+                    self._gather()
                     continue
                 start = time.perf_counter()
                 chunks = self.engine.step()
@@ -136,6 +137,18 @@ class AsyncLLMEngine:
             self.error = e
             for request_id in list(self._streams):
                 self._deliver_error(request_id, e)
+
+    def _gather(self) -> None:
+        """After an idle spell, wait for the requests that were sent together to arrive, so that the first step
+        prefills them all: up to arrival_window_ms, and no longer once none has come for a quarter of it. Without it
+        the first arrival starts a step alone, the step takes both cores from the processes passing on the others,
+        and they wait a step or two more for their first token."""
+        window = self.engine.config.arrival_window_ms / 1e3
+        if window <= 0 or self._commands.empty():
+            return
+        deadline = time.monotonic() + window
+        while (left := deadline - time.monotonic()) > 0 and self._wakeup.wait(timeout=min(left, window / 4)):
+            self._wakeup.clear()
 
     def _drain_commands(self) -> None:
         while True:

@@ -27,8 +27,9 @@ ENGINE_FLAGS = {
     "kv_cache_gb": "memory budget of the KV block pool, GiB",
     "block_size": "tokens per KV block",
     "max_num_seqs": "sequences running at once",
-    "max_num_batched_tokens": "token budget of one engine step (chunked prefill above it; a step runs up to 1/16 more to finish a prompt)",
+    "max_num_batched_tokens": "token budget of one engine step (chunked prefill above it; +1/16 to finish a prompt)",
     "max_model_len": "context length; none = the model's",
+    "arrival_window_ms": "after an idle spell, wait up to this long for requests sent together before the first step",
     "num_threads": "torch threads; none = the cores in the process's affinity mask",
 }
 _CHOICES = {"weights": WEIGHT_FORMATS, "group_size": GROUP_SIZES, "kv_cache": KV_CACHE_DTYPES,

@@ -24,8 +24,10 @@ class EngineConfig:
     kv_cache_gb: float = 1.0  # memory budget of the KV block pool
     block_size: int = 16  # tokens per KV block
     max_num_seqs: int = 64  # sequences running at once
-    max_num_batched_tokens: int = 512  # token budget of one engine step (chunked prefill above it, +1/16 to finish a prompt)
+    max_num_batched_tokens: int = 512  # token budget of a step (chunked prefill above it; +1/16 to finish a prompt)
     max_model_len: int | None = None  # None = the model's context length
+    # after an idle spell, how long the engine waits for requests sent together before its first step (0: none)
+    arrival_window_ms: float = 0.0
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # None = the cores of this process's affinity mask
     ranks: int = 1  # tensor-parallel ranks of one replica group (processes, each bound to its own CPU set)
@@ -57,6 +59,8 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= block_size={self.block_size}"
             )
+        if not 0 <= self.arrival_window_ms <= 1000:
+            raise ValueError(f"arrival_window_ms={self.arrival_window_ms} must be between 0 and 1000")
         if self.ranks < 1:
             raise ValueError(f"ranks={self.ranks} must be >= 1")
         if self.tp_mode not in ("exact", "reduce"):

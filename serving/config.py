@@ -20,6 +20,9 @@ from cpuserve.engine.config import ACTIVATION_FORMATS, GROUP_SIZES, KV_CACHE_DTY
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 PATH_FIELDS = ("model", "api_key_file", "tls_cert_file", "tls_key_file")  # files the serving host must have
+# served, a replica's engine waits this long at most after an idle spell for requests sent together (the
+# engine's own default is 0: an offline batch arrives at once); docs/serving.md has the measurement
+ARRIVAL_WINDOW_MS = 20.0
 _ENGINE = EngineConfig()  # the engine's defaults are the engine fields' defaults here: one value each
 
 
@@ -51,7 +54,11 @@ class ServeConfig(BaseSettings):
     max_num_seqs: int = Field(_ENGINE.max_num_seqs, ge=1)
     """Sequences one replica runs at once."""
     max_num_batched_tokens: int = Field(_ENGINE.max_num_batched_tokens, ge=1)
-    """Token budget of one engine step (prompts above it are prefilled in chunks)."""
+    """Token budget of one engine step (prompts above it are prefilled in chunks; a step runs up to 1/16 more to
+    finish a prompt)."""
+    arrival_window_ms: float = Field(ARRIVAL_WINDOW_MS, ge=0, le=1000)
+    """After an idle spell, how long a replica's engine waits for requests sent together before its first step
+    (it stops waiting once none has come for a quarter of this); 0 = none."""
     max_model_len: int | None = Field(_ENGINE.max_model_len, ge=2)
     """Context length (prompt + output); None = the model's."""
     enable_prefix_caching: bool = _ENGINE.enable_prefix_caching
@@ -160,6 +167,7 @@ class ServeConfig(BaseSettings):
                     activations=self.activations, kv_cache=self.kv_cache,
                     kv_cache_gb=self.kv_cache_gb, block_size=self.block_size, max_num_seqs=self.max_num_seqs,
                     max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
+                    arrival_window_ms=self.arrival_window_ms,
                     enable_prefix_caching=self.enable_prefix_caching, num_threads=self.cpus_per_rank,
                     ranks=self.ranks_per_replica, transport=self.transport, seed=self.seed, show_progress=False)
 

@@ -87,6 +87,7 @@ def test_bad_prompts_raise_and_name_the_problem(llm_int4):
     ({"kv_cache_gb": 0}, "kv_cache_gb=0 must be > 0"),
     ({"block_size": 12}, "block_size=12 must be a power of two"),
     ({"colour": "red"}, "unknown engine option"),
+    ({"arrival_window_ms": -1}, "arrival_window_ms=-1 must be between 0 and 1000"),
 ])
 def test_bad_engine_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -134,3 +135,31 @@ def test_async_engine_streams_cancels_and_isolates_bad_requests(llm_int4):
     assert [t for c in chunks for t in c.new_token_ids] == expected
     bm = llm_int4.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_arrival_window_lets_requests_sent_together_share_the_first_step(llm_int4):
+    ids = chat(llm_int4, "Write a long essay about the ocean.")
+
+    def steps(window_ms: float) -> int:
+        """Engine steps to serve three requests sent 50 ms apart (3 tokens each) after an idle spell."""
+        config = llm_int4.engine.config
+        saved, config.arrival_window_ms = config.arrival_window_ms, window_ms
+        engine = AsyncLLMEngine(llm_int4.engine)
+
+        async def scenario():
+            async def one(i: int):
+                await asyncio.sleep(0.05 * i)
+                params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+                return [c async for c in engine.generate(ids + [i], params, f"window-{window_ms}-{i}")]
+            return await asyncio.gather(*(one(i) for i in range(3)))
+
+        try:
+            outputs = asyncio.run(scenario())
+            assert all(len(o) == 3 for o in outputs)
+            return len(engine.pop_step_times())
+        finally:
+            engine.shutdown()
+            config.arrival_window_ms = saved
+
+    assert steps(0) > 3  # the first request's prefill starts alone; the others join later steps
+    assert steps(500) == 3  # one prefill step for all three (the window waits 125 ms of quiet), two decode steps
