@@ -42,7 +42,7 @@
 namespace {
 
 #if defined(__AVX512F__)
-using cpuserve_simd::exp2_bf16;
+using cpuserve_simd::exp2_neg;
 using cpuserve_simd::to_bf16;
 #endif
 
@@ -66,8 +66,8 @@ float row_max(const float* s, int64_t n, float mx) {
 
 // p[0, valid) = bf16(exp(scale * (s - mx))), zero on [valid, n), where mx is the max of s[0, valid); returns
 // 1 / the sum of the fp32 exponentials, by which the row's P V is scaled at the end (one pass over the scores
-// less than normalizing P itself). P is bf16, so the exponentials need only bf16's precision: exp2_bf16, with
-// log2(e) folded into the scale (a 512-token SmolLM2 prefill: see docs/engine.md).
+// less than normalizing P itself). exp2_neg with log2(e) folded into the scale: three instructions fewer for 16
+// scores than exp512 after a multiply.
 float softmax_row(const float* s, int64_t valid, int64_t n, float mx, float scale, bf16* p) {
   int64_t t = 0;
   float sum = 0.f;
@@ -76,8 +76,8 @@ float softmax_row(const float* s, int64_t valid, int64_t n, float mx, float scal
   const __m512 vshift = _mm512_set1_ps(-mx * scale2), vscale = _mm512_set1_ps(scale2);
   __m512 vsum0 = _mm512_setzero_ps(), vsum1 = _mm512_setzero_ps();  // two sums: the adds do not wait on each other
   for (t = 0; t + 32 <= valid; t += 32) {
-    const __m512 e0 = exp2_bf16(_mm512_fmadd_ps(_mm512_loadu_ps(s + t), vscale, vshift));
-    const __m512 e1 = exp2_bf16(_mm512_fmadd_ps(_mm512_loadu_ps(s + t + 16), vscale, vshift));
+    const __m512 e0 = exp2_neg(_mm512_fmadd_ps(_mm512_loadu_ps(s + t), vscale, vshift));
+    const __m512 e1 = exp2_neg(_mm512_fmadd_ps(_mm512_loadu_ps(s + t + 16), vscale, vshift));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), to_bf16(e0));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t + 16), to_bf16(e1));
     vsum0 = _mm512_add_ps(vsum0, e0);
@@ -85,7 +85,7 @@ float softmax_row(const float* s, int64_t valid, int64_t n, float mx, float scal
   }
   for (; t < valid; t += 16) {  // the last 1..31 scores, 16 lanes at a time; lanes past valid are zero
     const __mmask16 live = valid - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (valid - t)) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(live, exp2_bf16(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(live, s + t), vscale,
+    const __m512 e = _mm512_maskz_mov_ps(live, exp2_neg(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(live, s + t), vscale,
                                                                          vshift)));
     _mm256_mask_storeu_epi16(p + t, live, to_bf16(e));
     vsum0 = _mm512_add_ps(vsum0, e);
