@@ -278,7 +278,8 @@ def main(argv: list[str] | None = None) -> None:
                     "(written once into ~/.cache/cpuserve-bench), decode against llama.cpp and memory bandwidth")
     ap.add_argument("--profile", action="store_true", help="profile cpuserve decode at batch 1 and 32 instead")
     ap.add_argument("--weights", default="int4", choices=("int4", "int8"),
-                    help="cpuserve's weight format (int8: per-channel, as vLLM's W8A8 peer)")
+                    help="cpuserve's weight format (int8: 8-bit codes; a quantized file's own groups, per channel from a "
+                         "float checkpoint as vLLM's W8A8 peer)")
     a = ap.parse_args(argv)
     from cpuserve.engine.loader import default_model_path
 
