@@ -109,12 +109,12 @@ struct Gemm {
   int64_t ldo;                // out's row stride (N, or more when out is a block of columns of a wider output)
 
   // Steps > 0: act_group is Steps * W::kStep inputs (the group's steps unrolled); Sym >= 0: symmetric() is Sym;
-  // Channel: one scale per output channel (S == 1), known at compile time
-  template <int R, int C, int Steps = 0, int Sym = -1, bool Channel = false>
+  // Chan >= 0: one scale per output channel (S == 1) is Chan
+  template <int R, int C, int Steps = 0, int Sym = -1, int Chan = -1>
   void block(int64_t m, int64_t b, int64_t ahead) const {
     const int64_t A = K / act_group, wstride = K * 2 * Bits;  // packed bytes per column block
     const int8_t* qm = q + m * K;
-    const bool per_channel = Channel || (Steps == 0 && S == 1), symmetric = Sym >= 0 ? Sym == 1 : scales.symmetric();
+    const bool per_channel = Chan >= 0 ? Chan == 1 : S == 1, symmetric = Sym >= 0 ? Sym == 1 : scales.symmetric();
     const int64_t group = Steps > 0 ? Steps * W::kStep : act_group;
     __m512 y[R][C];
     for (int r = 0; r < R; ++r)
@@ -195,19 +195,19 @@ struct Gemm {
 
   // Every row through column blocks b..b+C-1: R rows per register block, then one block of the last M % R. The
   // first register block prefetches `ahead` bytes past its codes (the rest find them in the caches).
-  template <int R, int C, int Steps = 0, int Sym = -1, bool Channel = false>
+  template <int R, int C, int Steps = 0, int Sym = -1, int Chan = -1>
   void all_rows(int64_t M, int64_t b, int64_t ahead = kPrefetch) const {
     int64_t m = 0;
     const int64_t later = ahead > 0 ? kPrefetch : 0;  // none: the codes are a tile's unpacked copy
-    for (; m + R <= M; m += R) block<R, C, Steps, Sym, Channel>(m, b, m == 0 ? ahead : later);
-    rest<R - 1, C, Steps, Sym, Channel>(m, M - m, b, m == 0 ? ahead : later);
+    for (; m + R <= M; m += R) block<R, C, Steps, Sym, Chan>(m, b, m == 0 ? ahead : later);
+    rest<R - 1, C, Steps, Sym, Chan>(m, M - m, b, m == 0 ? ahead : later);
   }
 
-  template <int R, int C, int Steps = 0, int Sym = -1, bool Channel = false>
+  template <int R, int C, int Steps = 0, int Sym = -1, int Chan = -1>
   void rest(int64_t m, int64_t left, int64_t b, int64_t ahead) const {  // left < R + 1 rows
     if constexpr (R > 0) {
-      if (left == R) return block<R, C, Steps, Sym, Channel>(m, b, ahead);
-      rest<R - 1, C, Steps, Sym, Channel>(m, left, b, ahead);
+      if (left == R) return block<R, C, Steps, Sym, Chan>(m, b, ahead);
+      rest<R - 1, C, Steps, Sym, Chan>(m, left, b, ahead);
     }
   }
 
@@ -220,16 +220,16 @@ struct Gemm {
     // Per channel (the engine's own int8 weights, from a float checkpoint) the same way: on the runtime path, one
     // thread, 512 rows made 119-126 G multiply-adds a second, 32 rows 146-160; fixed, 173-182 and 156-176
     if (S == 1 && act_group == 32) {
-      if (scales.symmetric()) return all_rows<R, C, 32 / W::kStep, 1, true>(M, b, ahead);
-      return all_rows<R, C, 32 / W::kStep, 0, true>(M, b, ahead);
+      if (scales.symmetric()) return all_rows<R, C, 32 / W::kStep, 1, 1>(M, b, ahead);
+      return all_rows<R, C, 32 / W::kStep, 0, 1>(M, b, ahead);
     }
     if (S > 1 && act_group == 32) {
-      if (scales.symmetric()) return all_rows<R, C, 32 / W::kStep, 1>(M, b, ahead);
-      return all_rows<R, C, 32 / W::kStep, 0>(M, b, ahead);
+      if (scales.symmetric()) return all_rows<R, C, 32 / W::kStep, 1, 0>(M, b, ahead);
+      return all_rows<R, C, 32 / W::kStep, 0, 0>(M, b, ahead);
     }
     if (S > 1 && act_group == 16) {  // Q6_K, Q3_K (symmetric), Q2_K
-      if (scales.symmetric()) return all_rows<R, C, 16 / W::kStep, 1>(M, b, ahead);
-      return all_rows<R, C, 16 / W::kStep, 0>(M, b, ahead);
+      if (scales.symmetric()) return all_rows<R, C, 16 / W::kStep, 1, 0>(M, b, ahead);
+      return all_rows<R, C, 16 / W::kStep, 0, 0>(M, b, ahead);
     }
     all_rows<R, C>(M, b, ahead);
   }
