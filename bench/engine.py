@@ -280,11 +280,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--weights", default="int4", choices=("int4", "int8"),
                     help="cpuserve's weight format (int8: 8-bit codes; a quantized file's own groups, per channel from a "
                          "float checkpoint as vLLM's W8A8 peer)")
+    ap.add_argument("--activations", default="int8", choices=("int8", "int8-token"),
+                    help="cpuserve's activations (int8-token: a scale per token, with --weights int8: per-channel int8 "
+                         "weights made from the file's values, the scheme of vLLM's W8A8 peer)")
     a = ap.parse_args(argv)
     from cpuserve.engine.loader import default_model_path
 
     model = os.path.abspath(a.model) if a.model else default_model_path()  # workers start in worker_cwd()
-    cfg = dict(sizes(a.quick, a.reps, a.threads, a.batches), weights=a.weights)
+    if a.activations == "int8-token" and a.weights != "int8":
+        ap.error("--activations int8-token needs --weights int8 (per-channel int8 weights)")
+    cfg = dict(sizes(a.quick, a.reps, a.threads, a.batches), weights=a.weights, activations=a.activations)
     if a.profile:
         answer = run_worker("profile", dict(cfg, model=model, batches=[1, 32]), env=peer_envs.launch("cpuserve", 1)[1])
         for batch, prof in answer.get("profile", {}).items():
@@ -309,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
     raw = collect(cfg, model, peers, a.skip_1b, save=lambda r: save(dict(r, machine=cpu_line)), real=real)
     errors = {k: v["error"] for k, v in raw.items() if isinstance(v, dict) and v.get("error", "skipped") != "skipped"}
     print(f"cpuserve / peer, {cfg['threads']} threads, medians of {cfg['reps']} runs after a warm-up; "
-          f"model {os.path.basename(model)}, cpuserve weights {a.weights}; decode: {cfg['prompt_len']}-token prompts, {cfg['gen_tokens']} "
+          f"model {os.path.basename(model)}, cpuserve weights {a.weights}, activations {a.activations}; decode: {cfg['prompt_len']}-token prompts, {cfg['gen_tokens']} "
           f"new tokens each; {tree_state()}")
     print(cpu_line)
     print(format_table(build_rows(raw), errors))

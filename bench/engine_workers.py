@@ -82,9 +82,9 @@ def load_cpuserve(cfg: dict):
     args = load_checkpoint(cfg["model"], show_progress=False).args
     tokens = kv_tokens(cfg) + 16 * max(cfg["batches"], default=1)
     kv_gb = tokens * kv_bytes_per_token(args, "int8") / (1 << 30)
-    # otherwise the engine's defaults: int8 activations and KV cache; weights int4 unless the bench asks for int8
+    # otherwise the engine's defaults: int8 KV cache; int4 weights and int8 activations unless the bench asks for others
     return LLM(model=cfg["model"], num_threads=cfg["threads"], kv_cache_gb=kv_gb, show_progress=False,
-               weights=cfg.get("weights", "int4"))
+               weights=cfg.get("weights", "int4"), activations=cfg.get("activations", "int8"))
 
 
 class CpuserveSession:

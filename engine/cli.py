@@ -22,7 +22,8 @@ ENGINE_FLAGS = {
     "model": "GGUF file or Hugging Face folder; none = the embedded SmolLM2-135M-Instruct",
     "weights": "runtime weight format",
     "group_size": "int4 quantization group along the input dimension",
-    "activations": "what int4 / int8 weights multiply: int8 (dynamic, VNNI dot products) or bf16 (exact)",
+    "activations": "what int4 / int8 weights multiply: int8 (dynamic, VNNI dot products, a scale per 32 inputs), "
+                   "int8-token (a scale per token, vLLM's W8A8 scheme; with --weights int8) or bf16 (exact)",
     "kv_cache": "KV cache element type",
     "kv_cache_gb": "memory budget of the KV block pool, GiB",
     "block_size": "tokens per KV block",

@@ -8,7 +8,9 @@ from typing import Any
 
 WEIGHT_FORMATS = ("int4", "int8", "bf16", "fp32")  # one class each in engine/layers/linear/
 KV_CACHE_DTYPES = ("int8", "bf16", "fp32")
-ACTIVATION_FORMATS = ("int8", "bf16")  # what int4 / int8 weights multiply: see engine/layers/linear/act_int8.py
+# what int4 / int8 weights multiply (engine/layers/linear/act_int8.py): int8 codes with one scale per group of inputs,
+# int8 codes with one scale per token (vLLM's W8A8 scheme; per-channel int8 weights only), or bf16
+ACTIVATION_FORMATS = ("int8", "int8-token", "bf16")
 GROUP_SIZES = (32, 64, 128, 256)  # int4 groups along K: the ones torch's int4 CPU kernel (and ours) accept
 
 
@@ -45,6 +47,9 @@ class EngineConfig:
         if self.activations not in ACTIVATION_FORMATS:
             raise ValueError(f"activations={self.activations!r} is not supported; use one of "
                              f"{', '.join(ACTIVATION_FORMATS)}")
+        if self.activations == "int8-token" and self.weights != "int8":
+            raise ValueError(f"activations='int8-token' (one scale per token) goes with weights='int8' (per-channel int8),"
+                             f" got weights={self.weights!r}: use weights='int8' or activations='int8'")
         if self.kv_cache not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache={self.kv_cache!r} is not supported; use one of {', '.join(KV_CACHE_DTYPES)}")
         if self.group_size not in GROUP_SIZES:

@@ -14,7 +14,9 @@
 //     y' += float(sum code * q) * ax[g],   then once   y = y' * scale + zoff * (sum over g of axs[g]).
 // vpdpbusd and the fp32 multiplies share Zen 4's two 512-bit pipes (measured: 8 vpdpbusd + 4 FMAs take 12 cycles),
 // so every epilogue instruction saved per group is a dot product gained: the per-group form costs 3 of them per 8
-// vpdpbusd (int4, groups of 32), the symmetric form 2 (the zero term starts the integer sum), the per-channel form 1.
+// vpdpbusd (int4, groups of 32), the symmetric form 2 (the zero term starts the integer sum), the per-channel form 1,
+// and per-channel weights with one activation group a row (act_group = K: activations "int8-token", vLLM's W8A8
+// scheme) none: the integer sum runs over all of K, then one epilogue (int32 holds it: |sum| <= 255 * 127 * K).
 // Packing happens once at load (engine/layers/linear/act_int8.py, with the plain-torch reference). Integer sums
 // are exact and each output element's epilogue runs in the same order (groups in k order) whatever the register
 // block, task or thread that computes it: a row's result depends neither on the batch, the tiling nor the threads.
@@ -417,8 +419,8 @@ at::Tensor& vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const a
                   packed.size(1) * 32 % bits == 0,
               "packed must be contiguous uint8 [N/16, K*bits/32, 64], got ", packed.scalar_type(), " ", packed.sizes());
   const int64_t N = packed.size(0) * 16, K = packed.size(1) * 32 / bits, S = scales.size(1);
-  TORCH_CHECK(act_group % 16 == 0 && K % act_group == 0, "act_group=", act_group, " must be a multiple of 16 "
-              "dividing K=", K);
+  TORCH_CHECK(act_group % 16 == 0 && K % act_group == 0 && act_group <= 65536, "act_group=", act_group,
+              " must be a multiple of 16 dividing K=", K, ", at most 65536 (a group's integer sum must fit int32)");
   check_scales(scales, zoffs, supers, bits, N, K, act_group);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous() && x.size(1) == K,
               "x must be contiguous bf16 [M, ", K, "], got ", x.scalar_type(), " ", x.sizes());

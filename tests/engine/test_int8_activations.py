@@ -131,9 +131,9 @@ def test_error_against_fp32_is_within_the_activation_rounding_bound(fmt):
     assert (err / bound).max() > 0.01  # the activations are really rounded (not bf16 through another path)
 
 
-@pytest.mark.parametrize("fmt", ["int4", "int8"])
-def test_a_row_does_not_depend_on_the_batch_or_the_threads(fmt):
-    m = build_linear(make_weight(576, 576), torch.randn(576), fmt, 32, activations="int8")
+@pytest.mark.parametrize("fmt,activations", [("int4", "int8"), ("int8", "int8"), ("int8", "int8-token")])
+def test_a_row_does_not_depend_on_the_batch_or_the_threads(fmt, activations):
+    m = build_linear(make_weight(576, 576), torch.randn(576), fmt, 32, activations=activations)
     x = make_x(37, 576)
     batched = m(x)
     alone = torch.cat([m(x[i:i + 1]) for i in range(37)])
@@ -237,7 +237,7 @@ def test_shapes_the_kernel_refuses_keep_bf16_activations():
 
 
 def test_bad_activations_value_is_refused_naming_the_field():
-    with pytest.raises(ValueError, match="activations='fp8'.*int8, bf16"):
+    with pytest.raises(ValueError, match="activations='fp8'.*int8, int8-token, bf16"):
         EngineConfig(activations="fp8")
     with pytest.raises(ValueError, match="activations must be one of"):
         build_linear(make_weight(16, 32), None, "int4", 32, activations="int4")

@@ -8,7 +8,8 @@ s = absmax / 127, q = round(x * 127 / absmax). Weights are unsigned codes with w
                 the weight groups (32 by default)
     W6A8Linear  codes 0..63 a file brought (Q6_K, the 5-bit types; engine/layers/linear/coded.py), its groups
     W8A8Linear  quantize_int8's per-channel weights as codes w + 128, zoff = -128 * scale; activation groups of
-                W8A8_ACT_GROUP inputs (or a file's 8-bit codes in its groups)
+                W8A8_ACT_GROUP inputs or, with activations "int8-token", one group of K: a scale per token (or a
+                file's 8-bit codes in its groups)
 
 and per activation group g:  y += float(sum code * q) * scale * ax_g + zoff * ax_g * sum q. Where zoff = -z * scale
 for one integer z (symmetric codes: Q4_0, Q8_0, Q6_K, quantize_int8's) only z is kept (`zoffs` is two int32: z and
@@ -17,6 +18,8 @@ the scales' power-of-two shift, compact_scales) and the kernel computes y += flo
 
 Group scales rather than one scale per row: measured by perplexity over 8k tokens on SmolLM2-135M (int4 weights,
 fp32 KV), per-row scales cost +3.6% against fp32 and groups of 32 +1.5%; the lm_head alone, per row, was +0.85%.
+Per-token scales stay an option for per-channel int8 weights ("int8-token"): the scheme of vLLM's W8A8, whose
+epilogue is one multiply a row and column instead of one a group (see engine/csrc/vnni_gemm.cpp).
 
 Integer sums are exact and the kernel's float epilogue runs in the same order for every output element, so a
 row's result depends neither on the batch nor on the tiling nor on the threads. The plain-torch reference beside
@@ -189,9 +192,9 @@ class Int8ActLinear(PackedLinear):
     act_group: int
 
     @classmethod
-    def misfit(cls, n: int, k: int, group_size: int) -> str:
-        """Why the kernel cannot take an [N, K] weight, or "" when it can."""
-        k_align = cls.k_align(group_size)
+    def misfit(cls, n: int, k: int, group_size: int, per_token: bool = False) -> str:
+        """Why the kernel cannot take an [N, K] weight, or "" when it can (per_token: one activation group of K)."""
+        k_align = 16 if per_token else cls.k_align(group_size)
         if n % BLOCK_N:
             return f"N={n} is not a multiple of {BLOCK_N}"
         if k % k_align:
@@ -309,12 +312,14 @@ class W8A8Linear(Int8ActLinear):
     bits = 8
 
     @classmethod
-    def from_float(cls, weight: Tensor, fmt: str, group_size: int) -> "W8A8Linear":
+    def from_float(cls, weight: Tensor, fmt: str, group_size: int, per_token: bool = False) -> "W8A8Linear":
+        """Per-channel int8 codes; activations in groups of W8A8_ACT_GROUP, or per_token: one scale per row (the
+        kernel's dot products then run over all of K before one multiply a row and column: vLLM's W8A8 scheme)."""
         n, k = weight.shape
         q, scale = quantize_int8(weight)
         symmetric = torch.tensor([128, 0], dtype=torch.int32)  # zoff = -128 * scale
         return cls(k, n, fmt, group_size).set_codes(pack_int8(q.to(torch.int32) + 128), _blocked(scale[:, None]),
-                                                    symmetric, W8A8_ACT_GROUP)
+                                                    symmetric, k if per_token else W8A8_ACT_GROUP)
 
     @staticmethod
     def k_align(group_size: int) -> int:

@@ -19,7 +19,8 @@ from cpuserve.engine.layers.linear.int8 import Int8Linear
 from cpuserve.engine.layers.linear.stacked import StackedLinear
 
 _CLASSES = {"int4": Int4Linear, "int8": Int8Linear, "bf16": DenseLinear, "fp32": DenseLinear}
-_INT8_ACT_CLASSES = {"int4": W4A8Linear, "int8": W8A8Linear}  # activations="int8"
+_INT8_ACT_CLASSES = {"int4": W4A8Linear, "int8": W8A8Linear}  # activations="int8" ("int8-token": int8 only)
+INT8_ACTIVATIONS = ("int8", "int8-token")
 assert tuple(_CLASSES) == WEIGHT_FORMATS, "every weight format needs a class"
 log = logging.getLogger(__name__)
 
@@ -40,9 +41,11 @@ def build_linear(weight: Tensor | CodedWeight | CodedRows, bias: Tensor | None, 
         use_fallback: force the plain-torch path even when the fast kernel fits (tests, debugging).
         activations: "int8" multiplies int4 / int8 weights with dynamically quantized int8 activations (act_int8.py,
             VNNI) where the kernels are built and the shape fits, else bf16 activations; "bf16" always keeps them
-            (torch's kernels' exact arithmetic). bf16 / fp32 weights always run dense.
+            (torch's kernels' exact arithmetic). bf16 / fp32 weights always run dense. "int8-token" (fmt int8
+            only): one activation scale per token, so the weights must be per channel: a file's codes are
+            dequantized and quantized again, as vLLM's W8A8 checkpoint is made from the same file.
     Raises:
-        ValueError: unknown fmt, group_size or activations, or a weight that is not 2-D.
+        ValueError: unknown fmt, group_size or activations, int8-token with int4, or a weight that is not 2-D.
     """
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"fmt must be one of {WEIGHT_FORMATS}, got {fmt!r}")
@@ -50,6 +53,9 @@ def build_linear(weight: Tensor | CodedWeight | CodedRows, bias: Tensor | None, 
         raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size!r}")
     if activations not in ACTIVATION_FORMATS:
         raise ValueError(f"activations must be one of {ACTIVATION_FORMATS}, got {activations!r}")
+    if activations == "int8-token" and fmt == "int4":
+        raise ValueError("activations='int8-token' (a scale per token) needs per-channel weights: fmt='int8', "
+                         "got fmt='int4' (int4 weights take activations='int8', in their groups)")
     if len(weight.shape) != 2:
         raise ValueError(f"weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
     n = weight.shape[0]
@@ -70,7 +76,8 @@ def build_linear(weight: Tensor | CodedWeight | CodedRows, bias: Tensor | None, 
                 fmt = "int8"
             weight = weight.dequantize()
         if _int8_activations(weight, fmt, group_size, use_fallback, activations):
-            linear = _INT8_ACT_CLASSES[fmt].from_float(weight.detach(), fmt, group_size)
+            per_token = {"per_token": True} if activations == "int8-token" else {}
+            linear = _INT8_ACT_CLASSES[fmt].from_float(weight.detach(), fmt, group_size, **per_token)
         else:
             linear = _CLASSES[fmt].from_float(weight.detach(), fmt, group_size, use_fallback)
         return _with_bias(linear, bias)
@@ -92,12 +99,12 @@ def _keeps_codes(weight: CodedWeight, fmt: str, use_fallback: bool, activations:
 
 
 def _int8_activations(weight: Tensor, fmt: str, group_size: int, use_fallback: bool, activations: str) -> bool:
-    if activations != "int8" or fmt not in _INT8_ACT_CLASSES or use_fallback:
+    if activations not in INT8_ACTIVATIONS or fmt not in _INT8_ACT_CLASSES or use_fallback:
         return False
     if not native.vnni_gemm_enabled():
         _warn_no_vnni()
         return False
-    return not _INT8_ACT_CLASSES[fmt].misfit(*weight.shape, group_size)  # else bf16 activations (they fit more)
+    return not _INT8_ACT_CLASSES[fmt].misfit(*weight.shape, group_size, activations == "int8-token")  # else bf16 activations (they fit more)
 
 
 @functools.lru_cache(maxsize=1)
