@@ -110,11 +110,34 @@ struct Gemm {
   bf16* out;
   int64_t ldo;                // out's row stride (N, or more when out is a block of columns of a wider output)
 
+  // acc[r][c] += the products of rows qm + r * K and column blocks b + c over inputs k..k+W::kStep-1, prefetching the
+  // codes `ahead` bytes past these (inlined: called, the unrolled group of 4-bit codes ran 155 -> 110)
+  template <int R, int C>
+  __attribute__((always_inline)) void dots(__m512i (&acc)[R][C], const int8_t* qm, int64_t k, int64_t b,
+                                           int64_t ahead) const {
+    __m512i wk[C][W::kOps];
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* p = w + (b + c - w0) * K * 2 * Bits + k * 2 * Bits;  // 64 bytes per 4 inputs' worth of operands
+      if (ahead > 0) _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T0);
+      W::load(p, wk[c]);
+    }
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < W::kOps; ++i) {
+        if constexpr (C == 1) {
+          acc[r][0] = dpbusd_bcast(acc[r][0], wk[0][i], qm + r * K + k + 4 * i);
+        } else {  // one broadcast for the C blocks: Zen 4 runs the memory-broadcast form slower (a loop of
+                  // vpdpbusd alone, 6 x 2: 404-459 G multiply-adds a second against 534-540)
+          const __m512i a = broadcast4(qm + r * K + k + 4 * i);
+          for (int c = 0; c < C; ++c) acc[r][c] = dpbusd(acc[r][c], wk[c][i], a);
+        }
+      }
+  }
+
   // Steps > 0: act_group is Steps * W::kStep inputs (the group's steps unrolled); Sym >= 0: symmetric() is Sym;
   // Chan >= 0: one scale per output channel (S == 1) is Chan
   template <int R, int C, int Steps = 0, int Sym = -1, int Chan = -1>
   void block(int64_t m, int64_t b, int64_t ahead) const {
-    const int64_t A = K / act_group, wstride = K * 2 * Bits;  // packed bytes per column block
+    const int64_t A = K / act_group;
     const int8_t* qm = q + m * K;
     const bool per_channel = Chan >= 0 ? Chan == 1 : S == 1, symmetric = Sym >= 0 ? Sym == 1 : scales.symmetric();
     const int64_t group = Steps > 0 ? Steps * W::kStep : act_group;
@@ -127,24 +150,7 @@ struct Gemm {
         const __m512i start = symmetric ? _mm512_set1_epi32(-z * qs[(m + r) * A + g]) : _mm512_setzero_si512();
         for (int c = 0; c < C; ++c) acc[r][c] = start;
       }
-      const auto step = [&](int64_t k) {
-        __m512i wk[C][W::kOps];
-        for (int c = 0; c < C; ++c) {
-          const uint8_t* p = w + (b + c - w0) * wstride + k * 2 * Bits;  // 64 bytes per 4 inputs' worth of operands
-          if (ahead > 0) _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T0);
-          W::load(p, wk[c]);
-        }
-        for (int r = 0; r < R; ++r)
-          for (int i = 0; i < W::kOps; ++i) {
-            if constexpr (C == 1) {
-              acc[r][0] = dpbusd_bcast(acc[r][0], wk[0][i], qm + r * K + k + 4 * i);
-            } else {  // one broadcast for the C blocks: Zen 4 runs the memory-broadcast form slower (a loop of
-                      // vpdpbusd alone, 6 x 2: 404-459 G multiply-adds a second against 534-540)
-              const __m512i a = broadcast4(qm + r * K + k + 4 * i);
-              for (int c = 0; c < C; ++c) acc[r][c] = dpbusd(acc[r][c], wk[c][i], a);
-            }
-          }
-      };
+      const auto step = [&](int64_t k) { dots<R, C>(acc, qm, k, b, ahead); };
       if constexpr (Steps > 0) {
 #pragma GCC unroll 16
         for (int s = 0; s < Steps; ++s) step(g * group + s * W::kStep);
@@ -195,6 +201,38 @@ struct Gemm {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m + r) * ldo + (b + c) * 16), to_bf16(y[r][c]));
   }
 
+  // block<R, C> for per-channel symmetric codes with one activation group a row (act_group = K: "int8-token"): the
+  // integer sums run over all of K with no fp32 accumulator live beside them, then one epilogue, the same instructions
+  // per output element as block's per-channel path (whose FMA adds the product to 0). One thread, SmolLM2's four layer
+  // GEMMs at 512 rows, alternating builds: 177-202 G multiply-adds a second through block, 200-208 here.
+  template <int R, int C>
+  void block_token(int64_t m, int64_t b, int64_t ahead) const {
+    const int8_t* qm = q + m * K;
+    __m512i acc[R][C];
+    for (int r = 0; r < R; ++r) {
+      const __m512i start = _mm512_set1_epi32(-z * qs[m + r]);
+      for (int c = 0; c < C; ++c) acc[r][c] = start;
+    }
+    for (int64_t k = 0; k < K; k += W::kStep) dots<R, C>(acc, qm, k, b, ahead);
+    for (int c = 0; c < C; ++c) {
+      const __m512 sv = scales.scale(b + c, 0);
+      for (int r = 0; r < R; ++r) {
+        __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), _mm512_set1_ps(ax[m + r]), _mm512_setzero_ps());
+        y = _mm512_mul_ps(y, sv);
+        if (unscale != 1.f) y = _mm512_mul_ps(y, _mm512_set1_ps(unscale));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m + r) * ldo + (b + c) * 16), to_bf16(y));
+      }
+    }
+  }
+
+  template <int R, int C>
+  void all_rows_token(int64_t M, int64_t b, int64_t ahead) const {  // as all_rows
+    int64_t m = 0;
+    const int64_t later = ahead > 0 ? kPrefetch : 0;
+    for (; m + R <= M; m += R) block_token<R, C>(m, b, m == 0 ? ahead : later);
+    rest<R - 1, C>(m, M - m, b, m == 0 ? ahead : later);  // block's per-channel path: the same bits
+  }
+
   // Every row through column blocks b..b+C-1: R rows per register block, then one block of the last M % R. The
   // first register block prefetches `ahead` bytes past its codes (the rest find them in the caches).
   template <int R, int C, int Steps = 0, int Sym = -1, int Chan = -1>
@@ -219,6 +257,9 @@ struct Gemm {
   // 294-319 against 230-243 G multiply-adds a second at 512 rows, 173-272 against 159-221 at 8 rows.
   template <int R, int C>
   void all_rows_fixed(int64_t M, int64_t b, int64_t ahead) const {
+    // one activation group a row, beyond decode (whose 8 x 1 blocks ran slower through block_token: one thread,
+    // 8 rows, 130 against 143-146 G multiply-adds a second)
+    if (C > 1 && S == 1 && act_group == K && scales.symmetric()) return all_rows_token<R, C>(M, b, ahead);
     // Per channel (the engine's own int8 weights, from a float checkpoint) the same way: on the runtime path, one
     // thread, 512 rows made 119-126 G multiply-adds a second, 32 rows 146-160; fixed, 173-182 and 156-176
     if (S == 1 && act_group == 32) {
