@@ -149,6 +149,7 @@ class ServeConfig(BaseSettings):
         ports = {"grpc_port": self.grpc_port, "http_port": self.http_port, "metrics_port": self.metrics_port}
         if len({p for p in ports.values() if p}) != len([p for p in ports.values() if p]):
             raise ValueError(f"ports must differ: {ports}")
+        EngineConfig(**self.engine_options())  # the engine's own checks across fields (activations with weights)
         return self
 
     @property

@@ -51,6 +51,8 @@ def test_yaml_with_flags_on_top(tmp_path):
     ({"model": "/nonexistent/model.gguf"}, "model"),
     ({"replicas": 0}, "replicas"),
     ({"grpc_port": 8000}, "ports must differ"),
+    ({"activations": "int8-token"}, "activations='int8-token' (one scale per token) goes with weights='int8'"),
+    ({"max_num_batched_tokens": 8}, "max_num_batched_tokens=8 must be >= block_size=16"),
     ({"unknown_field": 1}, "unknown_field"),
 ])
 def test_bad_config_names_the_field(fields, named):
