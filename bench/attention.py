@@ -5,7 +5,9 @@
 Prefill: SlimAttention vs torch SDPA (is_causal=True, enable_gqa=True: torch's CPU flash kernel) at 1024 and
 4096 tokens, bf16 and fp32; ratio = sdpa_ms / slim_ms (> 1: SlimAttention is faster). The two run interleaved, one
 call each per repetition, so drift from other load on the machine hits both alike. The case names the kernel:
-"native brgemm" / "native avx512_bf16" (engine/csrc/slim_attention.cpp) or "torch" (attention.slim_attention).
+"native brgemm" / "native avx512_bf16" (engine/csrc/slim_attention.cpp) or "torch" (attention.slim_attention);
+"int8 K" is the engine's prefill with int8 activations where the kernel runs Q K^T as int8 dot products (AVX-512
+VNNI without AMX: engine/csrc/int8_scores.h), on K as the int8 pool holds it.
 Decode: paged_decode_attention with an int8 vs a bf16 cache at batch 1/8/32, context 512;
 ratio = bf16_ms / int8_ms. Then the fused C++ kernel (torch.ops.cpuserve.decode_attention) against that
 plain-torch kernel on the same int8 pool; ratio = torch_ms / native_ms.
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 from cpuserve.engine.layers import native
 from cpuserve.engine.threads import tune_allocator as tune_malloc  # the engine's own setting, applied the same way
 from cpuserve.engine.layers.attention import (DECODE_CHUNK_TOKENS, SLIM_BLOCK_ROWS, paged_decode_attention,
-                                              slim_attention, write_kv)
+                                              quantize_kv, slim_attention, write_kv)
 from cpuserve.engine.layers.ops import NATIVE_SLIM_BLOCK_ROWS
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
@@ -53,13 +55,17 @@ def interleaved_median_ms(fns, repeats: int, warmup: int = 1) -> list[float]:
     return [1000 * statistics.median(ts) for ts in times]
 
 
-def bench_prefill(seq_len: int, dtype: torch.dtype, repeats: int, block_rows: int | None = None) -> dict:
-    """SlimAttention as the engine runs it (the C++ kernel for bf16 when it runs on this CPU) against SDPA."""
+def bench_prefill(seq_len: int, dtype: torch.dtype, repeats: int, block_rows: int | None = None,
+                  int8_keys: bool = False) -> dict:
+    """SlimAttention as the engine runs it (the C++ kernel for bf16 when it runs on this CPU) against SDPA.
+    int8_keys: K as the int8 pool holds it, Q K^T as int8 dot products (the engine's way with int8 activations
+    where native.slim_attention_int8_keys()); SDPA gets the bf16 keys the codes were made from."""
     fused = dtype == torch.bfloat16 and native.slim_attention_native_enabled()
     block_rows = block_rows or (NATIVE_SLIM_BLOCK_ROWS if fused else SLIM_BLOCK_ROWS)
     q = torch.randn(seq_len, HEADS, HEAD_DIM).to(dtype)
     k = torch.randn(seq_len, KV_HEADS, HEAD_DIM).to(dtype)
     v = torch.randn(seq_len, KV_HEADS, HEAD_DIM).to(dtype)
+    codes, k_scale = quantize_kv(k) if int8_keys else (k, None)
     scale = HEAD_DIM ** -0.5
     qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, L, D]: SDPA's layout
     def sdpa_fn():
@@ -67,11 +73,12 @@ def bench_prefill(seq_len: int, dtype: torch.dtype, repeats: int, block_rows: in
 
     def slim_fn():
         if fused:
-            return torch.ops.cpuserve.slim_attention(q, k, v, 0, scale, block_rows)
-        return slim_attention(q, k, v, 0, scale, block_rows=block_rows)
+            return torch.ops.cpuserve.slim_attention(q, codes, v, 0, scale, block_rows, 0, k_scale)
+        return slim_attention(q, codes, v, 0, scale, block_rows=block_rows, k_scale=k_scale)
 
     sdpa, slim = interleaved_median_ms([sdpa_fn, slim_fn], repeats)
     kind = f"native {torch.ops.cpuserve.slim_attention_kernel()}" if fused else "torch"
+    kind += " int8 K" if int8_keys else ""
     return {"bench": "prefill", "case": f"L={seq_len} {str(dtype)[6:]} {kind} rows={block_rows}",
             "base_ms": round(sdpa, 2), "ours_ms": round(slim, 2), "ratio": round(sdpa / slim, 2),
             "vs": "sdpa/slim"}
@@ -125,6 +132,8 @@ def run(prefill_lens=(1024, 4096), dtypes=(torch.bfloat16, torch.float32), batch
         prefill_only: bool = False) -> list[dict]:
     """Rows of {bench, case, base_ms, ours_ms, ratio, vs}; medians of `repeats` runs."""
     rows = [bench_prefill(n, dt, repeats, block_rows) for n in prefill_lens for dt in dtypes]
+    if torch.bfloat16 in dtypes and native.slim_attention_int8_keys():
+        rows += [bench_prefill(n, torch.bfloat16, repeats, block_rows, int8_keys=True) for n in prefill_lens]
     if prefill_only:
         return rows
     rows += [bench_decode(b, context, max(repeats, 20), chunk_tokens) for b in batches]

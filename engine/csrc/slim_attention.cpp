@@ -13,6 +13,10 @@
 //   avx512_bf16  our vdpbf16ps micro-kernels of bf16_dot.h (AMD Zen 4, and Intel CPUs without AMX)
 // On a CPU with neither the op refuses to run and engine/layers/native.py keeps the plain-torch path.
 //
+// With an int8 K and its scales (k_scale: the KV pool's codes, as decode reads them), Q K^T runs as int8 dot products
+// instead (int8_scores.h, each query row quantized on its own), on avx512_bf16 only: where brgemm runs, AMX's bf16 is
+// faster than VNNI's int8, and the caller passes a bf16 K (engine/layers/ops.py decides). P V stays bf16.
+//
 // Every product covers whole key blocks from key 0 (masked keys get P = 0, which adds exact zeros; the
 // avx512_bf16 kernel stops at the row block's last key instead, and what it skips no row reads), so a query
 // row's result does not depend on which other rows share its block or where the chunk started: a prompt
@@ -27,7 +31,9 @@
 #include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
+#include "act_quant.h"
 #include "bf16_dot.h"
+#include "int8_scores.h"
 #include "simd.h"
 #include "tasks.h"
 
@@ -126,6 +132,15 @@ std::string slim_attention_kernel() {
   }
 }
 
+// slim_attention takes an int8 K (Q K^T as int8 dot products) on this CPU
+bool slim_attention_int8_keys() {
+#if defined(CPUSERVE_VNNI)
+  return product_kernel() == Products::kAvx512Bf16;
+#else
+  return false;
+#endif
+}
+
 // s[m][kb * 256 ...] = a[m][D] . K^T for key block kb (kblock: [D/2][256][2]); only the first `seen` keys
 // of the block are needed (brgemm computes all 256)
 void score_block(Products kernel, int64_t m, int64_t D, const bf16* a, const bf16* kblock, float* s, int64_t ld,
@@ -156,29 +171,27 @@ void weigh_values(Products kernel, int64_t m, int64_t D, int64_t keys, const bf1
   at::native::cpublas::brgemm(m, D, keys, ld, D, D, false, p, vh, o, true);
 }
 
-// One key block of a kv head as K^T in VNNI pairs: dst[d/2][t][d%2] = src[t * ld + d] for t < n, zero for
-// n <= t < kKeyBlock. Each 32-bit pair (d, d+1) of a key is one word: sixteen keys' words gathered per store.
-void pack_keys(const bf16* src, int64_t ld, int64_t n, int64_t D, bf16* dst) {
-  auto* out = reinterpret_cast<uint32_t*>(dst);
+// One key block of a kv head as K^T in 32-bit words: dst[p][t] = word p of key t ^ flip for t < n, zero for
+// n <= t < kKeyBlock, where key t's words start at src + t * ld_words words. A bf16 key's word is a VNNI pair
+// (d, d+1); an int8 key's 4 consecutive dims, flipped by 0x80808080 to code + 128 (int8_scores.h). Sixteen keys'
+// words gathered per store.
+void pack_keys(const void* src, int64_t ld_words, int64_t n, int64_t words, uint32_t flip, uint32_t* dst) {
+  const auto* in = static_cast<const uint32_t*>(src);
 #if defined(__AVX512F__)
-  const auto* in = reinterpret_cast<const int*>(src);  // word p of key t at in[t * ld / 2 + p]
   const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                          _mm512_set1_epi32(static_cast<int>(ld / 2)));
-  for (int64_t p = 0; p < D / 2; ++p)
+                                          _mm512_set1_epi32(static_cast<int>(ld_words)));
+  const __m512i vflip = _mm512_set1_epi32(static_cast<int>(flip));
+  for (int64_t p = 0; p < words; ++p)
     for (int64_t t = 0; t < kKeyBlock; t += 16) {
       const __mmask16 live = t >= n ? 0 : n - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
-      const __m512i words = live ? _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows,
-                                                                in + t * (ld / 2) + p, 4)
-                                 : _mm512_setzero_si512();
-      _mm512_storeu_si512(out + p * kKeyBlock + t, words);
+      const __m512i gathered = live ? _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows,
+                                                                   in + t * ld_words + p, 4)
+                                    : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + p * kKeyBlock + t, _mm512_maskz_xor_epi32(live, gathered, vflip));
     }
 #else
-  for (int64_t p = 0; p < D / 2; ++p)
-    for (int64_t t = 0; t < kKeyBlock; ++t) {
-      uint32_t word = 0;
-      if (t < n) std::memcpy(&word, src + t * ld + 2 * p, sizeof(word));
-      out[p * kKeyBlock + t] = word;
-    }
+  for (int64_t p = 0; p < words; ++p)
+    for (int64_t t = 0; t < kKeyBlock; ++t) dst[p * kKeyBlock + t] = t < n ? in[t * ld_words + p] ^ flip : 0u;
 #endif
 }
 
@@ -211,10 +224,12 @@ void pack_values(const bf16* src, int64_t ld, int64_t n, int64_t D, bf16* dst) {
 }
 
 at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t q_start,
-                          double sm_scale, int64_t block_rows, int64_t window) {
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+                          double sm_scale, int64_t block_rows, int64_t window, const c10::optional<at::Tensor>& k_scale) {
+  const bool int8_keys = k.scalar_type() == at::kChar;
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && (int8_keys || k.scalar_type() == at::kBFloat16) &&
                   v.scalar_type() == at::kBFloat16,
-              "slim_attention: q, k and v must be bfloat16 (fp32 runs on the plain-torch path)");
+              "slim_attention: q and v must be bfloat16, k bfloat16 or int8 (fp32 runs on the plain-torch path)");
+  TORCH_CHECK(int8_keys == k_scale.has_value(), "slim_attention: k_scale goes with an int8 k, and only with one");
   TORCH_CHECK(q.dim() == 3 && q.stride(-1) == 1 && q.stride(1) == q.size(2), "q must be [L, H, D] with dense rows");
   TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes() && k.dim() == 3,
               "k and v must be contiguous [T, Hkv, D]");
@@ -224,25 +239,40 @@ at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   const int64_t L = q.size(0), H = q.size(1), D = q.size(2), T = k.size(0), Hkv = k.size(1);
   TORCH_CHECK(T == q_start + L, "k/v length ", T, " must equal q_start + L = ", q_start + L);
   TORCH_CHECK(k.size(2) == D && D % 2 == 0 && H % Hkv == 0, "head_dim must match and be even; Hkv must divide H");
+  TORCH_CHECK(!int8_keys || slim_attention_int8_keys(), "slim_attention: an int8 k needs the avx512_bf16 kernel with "
+              "AVX-512 VNNI (see slim_attention_int8_keys()); this CPU runs ", slim_attention_kernel());
+  TORCH_CHECK(!int8_keys || (D % cpuserve_int8_scores::kQGroup == 0 && k_scale->scalar_type() == at::kFloat &&
+                             k_scale->dim() == 2 && k_scale->size(0) == T && k_scale->size(1) == Hkv),
+              "slim_attention: an int8 k needs head_dim a multiple of ", cpuserve_int8_scores::kQGroup, " (got ", D,
+              ") and k_scale fp32 [T, Hkv]");
   const int64_t g = H / Hkv, nkb = (T + kKeyBlock - 1) / kKeyBlock, t_pad = nkb * kKeyBlock;
   // row stride of the score and P buffers: 64 elements past the keys, so consecutive rows do not sit a multiple
   // of 4 KiB apart (16 rows of one AMX tile load would then share one L1 set)
   const int64_t ld = t_pad + 64;
   const float scale = static_cast<float>(sm_scale);
-  const bf16* kd = k.data_ptr<bf16>();
   const bf16* vd = v.data_ptr<bf16>();
 
   // VNNI pairs: kp[h][kb][d/2][t][d%2] = k[t][h][d] (B = K^T), vp[h][kb][t/2][d][t%2] = v[t][h][d] (B = V); keys
   // past T are zero (they score 0, then are masked; P V reads zero rows)
-  auto kp = at::empty({Hkv, nkb, D / 2, kKeyBlock, 2}, k.options());
+  // int8 K: kp holds int8_scores.h's packed codes, u8 [h][kb][D/4][t][4], and ksp their scales [h][kb][t]
+  auto kp = int8_keys ? at::empty({Hkv, nkb, D / 4, kKeyBlock, 4}, k.options().dtype(at::kByte))
+                      : at::empty({Hkv, nkb, D / 2, kKeyBlock, 2}, k.options());
+  auto ksp = at::empty({int8_keys ? Hkv * nkb * kKeyBlock : 0}, k.options().dtype(at::kFloat));
   auto vp = at::empty({Hkv, nkb, kKeyBlock / 2, D, 2}, v.options());
-  bf16* kpd = kp.data_ptr<bf16>();
   bf16* vpd = vp.data_ptr<bf16>();
-  const int64_t block_elems = kKeyBlock * D;
+  const int64_t block_elems = kKeyBlock * D, bytes = int8_keys ? 1 : 2;  // a key block's elements of K and V; K's size
   at::parallel_for(0, Hkv * nkb, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / nkb, kb = task % nkb, t0 = kb * kKeyBlock, n = std::min(kKeyBlock, T - t0);
-      pack_keys(kd + (t0 * Hkv + h) * D, Hkv * D, n, D, kpd + task * block_elems);
+      auto* packed = reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(kp.data_ptr()) + task * block_elems * bytes);
+      if (int8_keys) {
+        pack_keys(k.data_ptr<int8_t>() + (t0 * Hkv + h) * D, Hkv * D / 4, n, D / 4, 0x80808080u, packed);
+        const float* scale = k_scale->data_ptr<float>() + t0 * k_scale->stride(0) + h * k_scale->stride(1);
+        float* packed_scale = ksp.data_ptr<float>() + task * kKeyBlock;
+        for (int64_t t = 0; t < kKeyBlock; ++t) packed_scale[t] = t < n ? scale[t * k_scale->stride(0)] : 0.f;
+      } else {
+        pack_keys(k.data_ptr<bf16>() + (t0 * Hkv + h) * D, Hkv * D / 2, n, D / 2, 0u, packed);
+      }
       pack_values(vd + (t0 * Hkv + h) * D, Hkv * D, n, D, vpd + task * block_elems);
     }
   });
@@ -258,12 +288,28 @@ at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
     const int64_t m_max = block_rows * g;
     std::vector<bf16> a(m_max * D), p(m_max * ld);
     std::vector<float> s(m_max * ld), o(m_max * D), inv_sum(m_max), mx(m_max);
+    // int8 K: the rows' codes, their group scales and offsets (int8_scores.h)
+    const int64_t groups = D / cpuserve_int8_scores::kQGroup;
+    std::vector<int8_t> qa(int8_keys ? m_max * D : 0);
+    std::vector<float> qscale(int8_keys ? m_max * groups : 0), qsums(groups), starts(int8_keys ? m_max : 0);
+    std::vector<int32_t> qcount(groups);
     for (int64_t task; (task = next()) >= 0;) {
       const int64_t h = task % Hkv, rb = num_row_blocks - 1 - task / Hkv;
       const int64_t start = rb * block_rows, rows = std::min(block_rows, L - start), m = rows * g;
       const int64_t end_key = q_start + start + rows;  // keys past the block's last query are never seen
       for (int64_t r = 0; r < rows; ++r)
         std::memcpy(a.data() + r * g * D, qd + (start + r) * q_row + h * g * D, g * D * sizeof(bf16));
+#if defined(CPUSERVE_VNNI)
+      if (int8_keys)
+        for (int64_t i = 0; i < m; ++i) {
+          float* qs = qscale.data() + i * groups;
+          cpuserve_act::quantize_row(a.data() + i * D, D, cpuserve_int8_scores::kQGroup, qa.data() + i * D, qs);
+          cpuserve_act::group_sums(qa.data() + i * D, qs, D, cpuserve_int8_scores::kQGroup, qsums.data(),
+                                   qcount.data());
+          starts[i] = 0.f;
+          for (int64_t grp = 0; grp < groups; ++grp) starts[i] -= 128.f * qsums[grp];
+        }
+#endif
       const int64_t blocks = (end_key + kKeyBlock - 1) / kKeyBlock;
       // first key of row i (0 without a window); key blocks before the block's first row's first key are skipped
       const auto first_key = [&](int64_t i) {
@@ -272,8 +318,17 @@ at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
       const int64_t kb0 = first_key(0) / kKeyBlock;
       std::fill(mx.begin(), mx.begin() + m, -INFINITY);
       for (int64_t kb = kb0; kb < blocks; ++kb) {
-        score_block(kernel, m, D, a.data(), kpd + (h * nkb + kb) * block_elems, s.data() + kb * kKeyBlock, ld,
-                    std::min(kKeyBlock, end_key - kb * kKeyBlock));
+        const int64_t seen = std::min(kKeyBlock, end_key - kb * kKeyBlock), block = h * nkb + kb;
+        if (int8_keys) {
+#if defined(CPUSERVE_VNNI)
+          cpuserve_int8_scores::scores(m, seen, D, qa.data(), qscale.data(), starts.data(),
+                                       kp.data_ptr<uint8_t>() + block * block_elems, kKeyBlock,
+                                       ksp.data_ptr<float>() + block * kKeyBlock, s.data() + kb * kKeyBlock, ld);
+#endif
+        } else {
+          score_block(kernel, m, D, a.data(), kp.data_ptr<bf16>() + block * block_elems, s.data() + kb * kKeyBlock, ld,
+                      seen);
+        }
         for (int64_t i = 0; i < m; ++i) {  // row maxima while the block's scores are still in cache
           const int64_t valid = std::min(q_start + start + i / g + 1 - kb * kKeyBlock, kKeyBlock);
           const int64_t lo = std::max<int64_t>(first_key(i) - kb * kKeyBlock, 0);
@@ -307,11 +362,15 @@ at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(cpuserve, m) {
-  m.def("slim_attention(Tensor q, Tensor k, Tensor v, int q_start, float sm_scale, int block_rows, int window=0) "
-        "-> Tensor");
+  m.def("slim_attention(Tensor q, Tensor k, Tensor v, int q_start, float sm_scale, int block_rows, int window=0, "
+        "Tensor? k_scale=None) -> Tensor");
   m.def("slim_attention_kernel() -> str");
+  m.def("slim_attention_int8_keys() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(cpuserve, CPU, m) { m.impl("slim_attention", &slim_attention); }
 
-TORCH_LIBRARY_IMPL(cpuserve, CompositeExplicitAutograd, m) { m.impl("slim_attention_kernel", &slim_attention_kernel); }
+TORCH_LIBRARY_IMPL(cpuserve, CompositeExplicitAutograd, m) {
+  m.impl("slim_attention_kernel", &slim_attention_kernel);
+  m.impl("slim_attention_int8_keys", &slim_attention_int8_keys);
+}

@@ -13,10 +13,12 @@ import torch
 from torch import Tensor
 
 from cpuserve.engine.layers.kv_quant import gather_kv, quantize_kv, write_kv, write_kv_fused
+from cpuserve.engine.layers.linear.act_int8 import quantize_rows
 
 __all__ = ["quantize_kv", "write_kv", "write_kv_fused", "gather_kv", "decode_mask", "slim_attention",
            "paged_decode_attention", "reference_attention", "SLIM_BLOCK_ROWS", "DECODE_CHUNK_TOKENS"]
 
+Q_GROUP = 32  # query dims per scale when Q K^T runs in int8 (int8_scores.h's kQGroup)
 SLIM_BLOCK_ROWS = 64  # query rows per SlimAttention block (bench/attention.py: 32..128 within noise, 256 slower)
 DECODE_CHUNK_TOKENS = 4096  # (sequence, token) pairs converted to fp32 per decode chunk (bench: best of 256..16384)
 
@@ -48,7 +50,7 @@ def _outside_window(pos_k: Tensor, pos_q: Tensor, window: int) -> Tensor | bool:
 
 
 def slim_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, scale: float,
-                   block_rows: int = SLIM_BLOCK_ROWS, window: int = 0) -> Tensor:
+                   block_rows: int = SLIM_BLOCK_ROWS, window: int = 0, k_scale: Tensor | None = None) -> Tensor:
     """Causal prefill attention split along query rows only (SlimAttention, xFasterTransformer).
 
     Each block of `block_rows` query rows computes its full score row against the keys it can see (keys past
@@ -65,6 +67,9 @@ def slim_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, scale: float,
             absolute position q_start + i and attends keys 0 .. q_start + i.
         scale: softmax scale, usually D ** -0.5.
         window: > 0 for a sliding-window layer; a block then starts at its first row's first key.
+        k_scale: [T, Hkv] fp32 with an int8 k (the KV pool's codes, k ~= k * k_scale): Q K^T then runs in integers
+            as the C++ kernel's (engine/csrc/int8_scores.h), each query row (token, head) quantized to int8 on
+            its own, one scale per Q_GROUP dims (act_int8.quantize_rows): score = (dequantized q . k) * k_scale.
     Returns:
         [L, H, D] in q.dtype.
     """
@@ -74,7 +79,13 @@ def slim_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, scale: float,
         raise ValueError(f"k/v length {total} must equal q_start + L = {q_start + seq_len}")
     g = num_heads // num_kv_heads
     # Rows of one kv head's group sit together, so a row block is a view: row r * g + j = query r, head j.
-    qh = (q.float() * scale).view(seq_len, num_kv_heads, g, head_dim).transpose(0, 1).contiguous()  # [Hkv, L, g, D]
+    if k_scale is None:
+        qh = (q.float() * scale).view(seq_len, num_kv_heads, g, head_dim).transpose(0, 1).contiguous()  # [Hkv, L, g, D]
+    else:  # q as its int8 codes times their group scales, K as its codes; the key scales multiply the scores
+        codes, q_scale = quantize_rows(q.reshape(seq_len * num_heads, head_dim), Q_GROUP)
+        qf = (codes.view(-1, head_dim // Q_GROUP, Q_GROUP) * q_scale[..., None]) * scale
+        qh = qf.view(seq_len, num_kv_heads, g, head_dim).transpose(0, 1).contiguous()  # qh: [Hkv, L, g, D]
+        key_scale = k_scale.float().t()  # key_scale: [Hkv, T]
     kh = k.float().transpose(0, 1).contiguous()  # kh: [Hkv, T, D]
     vh = v.float().transpose(0, 1).contiguous()  # vh: [Hkv, T, D]
     out = torch.empty(seq_len, num_kv_heads, g, head_dim, dtype=q.dtype)
@@ -92,6 +103,8 @@ def slim_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, scale: float,
         qb = qh[:, start:start + rows].reshape(num_kv_heads, rows * g, head_dim)  # qb: [Hkv, rows*g, D]
         scores = score_buf[: num_kv_heads * rows * g * n].view(num_kv_heads, rows * g, n)
         torch.bmm(qb, kh[:, first_key:end_key].transpose(1, 2), out=scores)  # scores: [Hkv, rows*g, n]
+        if k_scale is not None:
+            scores *= key_scale[:, None, first_key:end_key]
         if window > 0:
             scores += _window_mask(q_start + start, rows, first_key, n, window, g)
         else:

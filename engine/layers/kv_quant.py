@@ -93,6 +93,16 @@ def write_kv_fused(kv_cache: Tensor, kv_scale: Tensor | None, kv: Tensor, slot_m
         rows.index_copy_(0, slot_mapping, kv.to(kv_cache.dtype))
 
 
+def gather_codes(cache: Tensor, scale: Tensor, block_table: Tensor, length: int) -> tuple[Tensor, Tensor]:
+    """One sequence's first `length` tokens of an int8 cache as they are stored: codes [length, Hkv, D] int8 and
+    scales [length, Hkv] fp32, each contiguous (gather_kv's arguments)."""
+    block_size, hkv, d = cache.shape[1:]
+    used = (length + block_size - 1) // block_size
+    ids = block_table[:used]
+    codes = cache.index_select(0, ids).view(used * block_size, hkv, d)[:length]
+    return codes, scale.index_select(0, ids).view(used * block_size, hkv)[:length].contiguous()
+
+
 def gather_kv(cache: Tensor, scale: Tensor | None, block_table: Tensor, length: int, dtype: torch.dtype) -> Tensor:
     """One sequence's first `length` tokens, contiguous and dequantized.
 

@@ -29,7 +29,7 @@ SOURCES = [CSRC / name for name in ("decode_ops.cpp", "decode_attention.cpp", "s
                                      "argmax.cpp", "kv_gather.cpp")]
 # headers are part of the build's cache key too
 HEADERS = [CSRC / name for name in ("simd.h", "tasks.h", "int4_few_rows.h", "bf16_dot.h", "act_quant.h", "ops.h",
-                                     "rows.h", "warm.h", "vnni_layouts.h")]
+                                     "rows.h", "warm.h", "vnni_layouts.h", "int8_scores.h")]
 # -fassociative-math lets GCC vectorize the reductions; with alignment peeling off, their summation order depends
 # only on the length, never on where a buffer happens to sit: results are reproducible across processes and
 # batch layouts (a replica group's ranks must match one rank bit for bit).
@@ -122,6 +122,13 @@ def slim_attention_native_enabled() -> bool:
     """The C++ SlimAttention can run: its bf16 products have a kernel on this CPU (oneDNN's brgemm with AMX, or
     our AVX512-BF16 one; torch.ops.cpuserve.slim_attention_kernel() names it)."""
     return enabled() and bool(torch.ops.cpuserve.slim_attention_kernel())
+
+
+@functools.lru_cache(maxsize=1)
+def slim_attention_int8_keys() -> bool:
+    """The C++ SlimAttention takes an int8 K (Q K^T as int8 dot products): its products run on avx512_bf16 and the
+    CPU has AVX-512 VNNI. Where AMX's bf16 brgemm runs, it does not (that is faster than VNNI's int8)."""
+    return slim_attention_native_enabled() and bool(torch.ops.cpuserve.slim_attention_int8_keys())
 
 
 @functools.lru_cache(maxsize=1)

@@ -7,6 +7,7 @@ torch.ops.cpuserve.*) and its plain-torch reference, which the tests compare the
     rope_write_kv      cpuserve.rope_write_kv                     models/rope.py apply_rope + kv_quant.write_kv_fused
     gather_kv          cpuserve.gather_kv_int8 (int8 pool -> bf16)  kv_quant.gather_kv, for K and for V
     decode_attention   cpuserve.decode_attention.out              attention.paged_decode_attention
+    prefill_context    gather_kv, and the int8 K as stored       kv_quant.gather_codes
     prefill_attention  cpuserve.slim_attention (bf16: AMX/AVX512) attention.slim_attention
     argmax_rows        cpuserve.argmax_rows                       logits.max(dim=-1).indices
     decode_layers      cpuserve.decode_layers (models/fused_decode.py; the op-by-op path of the model's own modules
@@ -24,8 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from cpuserve.engine.layers import native
-from cpuserve.engine.layers.attention import decode_mask, paged_decode_attention, slim_attention
-from cpuserve.engine.layers.kv_quant import LayerKV, gather_kv as gather_kv_reference, write_kv_fused
+from cpuserve.engine.layers.attention import Q_GROUP, decode_mask, paged_decode_attention, slim_attention
+from cpuserve.engine.layers.kv_quant import LayerKV, gather_codes, gather_kv as gather_kv_reference, write_kv_fused
 from cpuserve.engine.models.rope import apply_rope
 
 NATIVE_SLIM_BLOCK_ROWS = 32  # the C++ kernel's row block (4096-token bench: 16..32 best, 8 and 128 slower)
@@ -58,6 +59,23 @@ def gather_kv(kv: LayerKV, block_table: Tensor, length: int, dtype: torch.dtype)
         return torch.ops.cpuserve.gather_kv_int8(kv.kv, kv.scale, block_table, length)
     return (gather_kv_reference(kv.k, kv.k_scale, block_table, length, dtype),
             gather_kv_reference(kv.v, kv.v_scale, block_table, length, dtype))
+
+
+def prefill_context(kv: LayerKV, block_table: Tensor, length: int, dtype: torch.dtype, int8_keys: bool
+                    ) -> tuple[Tensor, Tensor | None, Tensor]:
+    """gather_kv for prefill_attention: (K, K's scales, V), each for the first `length` tokens.
+
+    int8_keys (the layer's activations are int8): where the pool is int8 and the C++ SlimAttention takes an int8 K
+    (native.slim_attention_int8_keys(): its products run on AVX-512 with VNNI, not AMX), K is the pool's codes with
+    their scales [T, Hkv], so Q K^T runs as int8 dot products. Otherwise K comes dequantized like V, scales None.
+    """
+    k, v = gather_kv(kv, block_table, length, dtype)
+    head_dim = kv.kv.shape[-1]
+    if (int8_keys and kv.kv.dtype == torch.int8 and dtype == torch.bfloat16 and head_dim % Q_GROUP == 0
+            and native.slim_attention_int8_keys()):
+        codes, scale = gather_codes(kv.k, kv.k_scale, block_table, length)
+        return codes, scale, v
+    return k, None, v
 
 
 def rope_write_kv(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, kv: LayerKV, slot_mapping: Tensor) -> None:
@@ -100,14 +118,15 @@ def prepare_decode_mask(context_lens: Tensor, block_size: int, window: int = 0) 
     return None if native.enabled() else decode_mask(context_lens, block_size, window)
 
 
-def prefill_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, scale: float, window: int = 0) -> Tensor:
+def prefill_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, scale: float, window: int = 0,
+                      k_scale: Tensor | None = None) -> Tensor:
     """SlimAttention as the engine runs it: the C++ kernel (engine/csrc/slim_attention.cpp: bf16 products on AMX
-    or AVX512-BF16, fp32 softmax) for bf16 when it is built and the CPU has either, else
-    attention.slim_attention. Same arguments."""
+    or AVX512-BF16, fp32 softmax; with an int8 K and k_scale from prefill_context, Q K^T in int8) for bf16 when it
+    is built and the CPU has either, else attention.slim_attention. Same arguments."""
     if q.dtype == torch.bfloat16 and native.slim_attention_native_enabled():
         return torch.ops.cpuserve.slim_attention(q, k.contiguous(), v.contiguous(), q_start, scale,
-                                                 NATIVE_SLIM_BLOCK_ROWS, window)
-    return slim_attention(q, k, v, q_start, scale, window=window)
+                                                 NATIVE_SLIM_BLOCK_ROWS, window, k_scale)
+    return slim_attention(q, k, v, q_start, scale, window=window, k_scale=k_scale)
 
 
 def argmax_rows(logits: Tensor) -> Tensor:

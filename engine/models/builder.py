@@ -11,6 +11,7 @@ from tqdm import tqdm
 from cpuserve.engine.layers.linear import QuantLinear, build_linear
 from cpuserve.engine.layers.embedding import CodedEmbedding
 from cpuserve.engine.layers.linear.act_int8 import Int8ActLinear
+from cpuserve.engine.layers.linear.factory import INT8_ACTIVATIONS
 from cpuserve.engine.layers.linear.coded import CodedWeight, coded_misfit, concat_rows, to_linear
 from cpuserve.engine.models import gemma3
 from cpuserve.engine.models.llama import MLP, Attention, LlamaModel, TransformerBlock
@@ -132,9 +133,13 @@ def _build_block(args, index: int, parts: dict[str, torch.Tensor], weights: str,
     qkv, o_proj = linear(qkv_weight, qkv_bias), linear(parts["self_attn.o_proj.weight"])
     gate_up = concat_rows([parts["mlp.gate_proj.weight"], parts["mlp.up_proj.weight"]])  # [2 ffn, dim]
     gate_up, down = linear(gate_up), linear(parts["mlp.down_proj.weight"])
+    int8_keys = activations in INT8_ACTIVATIONS  # prefill's Q K^T as int8 dot products where the kernel runs them
     if args.arch == "gemma3":
-        return gemma3.build_block(args, index, qkv, o_proj, gate_up, down, parts, dtype)
+        block = gemma3.build_block(args, index, qkv, o_proj, gate_up, down, parts, dtype)
+        block.attention.int8_keys = int8_keys
+        return block
     attention = Attention(args, qkv, o_proj)
+    attention.int8_keys = int8_keys
     if args.qk_norm:  # in the activation dtype, as the block's norms
         attention.q_norm.weight.data = parts["self_attn.q_norm.weight"].to(dtype)
         attention.k_norm.weight.data = parts["self_attn.k_norm.weight"].to(dtype)

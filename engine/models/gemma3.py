@@ -65,8 +65,9 @@ class Gemma3Attention(Attention):
             first = max(0, p.q_start + 1 - self.window) // align * align
         length = p.q_start + p.num_tokens - first
         table = p.block_table[first // block_size:]
-        k_ctx, v_ctx = ops.gather_kv(kv, table, length, q.dtype)  # each [T, Hkv, D], positions from `first` on
-        return ops.prefill_attention(q, k_ctx, v_ctx, p.q_start - first, self.scale, self.window)
+        # each [T, Hkv, D], positions from `first` on
+        k_ctx, k_scale, v_ctx = ops.prefill_context(kv, table, length, q.dtype, self.int8_keys)
+        return ops.prefill_attention(q, k_ctx, v_ctx, p.q_start - first, self.scale, self.window, k_scale)
 
 
 class Gemma3MLP(MLP):

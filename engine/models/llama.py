@@ -61,6 +61,7 @@ class Attention(nn.Module):
         self.qkv = qkv  # q, k and v projections fused into one matmul
         self.o_proj = o_proj
         self.kv: LayerKV | None = None  # bound by the runner once the pool exists
+        self.int8_keys = False  # the builder's: activations are int8, so prefill's Q K^T may run in int8 (ops.py)
         # Qwen3: per-head RMSNorm of q and k (weights [D], shared by the heads); the builder sets the weights
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps, torch.float32) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps, torch.float32) if args.qk_norm else None
@@ -84,9 +85,9 @@ class Attention(nn.Module):
                                  self.scale, out[: meta.num_decode], meta.decode_invalid)
         for p in meta.prefills:  # prefill: read the context back from the pool, as a later chunk would
             length = p.q_start + p.num_tokens
-            k_ctx, v_ctx = ops.gather_kv(kv, p.block_table, length, q.dtype)  # each [T, Hkv, D]
+            k_ctx, k_scale, v_ctx = ops.prefill_context(kv, p.block_table, length, q.dtype, self.int8_keys)
             rows = slice(p.token_start, p.token_start + p.num_tokens)
-            out[rows] = ops.prefill_attention(q[rows], k_ctx, v_ctx, p.q_start, self.scale)
+            out[rows] = ops.prefill_attention(q[rows], k_ctx, v_ctx, p.q_start, self.scale, k_scale=k_scale)
         return self.o_proj(buf)
 
 
