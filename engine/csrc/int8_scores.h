@@ -14,7 +14,8 @@
 // same order whatever the tile, the rows sharing it or the threads: a row's scores depend on that row and the keys.
 //
 // Packed keys, one block of `block` keys (slim_attention.cpp's pack_keys): u8 [D/4][block][4] (4 consecutive dims of
-// one key a 32-bit word), zero codes and scales past the last key. engine/layers/attention.py's slim_attention is the plain-torch reference.
+// one key a 32-bit word), zero codes and scales past the last key. engine/layers/attention.py's slim_attention is
+// the plain-torch reference.
 #pragma once
 
 #include "vnni_layouts.h"
@@ -74,9 +75,10 @@ inline void tile(int64_t D, const int8_t* a, int64_t lda, const float* qs, const
   // kept the rest on the stack (loaded and stored around every vpdpbusd)
   for (int i = 0; i < R; ++i) {
     const __m512 row_start = _mm512_set1_ps(start[i]);
-    for (int v = 0; v < 4; ++v)
-      _mm512_mask_storeu_ps(s + i * lds + 16 * v, mask[v],
-                            _mm512_mul_ps(_mm512_add_ps(y[i][v], row_start), _mm512_maskz_loadu_ps(mask[v], sk + 16 * v)));
+    for (int v = 0; v < 4; ++v) {
+      const __m512 key_scale = _mm512_maskz_loadu_ps(mask[v], sk + 16 * v);
+      _mm512_mask_storeu_ps(s + i * lds + 16 * v, mask[v], _mm512_mul_ps(_mm512_add_ps(y[i][v], row_start), key_scale));
+    }
   }
 }
 

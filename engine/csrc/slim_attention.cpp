@@ -224,7 +224,8 @@ void pack_values(const bf16* src, int64_t ld, int64_t n, int64_t D, bf16* dst) {
 }
 
 at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t q_start,
-                          double sm_scale, int64_t block_rows, int64_t window, const c10::optional<at::Tensor>& k_scale) {
+                          double sm_scale, int64_t block_rows, int64_t window,
+                          const c10::optional<at::Tensor>& k_scale) {
   const bool int8_keys = k.scalar_type() == at::kChar;
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && (int8_keys || k.scalar_type() == at::kBFloat16) &&
                   v.scalar_type() == at::kBFloat16,
@@ -260,15 +261,17 @@ at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   auto ksp = at::empty({int8_keys ? Hkv * nkb * kKeyBlock : 0}, k.options().dtype(at::kFloat));
   auto vp = at::empty({Hkv, nkb, kKeyBlock / 2, D, 2}, v.options());
   bf16* vpd = vp.data_ptr<bf16>();
-  const int64_t block_elems = kKeyBlock * D, bytes = int8_keys ? 1 : 2;  // a key block's elements of K and V; K's size
+  auto* kpd = static_cast<uint8_t*>(kp.data_ptr());
+  float* kspd = ksp.data_ptr<float>();
+  const int64_t block_elems = kKeyBlock * D, k_block_bytes = block_elems * (int8_keys ? 1 : 2);  // per key block
   at::parallel_for(0, Hkv * nkb, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / nkb, kb = task % nkb, t0 = kb * kKeyBlock, n = std::min(kKeyBlock, T - t0);
-      auto* packed = reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(kp.data_ptr()) + task * block_elems * bytes);
+      auto* packed = reinterpret_cast<uint32_t*>(kpd + task * k_block_bytes);
       if (int8_keys) {
         pack_keys(k.data_ptr<int8_t>() + (t0 * Hkv + h) * D, Hkv * D / 4, n, D / 4, 0x80808080u, packed);
         const float* scale = k_scale->data_ptr<float>() + t0 * k_scale->stride(0) + h * k_scale->stride(1);
-        float* packed_scale = ksp.data_ptr<float>() + task * kKeyBlock;
+        float* packed_scale = kspd + task * kKeyBlock;
         for (int64_t t = 0; t < kKeyBlock; ++t) packed_scale[t] = t < n ? scale[t * k_scale->stride(0)] : 0.f;
       } else {
         pack_keys(k.data_ptr<bf16>() + (t0 * Hkv + h) * D, Hkv * D / 2, n, D / 2, 0u, packed);
@@ -291,8 +294,8 @@ at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
     // int8 K: the rows' codes, their group scales and offsets (int8_scores.h)
     const int64_t groups = D / cpuserve_int8_scores::kQGroup;
     std::vector<int8_t> qa(int8_keys ? m_max * D : 0);
-    std::vector<float> qscale(int8_keys ? m_max * groups : 0), qsums(groups), starts(int8_keys ? m_max : 0);
-    std::vector<int32_t> qcount(groups);
+    std::vector<float> qscale(int8_keys ? m_max * groups : 0), scaled_sums(groups), starts(int8_keys ? m_max : 0);
+    std::vector<int32_t> code_sums(groups);
     for (int64_t task; (task = next()) >= 0;) {
       const int64_t h = task % Hkv, rb = num_row_blocks - 1 - task / Hkv;
       const int64_t start = rb * block_rows, rows = std::min(block_rows, L - start), m = rows * g;
@@ -304,10 +307,10 @@ at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
         for (int64_t i = 0; i < m; ++i) {
           float* qs = qscale.data() + i * groups;
           cpuserve_act::quantize_row(a.data() + i * D, D, cpuserve_int8_scores::kQGroup, qa.data() + i * D, qs);
-          cpuserve_act::group_sums(qa.data() + i * D, qs, D, cpuserve_int8_scores::kQGroup, qsums.data(),
-                                   qcount.data());
-          starts[i] = 0.f;
-          for (int64_t grp = 0; grp < groups; ++grp) starts[i] -= 128.f * qsums[grp];
+          cpuserve_act::group_sums(qa.data() + i * D, qs, D, cpuserve_int8_scores::kQGroup, scaled_sums.data(),
+                                   code_sums.data());
+          starts[i] = 0.f;  // what the keys' + 128 adds to the row's scores: 128 * sum over groups of scale * code sum
+          for (int64_t grp = 0; grp < groups; ++grp) starts[i] -= 128.f * scaled_sums[grp];
         }
 #endif
       const int64_t blocks = (end_key + kKeyBlock - 1) / kKeyBlock;
@@ -321,13 +324,12 @@ at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
         const int64_t seen = std::min(kKeyBlock, end_key - kb * kKeyBlock), block = h * nkb + kb;
         if (int8_keys) {
 #if defined(CPUSERVE_VNNI)
-          cpuserve_int8_scores::scores(m, seen, D, qa.data(), qscale.data(), starts.data(),
-                                       kp.data_ptr<uint8_t>() + block * block_elems, kKeyBlock,
-                                       ksp.data_ptr<float>() + block * kKeyBlock, s.data() + kb * kKeyBlock, ld);
+          cpuserve_int8_scores::scores(m, seen, D, qa.data(), qscale.data(), starts.data(), kpd + block * k_block_bytes,
+                                       kKeyBlock, kspd + block * kKeyBlock, s.data() + kb * kKeyBlock, ld);
 #endif
         } else {
-          score_block(kernel, m, D, a.data(), kp.data_ptr<bf16>() + block * block_elems, s.data() + kb * kKeyBlock, ld,
-                      seen);
+          score_block(kernel, m, D, a.data(), reinterpret_cast<const bf16*>(kpd + block * k_block_bytes),
+                      s.data() + kb * kKeyBlock, ld, seen);
         }
         for (int64_t i = 0; i < m; ++i) {  // row maxima while the block's scores are still in cache
           const int64_t valid = std::min(q_start + start + i / g + 1 - kb * kKeyBlock, kKeyBlock);
