@@ -289,7 +289,7 @@ at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   const int64_t num_tasks = Hkv * num_row_blocks;
   cpuserve_tasks::share_tasks(num_tasks, [&](const auto& next) {
     const int64_t m_max = block_rows * g;
-    std::vector<bf16> a(m_max * D), p(m_max * ld);
+    std::vector<bf16> a(int8_keys ? 0 : m_max * D), p(m_max * ld);
     std::vector<float> s(m_max * ld), o(m_max * D), inv_sum(m_max), mx(m_max);
     // int8 K: the rows' codes, their group scales and offsets (int8_scores.h)
     const int64_t groups = D / cpuserve_int8_scores::kQGroup;
@@ -300,13 +300,15 @@ at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
       const int64_t h = task % Hkv, rb = num_row_blocks - 1 - task / Hkv;
       const int64_t start = rb * block_rows, rows = std::min(block_rows, L - start), m = rows * g;
       const int64_t end_key = q_start + start + rows;  // keys past the block's last query are never seen
-      for (int64_t r = 0; r < rows; ++r)
-        std::memcpy(a.data() + r * g * D, qd + (start + r) * q_row + h * g * D, g * D * sizeof(bf16));
+      // row i = r * g + j: query r, head h * g + j (int8 K: its codes, straight from q; else a bf16 copy)
+      const auto q_of = [&](int64_t i) { return qd + (start + i / g) * q_row + (h * g + i % g) * D; };
+      if (!int8_keys)
+        for (int64_t r = 0; r < rows; ++r) std::memcpy(a.data() + r * g * D, q_of(r * g), g * D * sizeof(bf16));
 #if defined(CPUSERVE_VNNI)
       if (int8_keys)
         for (int64_t i = 0; i < m; ++i) {
           float* qs = qscale.data() + i * groups;
-          cpuserve_act::quantize_row(a.data() + i * D, D, cpuserve_int8_scores::kQGroup, qa.data() + i * D, qs);
+          cpuserve_act::quantize_row(q_of(i), D, cpuserve_int8_scores::kQGroup, qa.data() + i * D, qs);
           cpuserve_act::group_sums(qa.data() + i * D, qs, D, cpuserve_int8_scores::kQGroup, scaled_sums.data(),
                                    code_sums.data());
           starts[i] = 0.f;  // what the keys' + 128 adds to the row's scores: 128 * sum over groups of scale * code sum

@@ -111,12 +111,10 @@ def gather_kv(cache: Tensor, scale: Tensor | None, block_table: Tensor, length: 
     Returns:
         [length, Hkv, D] in dtype.
     """
-    num_blocks, block_size, hkv, d = cache.shape
+    if cache.dtype == torch.int8:
+        assert scale is not None, "int8 cache needs a scale tensor"
+        codes, s = gather_codes(cache, scale, block_table, length)  # codes: [length, Hkv, D], s: [length, Hkv]
+        return (codes.float() * s[..., None]).to(dtype)
+    block_size, hkv, d = cache.shape[1:]
     used = (length + block_size - 1) // block_size
-    ids = block_table[:used]
-    x = cache.index_select(0, ids).view(used * block_size, hkv, d)[:length]  # x: [length, Hkv, D]
-    if cache.dtype != torch.int8:
-        return x.to(dtype)
-    assert scale is not None, "int8 cache needs a scale tensor"
-    s = scale.index_select(0, ids).view(used * block_size, hkv)[:length]  # s: [length, Hkv]
-    return (x.float() * s[..., None]).to(dtype)
+    return cache.index_select(0, block_table[:used]).view(used * block_size, hkv, d)[:length].to(dtype)
