@@ -309,8 +309,8 @@ at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
         for (int64_t i = 0; i < m; ++i) {
           float* qs = qscale.data() + i * groups;
           cpuserve_act::quantize_row(q_of(i), D, cpuserve_int8_scores::kQGroup, qa.data() + i * D, qs);
-          cpuserve_act::group_sums(qa.data() + i * D, qs, D, cpuserve_int8_scores::kQGroup, scaled_sums.data(),
-                                   code_sums.data());
+          cpuserve_act::group_sums(qa.data() + i * D, qs, D, cpuserve_int8_scores::kQGroup,
+                                   cpuserve_int8_scores::kQGroup, scaled_sums.data(), code_sums.data());
           starts[i] = 0.f;  // what the keys' + 128 adds to the row's scores: 128 * sum over groups of scale * code sum
           for (int64_t grp = 0; grp < groups; ++grp) starts[i] -= 128.f * scaled_sums[grp];
         }

@@ -15,6 +15,7 @@
 // vpdpbusd and the fp32 multiplies share Zen 4's two 512-bit pipes (measured: 8 vpdpbusd + 4 FMAs take 12 cycles),
 // so every epilogue instruction saved per group is a dot product gained: the per-group form costs 3 of them per 8
 // vpdpbusd (int4, groups of 32), the symmetric form 2 (the zero term starts the integer sum), the per-channel form 1,
+// where an activation group spans several weight groups (a K-quant's super-block: block_nested) 2 or 1,
 // and per-channel weights with one activation group a row (act_group = K: activations "int8-token", vLLM's W8A8
 // scheme) none: the integer sum runs over all of K, then one epilogue (int32 holds it: |sum| <= 255 * 127 * K).
 // Packing happens once at load (engine/layers/linear/act_int8.py, with the plain-torch reference). Integer sums
@@ -133,12 +134,76 @@ struct Gemm {
       }
   }
 
+  // acc[r][c] = the integer sums of rows m + r and column blocks b + c over group g (`group` inputs), started at the
+  // symmetric form's zero term (qs: G groups a row). Steps > 0: the group's steps unrolled.
+  template <int R, int C, int Steps>
+  __attribute__((always_inline)) void group_dots(__m512i (&acc)[R][C], int64_t m, int64_t g, int64_t group, int64_t G,
+                                                 bool symmetric, int64_t b, int64_t ahead) const {
+    const int8_t* qm = q + m * K;
+    for (int r = 0; r < R; ++r) {
+      const __m512i start = symmetric ? _mm512_set1_epi32(-z * qs[(m + r) * G + g]) : _mm512_setzero_si512();
+      for (int c = 0; c < C; ++c) acc[r][c] = start;
+    }
+    const auto step = [&](int64_t k) { dots<R, C>(acc, qm, k, b, ahead); };
+    if constexpr (Steps > 0) {
+#pragma GCC unroll 16
+      for (int s = 0; s < Steps; ++s) step(g * group + s * W::kStep);
+    } else {
+      for (int64_t k = g * group; k < (g + 1) * group; k += W::kStep) step(k);
+    }
+  }
+
+  // block<R, C> where an activation group spans sub = S / (K / act_group) > 1 weight groups (a K-quant's super-block
+  // of 256 inputs against its groups of 32 or 16, as llama.cpp's own Q8_K activations): each weight group's integer
+  // sum is converted and scaled by the weights' scale into t, the zero term added there, and the activation scale
+  // multiplies t once per activation group. Per weight group that is 1 multiply (symmetric) or 2, against 2 or 3
+  // with the activation scale per weight group; the sums are as exact and run in the same order for every output
+  // element. Steps > 0: a weight group is Steps * W::kStep inputs.
+  template <int R, int C, int Steps = 0, int Sym = -1>
+  void block_nested(int64_t m, int64_t b, int64_t ahead) const {
+    const int64_t A = K / act_group, sub = S / A, group = Steps > 0 ? Steps * W::kStep : K / S;
+    const bool symmetric = Sym >= 0 ? Sym == 1 : scales.symmetric();
+    __m512 y[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) y[r][c] = _mm512_setzero_ps();
+    for (int64_t a = 0; a < A; ++a) {
+      __m512 t[R][C];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) t[r][c] = _mm512_setzero_ps();
+      for (int64_t g = a * sub; g < (a + 1) * sub; ++g) {
+        __m512i acc[R][C];
+        group_dots<R, C, Steps>(acc, m, g, group, S, symmetric, b, ahead);
+        for (int c = 0; c < C; ++c) {
+          const __m512 sv = scales.scale(b + c, g);
+          for (int r = 0; r < R; ++r) t[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), sv, t[r][c]);
+          if (symmetric) continue;
+          const __m512 zv = scales.zoff(b + c, g);
+          for (int r = 0; r < R; ++r) t[r][c] = _mm512_fmadd_ps(zv, _mm512_set1_ps(axs[(m + r) * S + g]), t[r][c]);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 av = _mm512_set1_ps(ax[(m + r) * A + a]);
+        for (int c = 0; c < C; ++c) y[r][c] = _mm512_fmadd_ps(t[r][c], av, y[r][c]);
+      }
+    }
+    store(m, b, y);
+  }
+
+  template <int R, int C>
+  __attribute__((always_inline)) void store(int64_t m, int64_t b, __m512 (&y)[R][C]) const {
+    if (scales.symmetric() && unscale != 1.f)
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) y[r][c] = _mm512_mul_ps(y[r][c], _mm512_set1_ps(unscale));
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m + r) * ldo + (b + c) * 16), to_bf16(y[r][c]));
+  }
+
   // Steps > 0: act_group is Steps * W::kStep inputs (the group's steps unrolled); Sym >= 0: symmetric() is Sym;
   // Chan >= 0: one scale per output channel (S == 1) is Chan
   template <int R, int C, int Steps = 0, int Sym = -1, int Chan = -1>
   void block(int64_t m, int64_t b, int64_t ahead) const {
     const int64_t A = K / act_group;
-    const int8_t* qm = q + m * K;
     const bool per_channel = Chan >= 0 ? Chan == 1 : S == 1, symmetric = Sym >= 0 ? Sym == 1 : scales.symmetric();
     const int64_t group = Steps > 0 ? Steps * W::kStep : act_group;
     __m512 y[R][C];
@@ -146,17 +211,7 @@ struct Gemm {
       for (int c = 0; c < C; ++c) y[r][c] = _mm512_setzero_ps();
     for (int64_t g = 0; g < A; ++g) {
       __m512i acc[R][C];
-      for (int r = 0; r < R; ++r) {
-        const __m512i start = symmetric ? _mm512_set1_epi32(-z * qs[(m + r) * A + g]) : _mm512_setzero_si512();
-        for (int c = 0; c < C; ++c) acc[r][c] = start;
-      }
-      const auto step = [&](int64_t k) { dots<R, C>(acc, qm, k, b, ahead); };
-      if constexpr (Steps > 0) {
-#pragma GCC unroll 16
-        for (int s = 0; s < Steps; ++s) step(g * group + s * W::kStep);
-      } else {
-        for (int64_t k = g * group; k < (g + 1) * group; k += W::kStep) step(k);
-      }
+      group_dots<R, C, Steps>(acc, m, g, group, A, symmetric, b, ahead);
       if (per_channel) {
         for (int r = 0; r < R; ++r) {
           const __m512 a = _mm512_set1_ps(ax[(m + r) * A + g]);
@@ -193,12 +248,7 @@ struct Gemm {
           y[r][c] = _mm512_fmadd_ps(y[r][c], sv, _mm512_mul_ps(zv, _mm512_set1_ps(axt[m + r])));
       }
     }
-    if (symmetric && unscale != 1.f)
-      for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) y[r][c] = _mm512_mul_ps(y[r][c], _mm512_set1_ps(unscale));
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m + r) * ldo + (b + c) * 16), to_bf16(y[r][c]));
+    store(m, b, y);
   }
 
   // block<R, C> for per-channel symmetric codes with one activation group a row (act_group = K: "int8-token"): the
@@ -235,20 +285,39 @@ struct Gemm {
 
   // Every row through column blocks b..b+C-1: R rows per register block, then one block of the last M % R. The
   // first register block prefetches `ahead` bytes past its codes (the rest find them in the caches).
-  template <int R, int C, int Steps = 0, int Sym = -1, int Chan = -1>
+  // Nest: activation groups span several weight groups (block_nested)
+  template <int R, int C, int Steps = 0, int Sym = -1, int Chan = -1, int Nest = 0>
   void all_rows(int64_t M, int64_t b, int64_t ahead = kPrefetch) const {
     int64_t m = 0;
     const int64_t later = ahead > 0 ? kPrefetch : 0;  // none: the codes are a tile's unpacked copy
-    for (; m + R <= M; m += R) block<R, C, Steps, Sym, Chan>(m, b, m == 0 ? ahead : later);
-    rest<R - 1, C, Steps, Sym, Chan>(m, M - m, b, m == 0 ? ahead : later);
+    for (; m + R <= M; m += R) one<R, C, Steps, Sym, Chan, Nest>(m, b, m == 0 ? ahead : later);
+    rest<R - 1, C, Steps, Sym, Chan, Nest>(m, M - m, b, m == 0 ? ahead : later);
   }
 
-  template <int R, int C, int Steps = 0, int Sym = -1, int Chan = -1>
+  template <int R, int C, int Steps = 0, int Sym = -1, int Chan = -1, int Nest = 0>
   void rest(int64_t m, int64_t left, int64_t b, int64_t ahead) const {  // left < R + 1 rows
     if constexpr (R > 0) {
-      if (left == R) return block<R, C, Steps, Sym, Chan>(m, b, ahead);
-      rest<R - 1, C, Steps, Sym, Chan>(m, left, b, ahead);
+      if (left == R) return one<R, C, Steps, Sym, Chan, Nest>(m, b, ahead);
+      rest<R - 1, C, Steps, Sym, Chan, Nest>(m, left, b, ahead);
     }
+  }
+
+  template <int R, int C, int Steps, int Sym, int Chan, int Nest>
+  void one(int64_t m, int64_t b, int64_t ahead) const {
+    if constexpr (Nest == 1) {
+      block_nested<R, C, Steps, Sym>(m, b, ahead);
+    } else {
+      block<R, C, Steps, Sym, Chan>(m, b, ahead);
+    }
+  }
+
+  bool nested() const { return S > K / act_group; }
+
+  // all_rows with the steps, the form and the nesting read at run time
+  template <int R, int C>
+  void all_rows_any(int64_t M, int64_t b, int64_t ahead) const {
+    if (nested()) return all_rows<R, C, 0, -1, 0, 1>(M, b, ahead);
+    all_rows<R, C>(M, b, ahead);
   }
 
   // all_rows with the group's steps and the symmetric form fixed at compile time where they are the usual ones
@@ -257,6 +326,18 @@ struct Gemm {
   // 294-319 against 230-243 G multiply-adds a second at 512 rows, 173-272 against 159-221 at 8 rows.
   template <int R, int C>
   void all_rows_fixed(int64_t M, int64_t b, int64_t ahead) const {
+    if (nested()) {  // a K-quant's weight groups of 32 or 16 inside activation groups of a super-block
+      const int64_t group = K / S;
+      if (group == 32) {
+        if (scales.symmetric()) return all_rows<R, C, 32 / W::kStep, 1, 0, 1>(M, b, ahead);
+        return all_rows<R, C, 32 / W::kStep, 0, 0, 1>(M, b, ahead);
+      }
+      if (group == 16) {
+        if (scales.symmetric()) return all_rows<R, C, 16 / W::kStep, 1, 0, 1>(M, b, ahead);
+        return all_rows<R, C, 16 / W::kStep, 0, 0, 1>(M, b, ahead);
+      }
+      return all_rows_any<R, C>(M, b, ahead);
+    }
     // one activation group a row, beyond decode (whose 8 x 1 blocks ran slower through block_token: one thread,
     // 8 rows, 130 against 143-146 G multiply-adds a second)
     if (C > 1 && S == 1 && act_group == K && scales.symmetric()) return all_rows_token<R, C>(M, b, ahead);
@@ -274,7 +355,7 @@ struct Gemm {
       if (scales.symmetric()) return all_rows<R, C, 16 / W::kStep, 1, 0>(M, b, ahead);
       return all_rows<R, C, 16 / W::kStep, 0, 0>(M, b, ahead);
     }
-    all_rows<R, C>(M, b, ahead);
+    all_rows_any<R, C>(M, b, ahead);
   }
 
   // Beyond kFewRows rows a task is a run of adjacent tiles of kCols column blocks, each computed by a thread's
@@ -383,24 +464,25 @@ struct Gemm {
   static void all_rows_of(const G& gemm, int64_t M, int64_t b, int64_t ahead) {
     const int64_t num_blocks = gemm.N / 16;
     if (b + kCols <= num_blocks) {
-      if (M <= kSmallRows) return gemm.template all_rows_fixed<kSmallRowsBlock, kCols>(M, b, ahead);
+      // nested groups keep a third set of accumulators (block_nested): 4 x 2 blocks, which fit in registers
+      if (M <= kSmallRows || gemm.nested()) return gemm.template all_rows_fixed<kSmallRowsBlock, kCols>(M, b, ahead);
       return gemm.template all_rows_fixed<kRows, kCols>(M, b, ahead);
     }
-    for (int64_t bb = b; bb < num_blocks; ++bb) gemm.template all_rows<kRows, 1>(M, bb, ahead);
+    for (int64_t bb = b; bb < num_blocks; ++bb) gemm.template all_rows_any<kRows, 1>(M, bb, ahead);
   }
 };
 
-// x [M, K] bf16 -> q [M, K] int8, ax, axs and qs per act_group, axt per row; rows shared between threads when there
-// are many
-void quantize_rows(const bf16* x, int64_t M, int64_t K, int64_t act_group, int8_t* q, float* ax, float* axs,
-                   int32_t* qs, float* axt) {
-  const int64_t A = K / act_group;
+// x [M, K] bf16 -> q [M, K] int8, ax per act_group, axs and qs per sum_group (act_quant.h group_sums), axt per row;
+// rows shared between threads when there are many
+void quantize_rows(const bf16* x, int64_t M, int64_t K, int64_t act_group, int64_t sum_group, int8_t* q, float* ax,
+                   float* axs, int32_t* qs, float* axt) {
+  const int64_t A = K / act_group, G = K / sum_group;
   const auto rows = [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       cpuserve_act::quantize_row(x + m * K, K, act_group, q + m * K, ax + m * A);
-      cpuserve_act::group_sums(q + m * K, ax + m * A, K, act_group, axs + m * A, qs + m * A);
+      cpuserve_act::group_sums(q + m * K, ax + m * A, K, act_group, sum_group, axs + m * G, qs + m * G);
       axt[m] = 0.f;
-      for (int64_t a = 0; a < A; ++a) axt[m] += axs[m * A + a];
+      for (int64_t g = 0; g < G; ++g) axt[m] += axs[m * G + g];
     }
   };
   if (M < 2 * kQuantRowsPerTask) return rows(0, M);
@@ -417,8 +499,9 @@ void check_scales(const at::Tensor& scales, const at::Tensor& zoffs, const c10::
   TORCH_CHECK(!supers.has_value() || bits == 4 || bits == 6, "factored scales (supers) go with 4- or 6-bit codes, got ",
               bits);
   const int64_t S = scales.size(1);
-  TORCH_CHECK(S == 1 || S == K / act_group, "scales must have 1 (per channel) or K/act_group=", K / act_group,
-              " groups, got ", S);
+  TORCH_CHECK(S == 1 || (S % (K / act_group) == 0 && K % S == 0 && (K / S) % 16 == 0),
+              "scales must have 1 (per channel) or K/act_group=", K / act_group,
+              " groups or a multiple of it (weight groups of 16 or more inputs inside each activation group), got ", S);
   const bool symmetric = zoffs.scalar_type() == at::kInt;
   const int32_t* header = symmetric && zoffs.numel() == 2 && zoffs.is_contiguous() ? zoffs.data_ptr<int32_t>() : nullptr;
   TORCH_CHECK(!symmetric || (header && header[0] >= 0 && header[0] < (1 << bits) && header[1] >= 0 && header[1] < 64),
@@ -472,11 +555,11 @@ at::Tensor& vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const a
               "got ", out.scalar_type(), " ", out.sizes(), " strides ", out.strides());
 #if defined(CPUSERVE_VNNI)
   auto q = at::empty({M, K}, x.options().dtype(at::kChar));
-  const int64_t A = K / act_group;
-  auto terms = at::empty({M * (3 * A + 1)}, x.options().dtype(at::kFloat));  // ax, axs, qs (int32) [M, A]; axt [M]
-  float *ax = terms.data_ptr<float>(), *axs = ax + M * A, *axt = axs + 2 * M * A;
-  int32_t* qs = reinterpret_cast<int32_t*>(axs + M * A);
-  quantize_rows(x.data_ptr<bf16>(), M, K, act_group, q.data_ptr<int8_t>(), ax, axs, qs, axt);
+  const int64_t A = K / act_group, G = std::max(A, S);  // G: the zero terms' groups (the weights' when nested)
+  auto terms = at::empty({M * (A + 2 * G + 1)}, x.options().dtype(at::kFloat));  // ax [M, A]; axs, qs [M, G]; axt
+  float *ax = terms.data_ptr<float>(), *axs = ax + M * A, *axt = axs + 2 * M * G;
+  int32_t* qs = reinterpret_cast<int32_t*>(axs + M * G);
+  quantize_rows(x.data_ptr<bf16>(), M, K, act_group, K / G, q.data_ptr<int8_t>(), ax, axs, qs, axt);
   const bool symmetric = zoffs.scalar_type() == at::kInt;
   const int32_t* header = symmetric ? zoffs.data_ptr<int32_t>() : nullptr;
   const auto widths = [&](auto form) {

@@ -131,6 +131,25 @@ def test_error_against_fp32_is_within_the_activation_rounding_bound(fmt):
     assert (err / bound).max() > 0.01  # the activations are really rounded (not bf16 through another path)
 
 
+@pytest.mark.parametrize("bits,group,zero,act_group", [(4, 32, None, 256), (4, 32, 8, 64), (6, 16, 32, 256),
+                                                        (6, 16, None, 128), (6, 32, None, 512)])
+def test_activation_groups_spanning_weight_groups_match_the_reference(bits, group, zero, act_group):
+    """A K-quant's activations: one scale per super-block over the weights' groups of 32 or 16 (block_nested), at
+    every row count (decode's 8 x 1 blocks, 4 x 2 beyond), the last tile of one column block included."""
+    m = coded_layer(bits, group, zero, n=112)
+    fine = [m.reference(make_x(rows, 512)) for rows in ROWS]  # activation groups of the weights' groups
+    m.act_group = act_group
+    for rows, ref_fine in zip(ROWS, fine):
+        x = make_x(rows, 512)
+        y, ref = m(x).float(), m.reference(x)
+        assert_matches_reference(y, ref)
+        # the coarser activation scales are really taken: the outlier channel's group rounds its neighbours
+        # coarser, which moves the outputs by several times the kernel's own distance from its reference
+        assert (y - ref_fine).abs().max() > 4 * (y - ref).abs().max()
+    x = make_x(37, 512)
+    assert torch.equal(m(x), torch.cat([m(x[i:i + 1]) for i in range(37)]))
+
+
 @pytest.mark.parametrize("fmt,activations", [("int4", "int8"), ("int8", "int8"), ("int8", "int8-token")])
 def test_a_row_does_not_depend_on_the_batch_or_the_threads(fmt, activations):
     m = build_linear(make_weight(576, 576), torch.randn(576), fmt, 32, activations=activations)

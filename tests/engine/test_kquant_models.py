@@ -63,11 +63,11 @@ def test_q4_k_m_default_engine_keeps_the_files_codes(q4_k_m_file, hf_reference):
     layers = llm.engine.runner.model.layers
     # layer 0: every matrix Q4_K -> int4 codes; layer 1 (v and down in Q6_K): the fused qkv keeps q, k as int4
     # codes in groups of 32 and v as 6-bit codes in groups of 16 (StackedLinear), down Q6_K's own 6-bit codes with
-    # only its zero code (symmetric), gate/up stay int4
+    # only its zero code (symmetric), gate/up stay int4; activations one scale per super-block of 256 inputs
     assert isinstance(layers[0].attention.qkv, W4A8Linear) and layers[0].attention.qkv.group_size == 32
     qkv = layers[1].attention.qkv
-    assert isinstance(qkv, StackedLinear) and [(type(p), p.act_group) for p in qkv.parts] == [
-        (W4A8Linear, 32), (W6A8Linear, 16)]
+    assert isinstance(qkv, StackedLinear) and [(type(p), p.group_size, p.act_group) for p in qkv.parts] == [
+        (W4A8Linear, 32, 256), (W6A8Linear, 16, 256)]
     assert isinstance(layers[1].mlp.gate_up, W4A8Linear) and isinstance(layers[1].mlp.down, W6A8Linear)
     assert int(layers[1].mlp.down.zoffs[0]) == 32
     # what remains against fp32 is the int8 activations and the int8 KV cache

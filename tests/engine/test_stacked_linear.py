@@ -52,7 +52,8 @@ def test_stacked_layer_is_the_separate_layers_side_by_side_bit_for_bit():
     layer = build_linear(concat_rows(parts), bias, "int4", activations="int8")
     assert isinstance(layer, StackedLinear) and layer.out_features == 128
     assert [type(p) for p in layer.parts] == [W4A8Linear, W6A8Linear]
-    assert [p.act_group for p in layer.parts] == [32, 16]  # each part quantizes the activations in its own groups
+    # each part quantizes the activations itself, one scale per super-block over its own weight groups
+    assert [(p.group_size, p.act_group) for p in layer.parts] == [(32, 256), (16, 256)]
     separate = [build_linear(p, None, "int4", activations="int8") for p in (concat_rows(parts[:2]), parts[2])]
     for rows in ROWS:
         x = _x(rows)
@@ -74,11 +75,11 @@ def test_kernel_writes_only_its_block_of_columns():
     for rows in (1, 9, 20):
         x = _x(rows)
         wide = torch.full((rows, 80), float("nan"), dtype=torch.bfloat16)
-        torch.ops.cpuserve.vnni_gemm.out(x, layer.packed, layer.scales, layer.zoffs, 6, 16, layer.supers,
+        torch.ops.cpuserve.vnni_gemm.out(x, layer.packed, layer.scales, layer.zoffs, 6, layer.act_group, layer.supers,
                                          out=wide[:, 24:56])
         assert torch.equal(wide[:, 24:56], layer(x)) and wide[:, :24].isnan().all() and wide[:, 56:].isnan().all()
     with pytest.raises(RuntimeError, match="contiguous rows"):
-        torch.ops.cpuserve.vnni_gemm.out(x, layer.packed, layer.scales, layer.zoffs, 6, 16, layer.supers,
+        torch.ops.cpuserve.vnni_gemm.out(x, layer.packed, layer.scales, layer.zoffs, 6, layer.act_group, layer.supers,
                                          out=torch.empty(32, 20, dtype=torch.bfloat16).t())
 
 

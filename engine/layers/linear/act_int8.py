@@ -7,6 +7,8 @@ s = absmax / 127, q = round(x * 127 / absmax). Weights are unsigned codes with w
                 2^-11 of zoff, under 1% of a quantization step), a scale per weight group; activation groups are
                 the weight groups (32 by default)
     W6A8Linear  codes 0..63 a file brought (Q6_K, the 5-bit types; engine/layers/linear/coded.py), its groups
+                (a K-quant file's weights, 4- or 6-bit: activation groups of a super-block, 256 inputs, over the
+                file's groups of 32 or 16: the y below summed per weight group, the activation scale after)
     W8A8Linear  quantize_int8's per-channel weights as codes w + 128, zoff = -128 * scale; activation groups of
                 W8A8_ACT_GROUP inputs or, with activations "int8-token", one group of K: a scale per token (or a
                 file's 8-bit codes in its groups)
@@ -55,16 +57,19 @@ def quantize_rows(x: Tensor, act_group: int) -> tuple[Tensor, Tensor]:
 
 
 def int8_act_reference(x: Tensor, codes: Tensor, scale: Tensor, zoff: Tensor, act_group: int) -> Tensor:
-    """x [M, K]; codes [N, K] (unsigned); scale, zoff [N, S] with S = 1 or K // act_group -> fp32 [M, N]."""
+    """x [M, K]; codes [N, K] (unsigned); scale, zoff [N, S] with S = 1, K // act_group or a multiple of it (weight
+    groups inside each activation group) -> fp32 [M, N]."""
     m, k = x.shape
     n, a = codes.shape[0], k // act_group
+    g = max(a, scale.shape[1])  # the groups of the integer sums
     q, ax = quantize_rows(x, act_group)  # ax: [M, A]
-    scale, zoff = scale.double().expand(n, a), zoff.double().expand(n, a)
-    qg = q.double().reshape(m, a, act_group).transpose(0, 1)  # qg: [A, M, act_group]
-    cg = codes.double().reshape(n, a, act_group).permute(1, 2, 0)  # cg: [A, act_group, N]
-    acc = torch.bmm(qg, cg)  # acc: [A, M, N], exact integer sums
-    axs = ax.double() * qg.sum(-1).t()  # axs: [M, A]
-    y = (acc * (ax.double().t()[:, :, None] * scale.t()[:, None, :])).sum(0)
+    ax = ax.double().repeat_interleave(g // a, 1)  # ax: [M, G], each activation group's scale over its weight groups
+    scale, zoff = scale.double().expand(n, g), zoff.double().expand(n, g)
+    qg = q.double().reshape(m, g, k // g).transpose(0, 1)  # qg: [G, M, K/G]
+    cg = codes.double().reshape(n, g, k // g).permute(1, 2, 0)  # cg: [G, K/G, N]
+    acc = torch.bmm(qg, cg)  # acc: [G, M, N], exact integer sums
+    axs = ax * qg.sum(-1).t()  # axs: [M, G]
+    y = (acc * (ax.t()[:, :, None] * scale.t()[:, None, :])).sum(0)
     return (y + axs @ zoff.t()).float()
 
 

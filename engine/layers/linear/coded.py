@@ -193,8 +193,11 @@ def coded_misfit(weight: CodedWeight) -> str:
 def to_linear(weight: CodedWeight, fmt: str) -> Int8ActLinear:
     """The int8-activation layer over the file's own codes, in the narrowest storage that holds them: 4 bits when
     fmt is "int4" and every code fits, 6 bits for codes below 64 in groups of 16 or more (Q6_K, the 5-bit types, a
-    fused Q4_K + Q6_K qkv), else 8 (and always 8 when fmt is "int8"). Activation groups are the file's groups;
-    scales and offsets in fp16 where compact_scales(exact=False) allows, symmetric codes keeping only their zero."""
+    fused Q4_K + Q6_K qkv), else 8 (and always 8 when fmt is "int8"). Activation groups are the file's groups,
+    except a K-quant's kept factors: one activation scale per super-block of 256 inputs, as llama.cpp quantizes
+    activations for these files (its Q8_K), over the file's groups of 32 or 16 (vnni_gemm.cpp block_nested; a
+    multiply fewer per weight group). Scales and offsets in fp16 where compact_scales(exact=False) allows, symmetric
+    codes keeping only their zero."""
     n, k = weight.shape
     if fmt == "int4" and weight.bits == 4:
         bits, cls, pack = 4, W4A8Linear, pack_int4
@@ -204,8 +207,9 @@ def to_linear(weight: CodedWeight, fmt: str) -> Int8ActLinear:
         bits, cls, pack = 8, W8A8Linear, pack_int8
     layer = cls(k, n, "int4" if bits == 4 else "int8", weight.group)
     factored = super_layout(weight, bits)
-    if factored is not None:  # a K-quant's own factors: exactly the file's scales
-        return layer.set_codes(pack(weight.codes), *factored[:2], weight.group, supers=factored[2])
+    if factored is not None:  # a K-quant's own factors: exactly the file's scales; activations per super-block
+        return layer.set_codes(pack(weight.codes), *factored[:2], weight.group * weight.supers.groups,
+                               supers=factored[2])
     # fp16: exactly for Q4_0, Q4_1, Q8_0; rounded within 2**-11 for Q5_x and cut K-quants (act_int8.compact_scales)
     scales, zoffs = compact_scales(weight.scale, weight.zoff, exact=False, bits=bits)
     return layer.set_codes(pack(weight.codes), scales, zoffs, weight.group)
