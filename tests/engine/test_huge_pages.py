@@ -3,6 +3,7 @@
 them alone."""
 from __future__ import annotations
 
+import mmap
 import re
 from pathlib import Path
 
@@ -30,6 +31,15 @@ def anon_huge_kb(t: torch.Tensor) -> int:
     return total
 
 
+def fresh(nbytes: int, fill: int | None = None) -> torch.Tensor:
+    """A uint8 tensor on a private anonymous mapping of its own: fresh 4 KiB pages. From malloc, a tensor of a few
+    MiB can come back in heap memory that an earlier test left on huge pages (a 16 MiB one once had 12 MiB of them
+    already, and nothing left to collapse)."""
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    t = torch.frombuffer(buf, dtype=torch.uint8)  # holds buf
+    return t.fill_(fill) if fill is not None else t
+
+
 def test_regions_cover_the_storage_in_aligned_steps():
     t = torch.ones(5 * MB, dtype=torch.uint8)
     starts = huge_pages.regions([t, t[MB:]])  # a view adds nothing: its storage is the same
@@ -43,7 +53,7 @@ def test_regions_cover_the_storage_in_aligned_steps():
 
 def test_collapse_puts_written_memory_on_huge_pages(monkeypatch):
     monkeypatch.delenv(huge_pages.ENV, raising=False)
-    t = torch.full((16 * MB,), 7, dtype=torch.uint8)  # written: on 4 KiB pages under THP's madvise mode
+    t = fresh(16 * MB, 7)  # written: on 4 KiB pages under THP's madvise mode
     before = anon_huge_kb(t)
     collapsed = huge_pages.collapse([t])
     # the interior 2 MiB regions (at least 6 of the 8 the 16 MiB span) are whole inside its mapping
@@ -54,7 +64,7 @@ def test_collapse_puts_written_memory_on_huge_pages(monkeypatch):
 
 def test_advise_before_the_first_write(monkeypatch):
     monkeypatch.delenv(huge_pages.ENV, raising=False)
-    t = torch.empty(16 * MB, dtype=torch.uint8)
+    t = fresh(16 * MB)
     huge_pages.advise([t])
     t.fill_(1)
     assert anon_huge_kb(t) >= 12 * 1024
@@ -62,7 +72,7 @@ def test_advise_before_the_first_write(monkeypatch):
 
 def test_off_leaves_pages_alone(monkeypatch):
     monkeypatch.setenv(huge_pages.ENV, "0")
-    t = torch.full((16 * MB,), 7, dtype=torch.uint8)
+    t = fresh(16 * MB, 7)
     before = anon_huge_kb(t)
     assert huge_pages.collapse([t]) == 0
     assert anon_huge_kb(t) == before
