@@ -132,10 +132,11 @@ def test_error_against_fp32_is_within_the_activation_rounding_bound(fmt):
 
 
 @pytest.mark.parametrize("bits,group,zero,act_group", [(4, 32, None, 256), (4, 32, 8, 64), (6, 16, 32, 256),
-                                                        (6, 16, None, 128), (6, 32, None, 512)])
+                                                        (6, 16, None, 128), (6, 32, None, 512), (6, 64, 16, 256)])
 def test_activation_groups_spanning_weight_groups_match_the_reference(bits, group, zero, act_group):
     """A K-quant's activations: one scale per super-block over the weights' groups of 32 or 16 (block_nested), at
-    every row count (decode's 8 x 1 blocks, 4 x 2 beyond), the last tile of one column block included."""
+    every row count (decode's 8 x 1 blocks, 4 x 2 beyond), the last tile of one column block included; weight
+    groups of 64 take the runtime loop."""
     m = coded_layer(bits, group, zero, n=112)
     fine = [m.reference(make_x(rows, 512)) for rows in ROWS]  # activation groups of the weights' groups
     m.act_group = act_group
