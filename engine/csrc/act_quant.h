@@ -42,14 +42,16 @@ inline void quantize_row(const c10::BFloat16* x, int64_t K, int64_t act_group, i
 
 // The zero points' terms per sum group g of `sum_group` inputs (the activation group, or the weight group when an
 // activation group spans several): qs[g] = the sum of the row's codes in g; axs[g] = scale * qs[g] when g is an
-// activation group, else qs[g] as a float (the kernel multiplies by the activation's scale after the weight groups).
+// activation group, else qs[g] as a float (the kernel multiplies by the activation's scale after the weight groups);
+// qs16 (optional) [g] = qs[g] as int16, which holds it for groups of up to 256 inputs (used only there).
 inline void group_sums(const int8_t* q, const float* scale, int64_t K, int64_t act_group, int64_t sum_group,
-                       float* axs, int32_t* qs) {
+                       float* axs, int32_t* qs, int16_t* qs16 = nullptr) {
   for (int64_t g0 = 0, g = 0; g0 < K; g0 += sum_group, ++g) {
     __m512i sum = _mm512_setzero_si512();
     for (int64_t k = g0; k < g0 + sum_group; k += 16)
       sum = _mm512_add_epi32(sum, _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k))));
     qs[g] = _mm512_reduce_add_epi32(sum);
+    if (qs16) qs16[g] = static_cast<int16_t>(qs[g]);
     axs[g] = (sum_group == act_group ? scale[g] : 1.f) * static_cast<float>(qs[g]);
   }
 }

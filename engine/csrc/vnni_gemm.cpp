@@ -43,6 +43,8 @@ namespace {
 using bf16 = at::BFloat16;
 constexpr int64_t kPrefetch = 1024;  // bytes ahead in a column block's stream (tasks interleave between threads)
 constexpr int64_t kQuantRowsPerTask = 8;
+// The largest weight group whose code sums (at most 127 each) fit int16: block_nested's integer zero term
+constexpr int64_t kInt16Group = 256;
 // Register blocks beyond kFewRows rows: kRows rows x kCols column blocks, 12 int32 + 12 fp32 accumulators. One
 // thread, SmolLM2's layer GEMMs at 512 rows, hot: 6 x 2 made 294-319 G multiply-adds a second, 5 x 2 293-314,
 // 4 x 2 280-298, 4 x 3 271-297, 8 x 2 (spilling) 242-254.
@@ -101,6 +103,7 @@ struct Gemm {
   const int8_t* q;            // [M, K] activation codes
   const float *ax, *axs;      // [M, K / act_group]
   const int32_t* qs;          // [M, K / act_group]: sum of the codes (the symmetric form's zero term)
+  const int16_t* qs16;        // the same sums as int16 (block_nested's integer zero term, nested groups only)
   const float* axt;           // [M]: sum of the row's axs (the per-channel form's zero term)
   const uint8_t* w;           // packed
   int64_t w0;                 // the first column block w holds (0, or a tile's unpacked copy: TileView)
@@ -159,10 +162,14 @@ struct Gemm {
   // multiplies t once per activation group. Per weight group that is 1 multiply (symmetric) or 2, against 2 or 3
   // with the activation scale per weight group; the sums are as exact and run in the same order for every output
   // element. Steps > 0: a weight group is Steps * W::kStep inputs.
+  //
+  // Where the activation group is the super-block of a K-quant with sub-mins (Q2_K, Q4_K, Q5_K: int_mins), the zero
+  // term is not a multiply per group but zero_term's integer sums, one vpdpwssd per two groups.
   template <int R, int C, int Steps = 0, int Sym = -1>
   void block_nested(int64_t m, int64_t b, int64_t ahead) const {
     const int64_t A = K / act_group, sub = S / A, group = Steps > 0 ? Steps * W::kStep : K / S;
     const bool symmetric = Sym >= 0 ? Sym == 1 : scales.symmetric();
+    const bool int_mins = !symmetric && int_mins_zero();
     __m512 y[R][C];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) y[r][c] = _mm512_setzero_ps();
@@ -176,17 +183,45 @@ struct Gemm {
         for (int c = 0; c < C; ++c) {
           const __m512 sv = scales.scale(b + c, g);
           for (int r = 0; r < R; ++r) t[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), sv, t[r][c]);
-          if (symmetric) continue;
+          if (symmetric || int_mins) continue;
           const __m512 zv = scales.zoff(b + c, g);
           for (int r = 0; r < R; ++r) t[r][c] = _mm512_fmadd_ps(zv, _mm512_set1_ps(axs[(m + r) * S + g]), t[r][c]);
         }
       }
+      if (int_mins) zero_term<R, C>(t, m, a * sub, sub, b);
       for (int r = 0; r < R; ++r) {
         const __m512 av = _mm512_set1_ps(ax[(m + r) * A + a]);
         for (int c = 0; c < C; ++c) y[r][c] = _mm512_fmadd_ps(t[r][c], av, y[r][c]);
       }
     }
     store(m, b, y);
+  }
+
+  // Whether block_nested takes the zero term as zero_term's integer sums: sub-mins, an activation group that is the
+  // super-block, code sums that fit int16
+  bool int_mins_zero() const { return scales.int_mins(S / (K / act_group)) && K / S <= kInt16Group; }
+
+  // t[r][c] += -dmin * the sum over groups g0..g0+sub-1 of sub_min(c, g) * qs(r, g): exact int32 sums (a sub-min
+  // below 64, a group's code sum within +-kInt16Group * 127), then one multiply. Q4_K's 8 groups: 4 vpdpwssd and
+  // 1 multiply where the zero term per group took 8 multiplies.
+  template <int R, int C>
+  __attribute__((always_inline)) void zero_term(__m512 (&t)[R][C], int64_t m, int64_t g0, int64_t sub,
+                                                int64_t b) const {
+    __m512i zi[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) zi[r][c] = _mm512_setzero_si512();
+    for (int64_t g = g0; g < g0 + sub; g += 2)
+      for (int c = 0; c < C; ++c) {
+        const __m512i mins = scales.min_pair(b + c, g);
+        for (int r = 0; r < R; ++r) {
+          const __m512i sums = broadcast4(reinterpret_cast<const int8_t*>(qs16 + (m + r) * S + g));  // g's, g + 1's
+          zi[r][c] = _mm512_dpwssd_epi32(zi[r][c], mins, sums);
+        }
+      }
+    for (int c = 0; c < C; ++c) {
+      const __m512 dm = scales.neg_dmin(b + c, g0);
+      for (int r = 0; r < R; ++r) t[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(zi[r][c]), dm, t[r][c]);
+    }
   }
 
   template <int R, int C>
@@ -401,12 +436,19 @@ struct Gemm {
       const auto* sc = reinterpret_cast<float*>(scales);
       ViewScales vs;
       if constexpr (Scales::kFactored) {
-        vs = StoredScales<float>{sc, g.scales.symmetric() ? nullptr : sc + kCols * g.S * 16, g.S, 0};
+        // after the scales: the zoffs, or the integer sub-mins' pairs and -dmin (S / 2 + S / 2^shift <= S vectors)
+        const float* zo = sc + kCols * g.S * 16;
+        if (g.int_mins_zero()) {
+          const auto* pairs = reinterpret_cast<const int32_t*>(zo);
+          vs = StoredScales<float>{sc, nullptr, g.S, 0, pairs, zo + kCols * (g.S / 2) * 16, g.scales.shift};
+        } else {
+          vs = StoredScales<float>{sc, g.scales.symmetric() ? nullptr : zo, g.S, 0};
+        }
       } else {
         vs = g.scales;
       }
-      view = Gemm<kViewBits, ViewScales>{g.q, g.ax,      g.axs, g.qs,        g.axt, g.w, 0,     vs,
-                                         g.z, g.unscale, g.K,   g.act_group, g.S,   g.N, g.out, g.ldo};
+      view = Gemm<kViewBits, ViewScales>{g.q,   g.ax, g.axs,       g.qs, g.qs16, g.axt, g.w,   0,
+                                         vs,    g.z,  g.unscale,   g.K,  g.act_group,  g.S,  g.N, g.out, g.ldo};
       if constexpr (kUnpack) view.w = reinterpret_cast<const uint8_t*>(codes);
     }
 
@@ -432,12 +474,21 @@ struct Gemm {
         view.w0 = b;
       }
       if constexpr (Scales::kFactored) {
+        const int64_t S = gemm.S, P = int64_t{1} << gemm.scales.shift;
         auto* sc = reinterpret_cast<float*>(scales);
-        float* zo = sc + kCols * gemm.S * 16;
+        float* zo = sc + kCols * S * 16;
+        const bool int_mins = view.scales.pairs != nullptr;
         for (int64_t c = 0; c < n; ++c)
-          for (int64_t g = 0; g < gemm.S; ++g) {
-            _mm512_store_ps(sc + (c * gemm.S + g) * 16, gemm.scales.scale(b + c, g));
-            if (!gemm.scales.symmetric()) _mm512_store_ps(zo + (c * gemm.S + g) * 16, gemm.scales.zoff(b + c, g));
+          for (int64_t g = 0; g < S; ++g) {
+            _mm512_store_ps(sc + (c * S + g) * 16, gemm.scales.scale(b + c, g));
+            if (int_mins) {
+              auto* pairs = reinterpret_cast<__m512i*>(zo) + c * (S / 2) + g / 2;
+              if (g % 2 == 0) _mm512_store_si512(pairs, gemm.scales.min_pair(b + c, g));
+              float* dmin = zo + (kCols * (S / 2) + c * (S / P) + g / P) * 16;
+              if (g % P == 0) _mm512_store_ps(dmin, gemm.scales.neg_dmin(b + c, g));
+            } else if (!gemm.scales.symmetric()) {
+              _mm512_store_ps(zo + (c * S + g) * 16, gemm.scales.zoff(b + c, g));
+            }
           }
         view.scales.b0 = b;
       }
@@ -475,12 +526,12 @@ struct Gemm {
 // x [M, K] bf16 -> q [M, K] int8, ax per act_group, axs and qs per sum_group (act_quant.h group_sums), axt per row;
 // rows shared between threads when there are many
 void quantize_rows(const bf16* x, int64_t M, int64_t K, int64_t act_group, int64_t sum_group, int8_t* q, float* ax,
-                   float* axs, int32_t* qs, float* axt) {
+                   float* axs, int32_t* qs, int16_t* qs16, float* axt) {
   const int64_t A = K / act_group, G = K / sum_group;
   const auto rows = [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       cpuserve_act::quantize_row(x + m * K, K, act_group, q + m * K, ax + m * A);
-      cpuserve_act::group_sums(q + m * K, ax + m * A, K, act_group, sum_group, axs + m * G, qs + m * G);
+      cpuserve_act::group_sums(q + m * K, ax + m * A, K, act_group, sum_group, axs + m * G, qs + m * G, qs16 + m * G);
       axt[m] = 0.f;
       for (int64_t g = 0; g < G; ++g) axt[m] += axs[m * G + g];
     }
@@ -556,16 +607,18 @@ at::Tensor& vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const a
 #if defined(CPUSERVE_VNNI)
   auto q = at::empty({M, K}, x.options().dtype(at::kChar));
   const int64_t A = K / act_group, G = std::max(A, S);  // G: the zero terms' groups (the weights' when nested)
-  auto terms = at::empty({M * (A + 2 * G + 1)}, x.options().dtype(at::kFloat));  // ax [M, A]; axs, qs [M, G]; axt
+  // ax [M, A]; axs, qs [M, G]; axt [M]; qs16 [M, G] int16
+  auto terms = at::empty({M * (A + 2 * G + 1) + (M * G + 1) / 2}, x.options().dtype(at::kFloat));
   float *ax = terms.data_ptr<float>(), *axs = ax + M * A, *axt = axs + 2 * M * G;
   int32_t* qs = reinterpret_cast<int32_t*>(axs + M * G);
-  quantize_rows(x.data_ptr<bf16>(), M, K, act_group, K / G, q.data_ptr<int8_t>(), ax, axs, qs, axt);
+  int16_t* qs16 = reinterpret_cast<int16_t*>(axt + M);
+  quantize_rows(x.data_ptr<bf16>(), M, K, act_group, K / G, q.data_ptr<int8_t>(), ax, axs, qs, qs16, axt);
   const bool symmetric = zoffs.scalar_type() == at::kInt;
   const int32_t* header = symmetric ? zoffs.data_ptr<int32_t>() : nullptr;
   const auto widths = [&](auto form) {
     using Scales = decltype(form);
     const auto go = [&](auto gemm) {
-      gemm.q = q.data_ptr<int8_t>(), gemm.ax = ax, gemm.axs = axs, gemm.qs = qs, gemm.axt = axt;
+      gemm.q = q.data_ptr<int8_t>(), gemm.ax = ax, gemm.axs = axs, gemm.qs = qs, gemm.qs16 = qs16, gemm.axt = axt;
       gemm.w = packed.data_ptr<uint8_t>(), gemm.scales = form;
       gemm.z = symmetric ? header[0] : 0, gemm.unscale = symmetric ? std::ldexp(1.f, -header[1]) : 1.f;
       gemm.K = K, gemm.act_group = act_group, gemm.S = S, gemm.N = N, gemm.out = out.data_ptr<bf16>();

@@ -84,15 +84,27 @@ struct Codes {
 };
 
 // Scales and zoffs as stored: fp32 or fp16 [N/16, S, 16] (S = 1: per channel), zo null when symmetric. b0: the
-// first column block the arrays hold (0, or a tile's copy of a few blocks: Gemm::run_tiles).
+// first column block the arrays hold (0, or a tile's copy of a few blocks: Gemm::TileView). A tile's copy of a
+// K-quant's factored scales may also keep its integer sub-mins (SuperScales::min_pair, neg_dmin) as pairs
+// [blocks, S/2, 16] and -dmin [blocks, S >> shift, 16], for the zero term's integer sums (Gemm::block_nested).
 template <typename T>
 struct StoredScales {
   static constexpr bool kFactored = false;
   const T *sc, *zo;
   int64_t S, b0;
-  bool symmetric() const { return zo == nullptr; }
+  const int32_t* pairs = nullptr;
+  const float* dmin = nullptr;
+  int64_t shift = 0;
+  bool symmetric() const { return zo == nullptr && pairs == nullptr; }
+  bool int_mins(int64_t sub) const { return pairs != nullptr && sub == int64_t{1} << shift; }
   __m512 scale(int64_t b, int64_t g) const { return load16(sc + ((b - b0) * S + g) * 16); }
   __m512 zoff(int64_t b, int64_t g) const { return load16(zo + ((b - b0) * S + g) * 16); }
+  __m512i min_pair(int64_t b, int64_t g) const {
+    return _mm512_loadu_si512(pairs + ((b - b0) * (S >> 1) + (g >> 1)) * 16);
+  }
+  __m512 neg_dmin(int64_t b, int64_t g) const {
+    return _mm512_loadu_ps(dmin + ((b - b0) * (S >> shift) + (g >> shift)) * 16);
+  }
 };
 
 // A K-quant's factored scales (engine/layers/linear/coded.py super_layout): scale = d * sub, zoff = -dmin * sub_min
@@ -116,13 +128,21 @@ struct SuperScales {
     const __m512i s = _mm512_and_si512(sub_bytes(b, g), _mm512_set1_epi32(63));
     return _mm512_mul_ps(load16(super(b, g)), _mm512_cvtepi32_ps(s));
   }
-  __m512 zoff(int64_t b, int64_t g) const {
+  // the sub-min of group g (a 6-bit integer) in every lane
+  __m512i sub_min(int64_t b, int64_t g) const {
     const auto* hp = reinterpret_cast<const __m128i*>(min_hi + (b * (S >> 1) + (g >> 1)) * 16);
     const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(hp)), 4 * (g & 1)),
                                         _mm512_set1_epi32(15));
-    const __m512i m = _mm512_or_si512(_mm512_slli_epi32(hi, 2), _mm512_srli_epi32(sub_bytes(b, g), 6));
-    return _mm512_mul_ps(load16(super(b, g) + 16), _mm512_cvtepi32_ps(m));
+    return _mm512_or_si512(_mm512_slli_epi32(hi, 2), _mm512_srli_epi32(sub_bytes(b, g), 6));
   }
+  __m512 zoff(int64_t b, int64_t g) const { return _mm512_mul_ps(neg_dmin(b, g), _mm512_cvtepi32_ps(sub_min(b, g))); }
+  __m512 neg_dmin(int64_t b, int64_t g) const { return load16(super(b, g) + 16); }
+  // The sub-mins of groups g and g + 1 (g even) as int16 pairs, g's in the low half: vpdpwssd's operand
+  __m512i min_pair(int64_t b, int64_t g) const {
+    return _mm512_or_si512(sub_min(b, g), _mm512_slli_epi32(sub_min(b, g + 1), 16));
+  }
+  // The zero term as integer sums of sub-mins and the activations' code sums per super-block of `sub` groups
+  bool int_mins(int64_t sub) const { return !symmetric() && sub == int64_t{1} << shift; }
 };
 
 }  // namespace cpuserve_vnni

@@ -53,12 +53,36 @@ def test_layer_keeps_the_factors_and_its_weights_are_the_files(qtype):
 
 @pytest.mark.parametrize("qtype", KQUANTS)
 def test_kernel_gives_the_bits_of_the_products_stored_in_fp32(qtype):
+    """The scales: d * sub multiplied out in the kernel are the very floats stored. Types with sub-mins take their zero
+    term as integer sums instead (test_the_sub_mins_zero_term_is_the_references), so here their sub-mins are zero."""
     layer, _, _ = _layer(qtype)
+    if layer.zoffs.dtype == torch.uint8:  # sub-mins: their low 2 bits in the scales' bits 6-7, high 4 in zoffs
+        layer.scales &= 63
+        layer.zoffs.zero_()
+        assert not layer.true_terms()[1].any()
     scales, zoffs = _stored(layer)
     for rows in ROWS:
         x = _x(rows)
         stored = torch.ops.cpuserve.vnni_gemm(x, layer.packed, scales, zoffs, layer.bits, layer.act_group)
         assert torch.equal(layer(x), stored), rows
+
+
+@pytest.mark.parametrize("qtype", ("Q2_K", "Q4_K", "Q5_K"))
+def test_the_sub_mins_zero_term_is_the_references(qtype):
+    """With sub-mins, the zero term of a super-block is -dmin times an exact integer sum of sub-min x the activations'
+    code sum per group (vnni_gemm.cpp zero_term), at every row count: decode's factored scales and a tile's copy."""
+    layer, _, _ = _layer(qtype)
+    assert layer.act_group == 256 and layer.zoffs.dtype == torch.uint8
+    scales, zoffs = _stored(layer)
+    for rows in ROWS:
+        x = _x(rows)
+        y, ref = layer(x).float(), layer.reference(x)  # the reference: float64 over exact integer sums
+        tol = 2 ** -8 * ref.abs().max().item()  # a few bf16 roundings; a wrong sub-min moves outputs by far more
+        torch.testing.assert_close(y, ref, rtol=0, atol=tol)
+        # the zero term matters: without it the outputs are far off
+        no_mins = torch.ops.cpuserve.vnni_gemm(x, layer.packed, scales, torch.zeros_like(zoffs), layer.bits,
+                                               layer.act_group).float()
+        assert (no_mins - ref).abs().max() > 20 * tol, rows
 
 
 @pytest.mark.parametrize("qtype", ("Q4_K", "Q6_K"))
