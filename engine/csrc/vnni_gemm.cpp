@@ -197,9 +197,9 @@ struct Gemm {
     store(m, b, y);
   }
 
-  // Whether block_nested takes the zero term as zero_term's integer sums: sub-mins, an activation group that is the
-  // super-block, code sums that fit int16
-  bool int_mins_zero() const { return scales.int_mins(S / (K / act_group)) && K / S <= kInt16Group; }
+  // Whether block_nested takes the zero term as zero_term's integer sums: nested groups with sub-mins, an activation
+  // group that is the super-block, code sums that fit int16
+  bool int_mins_zero() const { return nested() && scales.int_mins(S / (K / act_group)) && K / S <= kInt16Group; }
 
   // t[r][c] += -dmin * the sum over groups g0..g0+sub-1 of sub_min(c, g) * qs(r, g): exact int32 sums (a sub-min
   // below 64, a group's code sum within +-kInt16Group * 127), then one multiply. Q4_K's 8 groups: 4 vpdpwssd and

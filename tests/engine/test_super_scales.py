@@ -143,6 +143,20 @@ def test_a_cut_through_a_super_block_falls_back_to_the_products():
     assert layer.supers is None and layer.scales.dtype in (torch.float16, torch.float32)  # compact_scales' products
 
 
+def test_a_factor_per_group_gives_the_super_blocks_result():
+    """supers with one d, dmin per group (P = 1, a form the loader never makes) take the zero term per group: the
+    same outputs as the file's factors, with activation groups of the weights' groups or of a super-block."""
+    layer, _, _ = _layer("Q4_K")
+    per_group = layer.supers.repeat_interleave(8, dim=1).contiguous()  # [N/16, S, 2, 16]
+    for act_group in (32, 256):
+        for rows in (3, 20):  # decode's factored scales, a tile's copy
+            x = _x(rows)
+            call = lambda supers: torch.ops.cpuserve.vnni_gemm(  # noqa: E731
+                x, layer.packed, layer.scales, layer.zoffs, layer.bits, act_group, supers).float()
+            ref = call(layer.supers)
+            torch.testing.assert_close(call(per_group), ref, rtol=0, atol=2 ** -8 * ref.abs().max().item())
+
+
 def test_kernel_refuses_supers_of_the_wrong_form():
     layer, _, _ = _layer("Q4_K")
     x = _x(2)
