@@ -63,6 +63,11 @@ constexpr int64_t kFewRows = 16;
 // and takes the shared counter (a cache line the threads pass back and forth) a few times per GEMM, not once per
 // 16 columns
 constexpr int64_t kDecodeTasksPerThread = 4;
+// Up to kPairRows rows, 6-bit codes (Q6_K, the 5-bit types) go two column blocks a register block, two independent
+// chains of dot products where one left their unpacking waiting on latencies: the 3B file's Q6_K GEMMs at one row,
+// streamed from memory, 2 threads, alternating builds: v 80-86 -> 56-65 us, down 648-695 -> 465-501 us, the lm_head
+// 8.4-8.8 -> 7.1-7.5 ms. 4-bit codes stay one block at a time (two streams made some of their GEMMs slower).
+constexpr int kPairRows = 2;
 // Beyond kFewRows rows, likewise (Gemm::tile_runs)
 constexpr int64_t kTileRunsPerThread = 4;
 
@@ -122,7 +127,9 @@ struct Gemm {
     __m512i wk[C][W::kOps];
     for (int c = 0; c < C; ++c) {
       const uint8_t* p = w + (b + c - w0) * K * 2 * Bits + k * 2 * Bits;  // 64 bytes per 4 inputs' worth of operands
-      if (ahead > 0) _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T0);
+      if (ahead > 0)  // every line of the step's codes: 6-bit steps span 3, 8-bit 2 (one left the rest to the hardware)
+        for (int o = 0; o < W::kStep * 2 * Bits; o += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(p + ahead + o), _MM_HINT_T0);
       W::load(p, wk[c]);
     }
     for (int r = 0; r < R; ++r)
@@ -501,9 +508,13 @@ struct Gemm {
     if (M <= kFewRows) {  // decode: a task is a run of column blocks, their weights read once for up to 8 rows
       const int64_t run = run_length(num_blocks, kDecodeTasksPerThread);
       cpuserve_tasks::share_tasks((num_blocks + run - 1) / run, [&](const auto& next) {
-        for (int64_t t; (t = next()) >= 0;)
-          for (int64_t b = t * run; b < std::min(num_blocks, (t + 1) * run); ++b)
-            all_rows_fixed<8, 1>(M, b, kPrefetch);
+        for (int64_t t; (t = next()) >= 0;) {
+          const int64_t end = std::min(num_blocks, (t + 1) * run);
+          int64_t b = t * run;
+          if (Bits == 6 && M <= kPairRows)
+            for (; b + 2 <= end; b += 2) all_rows_fixed<kPairRows, 2>(M, b, kPrefetch);
+          for (; b < end; ++b) all_rows_fixed<8, 1>(M, b, kPrefetch);
+        }
       });
       return;
     }

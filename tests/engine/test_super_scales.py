@@ -100,6 +100,24 @@ def test_a_row_does_not_depend_on_the_batch_or_the_threads(qtype):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("qtype", ("Q5_K", "Q6_K"))
+def test_one_or_two_rows_of_6_bit_codes_two_column_blocks_at_a_time_give_the_same_bits(qtype):
+    # 27 column blocks: decode's runs of adjacent blocks are 3 long on 2 threads and 7 on one, so rows 1 and 2 go
+    # through the two-block register blocks and a last single block; 3 rows go one block at a time
+    layer, _, _ = _layer(qtype, shape=(27 * 16, 1024))
+    x = _x(3)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            batched = layer(x)
+            for i in range(3):
+                assert torch.equal(layer(x[i:i + 1]), batched[i:i + 1]), (n, i)
+            assert torch.equal(layer(x[:2]), batched[:2]), n
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("qtype,nbytes", [("Q4_K", 144), ("Q6_K", 210), ("Q5_K", 208), ("Q2_K", 156)])
 def test_bytes_per_super_block_row(qtype, nbytes):
     """Per 256 weights of a row: codes, 12 bits per sub-block for a sub-scale and sub-min (8 for a sub-scale alone),
