@@ -42,18 +42,23 @@ namespace cpuserve_vnni {
 
 using cpuserve_simd::load16;
 
+// Every helper below sits inside the GEMMs' innermost loops. GCC 12 left some out of line at some call sites (a
+// decode block's Codes<6>::load and SuperScales::scale were calls, their results passed through memory), so they
+// are inlined by force, as vnni_gemm.cpp's own loop helpers are.
+#define CPUSERVE_HOT inline __attribute__((always_inline))
+
 // acc += w (unsigned bytes) . the 4 signed bytes at p, broadcast to every lane inside the instruction ({1to16}): GCC
 // otherwise emits a separate vpbroadcastd per operand, one more instruction per dot product at few columns
-inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
+CPUSERVE_HOT __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
   asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
   return acc;
 }
 
 // acc += w (unsigned bytes) . a (signed bytes), both in registers
-inline __m512i dpbusd(__m512i acc, __m512i w, __m512i a) { return _mm512_dpbusd_epi32(acc, w, a); }
+CPUSERVE_HOT __m512i dpbusd(__m512i acc, __m512i w, __m512i a) { return _mm512_dpbusd_epi32(acc, w, a); }
 
 // The 4 bytes at p in every lane
-inline __m512i broadcast4(const int8_t* p) { return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p)); }
+CPUSERVE_HOT __m512i broadcast4(const int8_t* p) { return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p)); }
 
 // The operands of inputs k..k+4*kOps-1 of column block `blk`'s packed stream at byte p (see the layouts above)
 template <int Bits>
@@ -61,7 +66,7 @@ struct Codes {
   static constexpr int kOps = Bits == 6 ? 4 : 2;  // vpdpbusd operands (4 inputs each) per step
   static constexpr int kStep = 4 * kOps;          // inputs per step
 
-  static void load(const uint8_t* p, __m512i* w) {
+  static CPUSERVE_HOT void load(const uint8_t* p, __m512i* w) {
     const __m512i low = _mm512_set1_epi8(0x0F);
     if constexpr (Bits == 8) {
       w[0] = _mm512_loadu_si512(p);
@@ -97,12 +102,12 @@ struct StoredScales {
   int64_t shift = 0;
   bool symmetric() const { return zo == nullptr && pairs == nullptr; }
   bool int_mins(int64_t sub) const { return pairs != nullptr && sub == int64_t{1} << shift; }
-  __m512 scale(int64_t b, int64_t g) const { return load16(sc + ((b - b0) * S + g) * 16); }
-  __m512 zoff(int64_t b, int64_t g) const { return load16(zo + ((b - b0) * S + g) * 16); }
-  __m512i min_pair(int64_t b, int64_t g) const {
+  CPUSERVE_HOT __m512 scale(int64_t b, int64_t g) const { return load16(sc + ((b - b0) * S + g) * 16); }
+  CPUSERVE_HOT __m512 zoff(int64_t b, int64_t g) const { return load16(zo + ((b - b0) * S + g) * 16); }
+  CPUSERVE_HOT __m512i min_pair(int64_t b, int64_t g) const {
     return _mm512_loadu_si512(pairs + ((b - b0) * (S >> 1) + (g >> 1)) * 16);
   }
-  __m512 neg_dmin(int64_t b, int64_t g) const {
+  CPUSERVE_HOT __m512 neg_dmin(int64_t b, int64_t g) const {
     return _mm512_loadu_ps(dmin + ((b - b0) * (S >> shift) + (g >> shift)) * 16);
   }
 };
@@ -119,26 +124,26 @@ struct SuperScales {
   const at::Half* sup;    // [N/16, S >> shift, F, 16]: d, then -dmin (F = 2) unless symmetric (F = 1)
   int64_t S, shift, F;
   bool symmetric() const { return min_hi == nullptr; }
-  const at::Half* super(int64_t b, int64_t g) const { return sup + (b * (S >> shift) + (g >> shift)) * F * 16; }
-  __m512i sub_bytes(int64_t b, int64_t g) const {
+  CPUSERVE_HOT const at::Half* super(int64_t b, int64_t g) const { return sup + (b * (S >> shift) + (g >> shift)) * F * 16; }
+  CPUSERVE_HOT __m512i sub_bytes(int64_t b, int64_t g) const {
     return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub + (b * S + g) * 16)));
   }
-  __m512 scale(int64_t b, int64_t g) const {
+  CPUSERVE_HOT __m512 scale(int64_t b, int64_t g) const {
     if (symmetric()) return _mm512_mul_ps(load16(super(b, g)), load16(sub + (b * S + g) * 16));
     const __m512i s = _mm512_and_si512(sub_bytes(b, g), _mm512_set1_epi32(63));
     return _mm512_mul_ps(load16(super(b, g)), _mm512_cvtepi32_ps(s));
   }
   // the sub-min of group g (a 6-bit integer) in every lane
-  __m512i sub_min(int64_t b, int64_t g) const {
+  CPUSERVE_HOT __m512i sub_min(int64_t b, int64_t g) const {
     const auto* hp = reinterpret_cast<const __m128i*>(min_hi + (b * (S >> 1) + (g >> 1)) * 16);
     const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(hp)), 4 * (g & 1)),
                                         _mm512_set1_epi32(15));
     return _mm512_or_si512(_mm512_slli_epi32(hi, 2), _mm512_srli_epi32(sub_bytes(b, g), 6));
   }
-  __m512 zoff(int64_t b, int64_t g) const { return _mm512_mul_ps(neg_dmin(b, g), _mm512_cvtepi32_ps(sub_min(b, g))); }
-  __m512 neg_dmin(int64_t b, int64_t g) const { return load16(super(b, g) + 16); }
+  CPUSERVE_HOT __m512 zoff(int64_t b, int64_t g) const { return _mm512_mul_ps(neg_dmin(b, g), _mm512_cvtepi32_ps(sub_min(b, g))); }
+  CPUSERVE_HOT __m512 neg_dmin(int64_t b, int64_t g) const { return load16(super(b, g) + 16); }
   // The sub-mins of groups g and g + 1 (g even) as int16 pairs, g's in the low half: vpdpwssd's operand
-  __m512i min_pair(int64_t b, int64_t g) const {
+  CPUSERVE_HOT __m512i min_pair(int64_t b, int64_t g) const {
     return _mm512_or_si512(sub_min(b, g), _mm512_slli_epi32(sub_min(b, g + 1), 16));
   }
   // The zero term as integer sums of sub-mins and the activations' code sums per super-block of `sub` groups
