@@ -81,15 +81,22 @@ def clear_stale_lock(build_dir: Path, max_age: float = STALE_LOCK_SECONDS) -> bo
     return True
 
 
+def library_path() -> Path:
+    """Where this source, torch and CPU's build of the kernels lies (or will lie once built)."""
+    name = _build_name()
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return cache / "cpuserve" / "kernels" / name / f"{name}.so"
+
+
 @functools.lru_cache(maxsize=1)
 def _load() -> bool:
     from torch.utils import cpp_extension
 
     name = _build_name()
-    build_dir = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cpuserve" / "kernels" / name
+    build_dir = library_path().parent
     build_dir.mkdir(parents=True, exist_ok=True)
     clear_stale_lock(build_dir)
-    if not (build_dir / f"{name}.so").exists():
+    if not library_path().exists():
         print(f"compiling cpuserve's CPU kernels for this CPU into {build_dir} (first use only, ~40 s)",
               file=sys.stderr, flush=True)
     cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
