@@ -124,7 +124,9 @@ struct SuperScales {
   const at::Half* sup;    // [N/16, S >> shift, F, 16]: d, then -dmin (F = 2) unless symmetric (F = 1)
   int64_t S, shift, F;
   bool symmetric() const { return min_hi == nullptr; }
-  CPUSERVE_HOT const at::Half* super(int64_t b, int64_t g) const { return sup + (b * (S >> shift) + (g >> shift)) * F * 16; }
+  CPUSERVE_HOT const at::Half* super(int64_t b, int64_t g) const {
+    return sup + (b * (S >> shift) + (g >> shift)) * F * 16;
+  }
   CPUSERVE_HOT __m512i sub_bytes(int64_t b, int64_t g) const {
     return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub + (b * S + g) * 16)));
   }
@@ -140,7 +142,9 @@ struct SuperScales {
                                         _mm512_set1_epi32(15));
     return _mm512_or_si512(_mm512_slli_epi32(hi, 2), _mm512_srli_epi32(sub_bytes(b, g), 6));
   }
-  CPUSERVE_HOT __m512 zoff(int64_t b, int64_t g) const { return _mm512_mul_ps(neg_dmin(b, g), _mm512_cvtepi32_ps(sub_min(b, g))); }
+  CPUSERVE_HOT __m512 zoff(int64_t b, int64_t g) const {
+    return _mm512_mul_ps(neg_dmin(b, g), _mm512_cvtepi32_ps(sub_min(b, g)));
+  }
   CPUSERVE_HOT __m512 neg_dmin(int64_t b, int64_t g) const { return load16(super(b, g) + 16); }
   // The sub-mins of groups g and g + 1 (g even) as int16 pairs, g's in the low half: vpdpwssd's operand
   CPUSERVE_HOT __m512i min_pair(int64_t b, int64_t g) const {
