@@ -27,14 +27,18 @@
 #include <torch/library.h>
 
 #include "act_quant.h"
+#include "amx_tiles.h"
 #include "ops.h"
 #include "simd.h"
 #include "tasks.h"
 #include "vnni_layouts.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -80,6 +84,23 @@ int64_t run_length(int64_t units, int64_t per_thread) {
   const auto busiest = [&](int64_t run) { return ((units + run - 1) / run + threads - 1) / threads * run; };
   const int64_t shorter = std::max<int64_t>(1, units / want), longer = (units + want - 1) / want;
   return busiest(shorter) < busiest(longer) ? shorter : longer;
+}
+
+// The AMX path (Gemm::amx_rows): 0 off, 1 the instructions (AmxHw), 2 their software model (AmxEmu, for tests).
+// -1 until first asked: the instructions where the CPU and Linux give them, unless CPUSERVE_AMX=off.
+std::atomic<int> g_amx{-1};
+std::atomic<int64_t> g_amx_blocks{0};  // 16-row blocks computed on tiles (AMX or the model), for the tests
+
+int amx_mode() {
+  int mode = g_amx.load();
+  if (mode < 0) {
+    const char* env = std::getenv("CPUSERVE_AMX");
+    const bool off = env != nullptr && std::string(env) == "off";
+    int want = !off && cpuserve_amx::amx_hw_available() ? 1 : 0;
+    g_amx.compare_exchange_strong(mode, want);
+    mode = g_amx.load();
+  }
+  return mode;
 }
 
 bool vnni_gemm_supported() {
@@ -327,6 +348,101 @@ struct Gemm {
     rest<R - 1, C>(m, M - m, b, m == 0 ? ahead : later);  // block's per-channel path: the same bits
   }
 
+  // The AMX path beyond kFewRows rows, for activation groups of 16, 32 or a multiple of 64 inputs (the per-group and
+  // per-channel forms, and one group a row: "int8-token"; a K-quant's nested groups keep the register blocks). One
+  // TDPBSUD makes the integer sums of 16 rows x 16 columns over up to 64 inputs, where a vpdpbusd makes 16 columns of
+  // one row over 4. A group's sums go through memory into the same fp32 epilogue, the same instructions in the same
+  // order per output element as block's (and block_token's), so a row's bits are those of the register blocks
+  // (tests/engine/test_amx_gemm.py).
+  bool amx_form() const {
+    return !Scales::kFactored && !nested() && (act_group == 16 || act_group == 32 || act_group % 64 == 0);
+  }
+
+  // Inputs per TDPBSUD: a group of 16 or 32, else 64 (a tile row's 64 bytes), the group's sums kept in the tiles
+  int64_t amx_step() const { return std::min<int64_t>(act_group, 64); }
+
+  cpuserve_amx::TileConfig amx_config() const {
+    const int step = static_cast<int>(amx_step());
+    cpuserve_amx::TileConfig cfg;
+    cfg.set(0, 16, 64), cfg.set(1, 16, 64);          // the sums of two column blocks, int32
+    cfg.set(2, 16, step);                            // 16 rows' activation codes, one step
+    cfg.set(3, step / 4, 64), cfg.set(4, step / 4, 64);  // the codes of two column blocks, one step
+    return cfg;
+  }
+
+  // y + group g's term of row `row` for one column block from its integer sum: block's epilogue, op for op
+  __attribute__((always_inline)) __m512 group_term(__m512 y, __m512i acc, int64_t row, int64_t g, int64_t A,
+                                                   bool per_channel, bool symmetric, __m512 sv, __m512 zv) const {
+    if (per_channel) return _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(ax[row * A + g]), y);
+    const __m512 t = _mm512_mul_ps(sv, _mm512_set1_ps(ax[row * A + g]));
+    y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), t, y);
+    if (symmetric) return y;
+    return _mm512_fmadd_ps(zv, _mm512_set1_ps(axs[row * A + g]), y);
+  }
+
+  // Rows m..m+15 of column blocks b..b+n-1 (n <= kCols) on AMX tiles (Tiles: AmxHw or AmxEmu, configured with
+  // amx_config): codes8 holds the blocks' 8-bit codes [n][K/4][64], the layout of a B tile.
+  template <typename Tiles>
+  void amx_rows(const uint8_t* codes8, int64_t m, int64_t b, int64_t n) const {
+    constexpr int R = 16;
+    g_amx_blocks.fetch_add(1, std::memory_order_relaxed);
+    const int64_t A = K / act_group;
+    const bool per_channel = S == 1, symmetric = scales.symmetric();
+    alignas(64) int32_t sums[2][kCols][R][16];  // by the group's parity: the next group's tiles need not wait
+    __m512 y[R][kCols];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kCols; ++c) y[r][c] = _mm512_setzero_ps();
+    const int64_t step = amx_step();
+    for (int64_t g = 0; g < A; ++g) {
+      auto& s = sums[g & 1];
+      Tiles::template zero<0>();
+      if (n == 2) Tiles::template zero<1>();
+      for (int64_t k = g * act_group; k < (g + 1) * act_group; k += step) {
+        Tiles::template load<2>(q + m * K + k, K);
+        Tiles::template load<3>(codes8 + k * 16, 64);
+        Tiles::template dpbsud<0, 2, 3>();
+        if (n == 2) {
+          Tiles::template load<4>(codes8 + (K + k) * 16, 64);
+          Tiles::template dpbsud<1, 2, 4>();
+        }
+      }
+      Tiles::template store<0>(s[0], 64);
+      if (n == 2) Tiles::template store<1>(s[1], 64);
+      for (int c = 0; c < n; ++c) {
+        const __m512 sv = per_channel ? _mm512_setzero_ps() : scales.scale(b + c, g);
+        const __m512 zv = per_channel || symmetric ? _mm512_setzero_ps() : scales.zoff(b + c, g);
+        for (int r = 0; r < R; ++r) {
+          __m512i acc = _mm512_load_si512(s[c][r]);
+          if (symmetric) acc = _mm512_add_epi32(_mm512_set1_epi32(-z * qs[(m + r) * A + g]), acc);
+          y[r][c] = group_term(y[r][c], acc, m + r, g, A, per_channel, symmetric, sv, zv);
+        }
+      }
+    }
+    for (int c = 0; c < n; ++c) {
+      if (per_channel) {  // block's per-channel tail
+        const __m512 sv = scales.scale(b + c, 0);
+        for (int r = 0; r < R; ++r)
+          y[r][c] = symmetric ? _mm512_mul_ps(y[r][c], sv)
+                              : _mm512_fmadd_ps(y[r][c], sv, _mm512_mul_ps(scales.zoff(b + c, 0),
+                                                                           _mm512_set1_ps(axt[m + r])));
+      }
+      for (int r = 0; r < R; ++r) {  // store's
+        __m512 v = y[r][c];
+        if (symmetric && unscale != 1.f) v = _mm512_mul_ps(v, _mm512_set1_ps(unscale));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m + r) * ldo + (b + c) * 16), to_bf16(v));
+      }
+    }
+  }
+
+  // This Gemm's rows from m0 on, as a Gemm of M - m0 rows (the operands' row arrays moved on)
+  Gemm rows_from(int64_t m0) const {
+    Gemm g = *this;
+    const int64_t A = K / act_group, G = std::max(A, S);
+    g.q += m0 * K, g.ax += m0 * A, g.axs += m0 * G, g.qs += m0 * G, g.qs16 += m0 * G, g.axt += m0;
+    g.out += m0 * ldo;
+    return g;
+  }
+
   // Every row through column blocks b..b+C-1: R rows per register block, then one block of the last M % R. The
   // first register block prefetches `ahead` bytes past its codes (the rest find them in the caches).
   // Nest: activation groups span several weight groups (block_nested)
@@ -418,12 +534,24 @@ struct Gemm {
   void tile_runs(int64_t M) const {
     const int64_t tiles = (N / 16 + kCols - 1) / kCols;
     const int64_t run = run_length(tiles, kTileRunsPerThread);
+    const int amx = amx_form() ? amx_mode() : 0;
     cpuserve_tasks::share_tasks((tiles + run - 1) / run, [&](const auto& next) {
       TileView view(*this);  // per thread
-      for (int64_t t; (t = next()) >= 0;) {
-        const int64_t end = std::min(tiles, (t + 1) * run);
-        for (int64_t i = t * run; i < end; ++i) view.compute(M, i * kCols, i + 1 < end ? kCols * K * 2 * Bits : 0);
-      }
+      const auto each = [&](const auto& compute) {
+        for (int64_t t; (t = next()) >= 0;) {
+          const int64_t end = std::min(tiles, (t + 1) * run);
+          for (int64_t i = t * run; i < end; ++i) compute(i * kCols, i + 1 < end ? kCols * K * 2 * Bits : 0);
+        }
+      };
+      if (amx == 0) return each([&](int64_t b, int64_t ahead) { view.compute(M, b, ahead); });
+      const auto on = [&](auto tiles_kind) {  // the tile configuration is per thread
+        using Tiles = decltype(tiles_kind);
+        Tiles::config(amx_config());
+        each([&](int64_t b, int64_t ahead) { view.template compute_amx<Tiles>(M, b, ahead); });
+        Tiles::release();
+      };
+      if (amx == 1) return on(cpuserve_amx::AmxHw{});
+      on(cpuserve_amx::AmxEmu{});
     });
   }
 
@@ -463,23 +591,46 @@ struct Gemm {
 
     // Every row through the column blocks of tile b (kCols, fewer at the end), prefetching `ahead` bytes past its
     // codes (the next tile's) while unpacking them
-    void compute(int64_t M, int64_t b, int64_t ahead) {
-      const int64_t n = std::min<int64_t>(kCols, gemm.N / 16 - b), K = gemm.K;
-      if constexpr (kUnpack) {
-        using W = Codes<Bits>;
-        auto* dst = reinterpret_cast<uint8_t*>(codes);
-        for (int64_t c = 0; c < n; ++c) {
-          const uint8_t* src = gemm.w + (b + c) * K * 2 * Bits;
-          for (int64_t k = 0; k < K; k += W::kStep) {
-            const uint8_t* p = src + k * 2 * Bits;
-            if (ahead > 0)
-              for (int64_t o = 0; o < W::kStep * 2 * Bits; o += 64)
-                _mm_prefetch(reinterpret_cast<const char*>(p + ahead + o), _MM_HINT_T0);
-            __m512i wk[W::kOps];
-            W::load(p, wk);
-            for (int i = 0; i < W::kOps; ++i) _mm512_store_si512(dst + (c * K + k) * 16 + 64 * i, wk[i]);
-          }
+    // The codes of column blocks b..b+n-1 as 8-bit codes [n][K/4][64] at dst, prefetching `ahead` bytes past them
+    void unpack(int64_t b, int64_t n, uint8_t* dst, int64_t ahead) const {
+      using W = Codes<Bits>;
+      const int64_t K = gemm.K;
+      for (int64_t c = 0; c < n; ++c) {
+        const uint8_t* src = gemm.w + (b + c) * K * 2 * Bits;
+        for (int64_t k = 0; k < K; k += W::kStep) {
+          const uint8_t* p = src + k * 2 * Bits;
+          if (ahead > 0)
+            for (int64_t o = 0; o < W::kStep * 2 * Bits; o += 64)
+              _mm_prefetch(reinterpret_cast<const char*>(p + ahead + o), _MM_HINT_T0);
+          __m512i wk[W::kOps];
+          W::load(p, wk);
+          for (int i = 0; i < W::kOps; ++i) _mm512_store_si512(dst + (c * K + k) * 16 + 64 * i, wk[i]);
         }
+      }
+    }
+
+    // compute on AMX tiles (Gemm::amx_form): every 16 rows there, the last M % 16 in register blocks
+    template <typename Tiles>
+    void compute_amx(int64_t M, int64_t b, int64_t ahead) {
+      const int64_t n = std::min<int64_t>(kCols, gemm.N / 16 - b), K = gemm.K;
+      const uint8_t* codes8 = gemm.w + b * K * 16;  // 8-bit codes as they are packed
+      if constexpr (Bits != 8) {
+        thread_local std::vector<__m512i> amx_codes;  // 4-bit codes unpacked (6-bit ones into the view's own copy)
+        if (!kUnpack && static_cast<int64_t>(amx_codes.size()) < kCols * K / 4) amx_codes.resize(kCols * K / 4);
+        auto* dst = reinterpret_cast<uint8_t*>(kUnpack ? codes : amx_codes.data());
+        unpack(b, n, dst, ahead);
+        codes8 = dst;
+        if constexpr (kUnpack) view.w0 = b;
+      }
+      int64_t m = 0;
+      for (; m + 16 <= M; m += 16) gemm.template amx_rows<Tiles>(codes8, m, b, n);
+      if (m < M) all_rows_of(view.rows_from(m), M - m, b, kUnpack ? 0 : kPrefetch);
+    }
+
+    void compute(int64_t M, int64_t b, int64_t ahead) {
+      const int64_t n = std::min<int64_t>(kCols, gemm.N / 16 - b);
+      if constexpr (kUnpack) {
+        unpack(b, n, reinterpret_cast<uint8_t*>(codes), ahead);
         view.w0 = b;
       }
       if constexpr (Scales::kFactored) {
@@ -666,6 +817,20 @@ at::Tensor vnni_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   return vnni_gemm_out(x, packed, scales, zoffs, bits, act_group, supers, out);
 }
 
+// The AMX path's mode: mode "off", "auto" (the instructions where the CPU and Linux give them) or "emulate" (their
+// software model: tests), or "" to keep it; returns the mode in force: "off", "hw" or "emulate"
+std::string vnni_gemm_amx(const std::string& mode) {
+  TORCH_CHECK(mode.empty() || mode == "off" || mode == "auto" || mode == "emulate",
+              "vnni_gemm_amx: mode must be off, auto or emulate, got ", mode);
+  if (mode == "off") g_amx = 0;
+  if (mode == "emulate") g_amx = 2;
+  if (mode == "auto") g_amx = cpuserve_amx::amx_hw_available() ? 1 : 0;
+  static const char* const kNames[] = {"off", "hw", "emulate"};
+  return kNames[amx_mode()];
+}
+
+int64_t vnni_gemm_amx_blocks() { return g_amx_blocks.load(); }
+
 }  // namespace
 
 at::Tensor& cpuserve_ops::vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
@@ -680,6 +845,8 @@ TORCH_LIBRARY_FRAGMENT(cpuserve, m) {
   m.def("vnni_gemm.out(Tensor x, Tensor packed, Tensor scales, Tensor zoffs, int bits, int act_group, "
         "Tensor? supers=None, *, Tensor(a!) out) -> Tensor(a!)");
   m.def("vnni_gemm_supported() -> bool");
+  m.def("vnni_gemm_amx(str mode=\"\") -> str");
+  m.def("vnni_gemm_amx_blocks() -> int");
 }
 
 TORCH_LIBRARY_IMPL(cpuserve, CPU, m) {
@@ -687,4 +854,8 @@ TORCH_LIBRARY_IMPL(cpuserve, CPU, m) {
   m.impl("vnni_gemm.out", &vnni_gemm_out);
 }
 
-TORCH_LIBRARY_IMPL(cpuserve, CompositeExplicitAutograd, m) { m.impl("vnni_gemm_supported", &vnni_gemm_supported); }
+TORCH_LIBRARY_IMPL(cpuserve, CompositeExplicitAutograd, m) {
+  m.impl("vnni_gemm_supported", &vnni_gemm_supported);
+  m.impl("vnni_gemm_amx", &vnni_gemm_amx);
+  m.impl("vnni_gemm_amx_blocks", &vnni_gemm_amx_blocks);
+}

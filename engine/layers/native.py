@@ -29,7 +29,7 @@ SOURCES = [CSRC / name for name in ("decode_ops.cpp", "decode_attention.cpp", "s
                                      "argmax.cpp", "kv_gather.cpp")]
 # headers are part of the build's cache key too
 HEADERS = [CSRC / name for name in ("simd.h", "tasks.h", "int4_few_rows.h", "bf16_dot.h", "act_quant.h", "ops.h",
-                                     "rows.h", "warm.h", "vnni_layouts.h", "int8_scores.h")]
+                                     "rows.h", "warm.h", "vnni_layouts.h", "int8_scores.h", "amx_tiles.h")]
 # -fassociative-math lets GCC vectorize the reductions; with alignment peeling off, their summation order depends
 # only on the length, never on where a buffer happens to sit: results are reproducible across processes and
 # batch layouts (a replica group's ranks must match one rank bit for bit).
@@ -180,8 +180,35 @@ def int8_gemm_enabled() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def vnni_gemm_enabled() -> bool:
-    """The int8 dot-product GEMMs (vnni_gemm.cpp) are built for this CPU (AVX-512 VNNI)."""
-    return enabled() and bool(torch.ops.cpuserve.vnni_gemm_supported())
+    """The int8 dot-product GEMMs (vnni_gemm.cpp) are built for this CPU (AVX-512 VNNI). Where the CPU has AMX,
+    their tile path is kept only if it gives the register blocks' bits on a probe (checked once)."""
+    if not (enabled() and torch.ops.cpuserve.vnni_gemm_supported()):
+        return False
+    if torch.ops.cpuserve.vnni_gemm_amx("") == "hw" and not amx_reproduces_registers("auto"):
+        torch.ops.cpuserve.vnni_gemm_amx("off")
+    return True
+
+
+def amx_reproduces_registers(mode: str) -> bool:
+    """The tile path in `mode` ("auto": the instructions, "emulate": their model) gives the register blocks' bits on
+    a probe of 4- and 8-bit codes; the mode stays set."""
+    gen = torch.Generator().manual_seed(0)
+    n, k = 48, 128  # a tile of two column blocks and one of one
+    for bits, group in ((4, 32), (8, 64)):
+        packed = torch.randint(0, 256, (n // 16, k * bits // 32, 64), generator=gen, dtype=torch.uint8)
+        scales = torch.rand(n // 16, k // group, 16, generator=gen) / 64
+        zoffs = torch.randn(n // 16, k // group, 16, generator=gen) / 64
+        x = torch.randn(40, k, generator=gen).to(torch.bfloat16)
+        torch.ops.cpuserve.vnni_gemm_amx("off")
+        want = torch.ops.cpuserve.vnni_gemm(x, packed, scales, zoffs, bits, group)
+        torch.ops.cpuserve.vnni_gemm_amx(mode)
+        got = torch.ops.cpuserve.vnni_gemm(x, packed, scales, zoffs, bits, group)
+        if not torch.equal(got, want):
+            log.warning("the int8 GEMMs' AMX tiles disagree with their register blocks on this CPU (%d-bit codes, "
+                        "groups of %d, max diff %.3g); using the register blocks", bits, group,
+                        (got.float() - want.float()).abs().max())
+            return False
+    return True
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,0 +1,111 @@
+"""The int8 GEMMs' AMX path (engine/csrc/vnni_gemm.cpp amx_rows, engine/csrc/amx_tiles.h) against their register
+blocks: the same bits for every form it takes, every row count, the last tile of one column block.
+
+On a CPU without AMX the path runs through the tiles' software model (AmxEmu), so its addressing, tile shapes and
+epilogue are checked here too; where the CPU has AMX the instructions themselves are checked the same way."""
+import pytest
+import torch
+
+from cpuserve.engine.layers import native
+from cpuserve.engine.layers.linear import build_linear
+from test_int8_activations import coded_layer, make_weight, make_x
+
+pytestmark = pytest.mark.skipif(not native.vnni_gemm_enabled(), reason="needs the AVX-512 VNNI kernels")
+ROWS = [17, 31, 32, 40, 64]  # beyond decode's 16: whole 16-row tile blocks and every remainder beside them
+
+
+@pytest.fixture
+def amx_modes():
+    """The modes to check against "off": the software model always, the instructions where this CPU has them."""
+    before = torch.ops.cpuserve.vnni_gemm_amx("")
+    modes = ["emulate"]
+    if torch.ops.cpuserve.vnni_gemm_amx("auto") == "hw":
+        modes.append("auto")
+    yield modes
+    torch.ops.cpuserve.vnni_gemm_amx({"hw": "auto"}.get(before, before))
+
+
+def run(m, x, mode: str) -> tuple[torch.Tensor, int]:
+    """m(x) with the AMX path in `mode`, and how many 16-row blocks went through tiles."""
+    torch.ops.cpuserve.vnni_gemm_amx(mode)
+    before = torch.ops.cpuserve.vnni_gemm_amx_blocks()
+    y = m(x)
+    return y, torch.ops.cpuserve.vnni_gemm_amx_blocks() - before
+
+
+def assert_same_bits(m, k: int, n: int, modes: list[str]) -> None:
+    tiles = (n // 16 + 1) // 2  # two column blocks a tile
+    for rows in ROWS:
+        x = make_x(rows, k)
+        want, none = run(m, x, "off")
+        assert none == 0
+        for mode in modes:
+            got, blocks = run(m, x, mode)
+            assert blocks == rows // 16 * tiles, (mode, rows, blocks)  # every whole 16 rows of every tile took tiles
+            assert torch.equal(got, want), (mode, rows, (got.float() - want.float()).abs().max())
+
+
+@pytest.mark.parametrize("bits,group,zero", [(4, 32, None), (4, 32, 8), (4, 16, None), (4, 64, None),
+                                             (6, 16, 32), (6, 16, None), (8, 32, 128)])
+def test_file_codes_on_tiles_give_the_register_blocks_bits(amx_modes, bits, group, zero):
+    """A file's codes (Q4_1's offsets, Q4_0's zero code, 6- and 8-bit codes), groups of 16-64; 7 column blocks"""
+    m = coded_layer(bits, group, zero, n=112)
+    assert_same_bits(m, 512, 112, amx_modes)
+
+
+@pytest.mark.parametrize("fmt,group,n,k,activations", [("int4", 32, 576, 576, "int8"), ("int4", 128, 576, 512, "int8"),
+                                                        ("int8", 32, 1536, 576, "int8"), ("int8", 32, 80, 1536, "int8"),
+                                                        ("int8", 32, 1536, 576, "int8-token"),
+                                                        ("int8", 32, 80, 1536, "int8-token")])
+def test_the_engines_own_weights_on_tiles_give_the_register_blocks_bits(amx_modes, fmt, group, n, k, activations):
+    """A float checkpoint's weights as the engine quantizes them: int4 in groups of 32 and 128 (two tile steps a
+    group), int8 one scale per channel, and vLLM's W8A8 scheme (one activation group a row: the sums stay in the
+    tiles over all of K)"""
+    m = build_linear(make_weight(n, k), torch.randn(n), fmt, group, activations=activations)
+    assert m.act_group == (k if activations == "int8-token" else group)
+    assert_same_bits(m, k, n, amx_modes)
+
+
+def test_nested_groups_keep_the_register_blocks(amx_modes):
+    """A K-quant's activation scale per super-block is not the tiles' form: no block goes through them"""
+    m = coded_layer(4, 32, None, n=112)
+    m.act_group = 256
+    x = make_x(40, 512)
+    want, _ = run(m, x, "off")
+    got, blocks = run(m, x, "emulate")
+    assert blocks == 0 and torch.equal(got, want)
+
+
+def test_a_row_on_tiles_does_not_depend_on_the_batch(amx_modes):
+    m = coded_layer(4, 32, None, n=112)
+    x = make_x(48, 512)
+    for mode in amx_modes:
+        batched, blocks = run(m, x, mode)
+        assert blocks > 0
+        alone = torch.cat([run(m, x[i:i + 1], mode)[0] for i in range(48)])
+        assert torch.equal(batched, alone)
+
+
+def test_the_load_time_probe_passes_on_tiles(amx_modes):
+    """What vnni_gemm_enabled runs once where the CPU has AMX, before it keeps the tiles"""
+    for mode in amx_modes:
+        assert native.amx_reproduces_registers(mode)
+
+
+def test_an_unknown_mode_is_refused_naming_it():
+    with pytest.raises(RuntimeError, match="mode must be off, auto or emulate, got on"):
+        torch.ops.cpuserve.vnni_gemm_amx("on")
+
+
+@pytest.mark.slow
+def test_smollm2_scores_on_tiles_are_the_register_blocks(amx_modes, llm_int4):
+    """The whole default model, 40 prompt tokens: every layer's logits bit for bit"""
+    ids = llm_int4.tokenizer.encode("The int8 GEMMs of a prefill take AMX tiles where the CPU has them. " * 3)[:40]
+    torch.ops.cpuserve.vnni_gemm_amx("off")
+    want = llm_int4.engine.score(ids)
+    for mode in amx_modes:
+        torch.ops.cpuserve.vnni_gemm_amx(mode)
+        before = torch.ops.cpuserve.vnni_gemm_amx_blocks()
+        got = llm_int4.engine.score(ids)
+        assert torch.ops.cpuserve.vnni_gemm_amx_blocks() - before > 0
+        assert torch.equal(got, want), mode
