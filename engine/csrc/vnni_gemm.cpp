@@ -348,24 +348,27 @@ struct Gemm {
     rest<R - 1, C>(m, M - m, b, m == 0 ? ahead : later);  // block's per-channel path: the same bits
   }
 
-  // The AMX path beyond kFewRows rows, for activation groups of 16, 32 or a multiple of 64 inputs (the per-group and
-  // per-channel forms, and one group a row: "int8-token"; a K-quant's nested groups keep the register blocks). One
+  // The AMX path beyond kFewRows rows, for weight groups of 16, 32 or a multiple of 64 inputs: the per-group and
+  // per-channel forms, one activation group a row ("int8-token"), and a K-quant's groups inside its super-block. One
   // TDPBSUD makes the integer sums of 16 rows x 16 columns over up to 64 inputs, where a vpdpbusd makes 16 columns of
-  // one row over 4. A group's sums go through memory into the same fp32 epilogue, the same instructions in the same
-  // order per output element as block's (and block_token's), so a row's bits are those of the register blocks
-  // (tests/engine/test_amx_gemm.py).
+  // one row over 4. A weight group's sums go through memory into the register blocks' own fp32 epilogue, the same
+  // instructions in the same order per output element as block's (block_token's, block_nested's), so a row's bits
+  // are those of the register blocks (tests/engine/test_amx_gemm.py).
+  int64_t weight_group() const { return nested() ? K / S : act_group; }
+
   bool amx_form() const {
-    return !Scales::kFactored && !nested() && (act_group == 16 || act_group == 32 || act_group % 64 == 0);
+    const int64_t wg = weight_group();
+    return wg == 16 || wg == 32 || wg % 64 == 0;
   }
 
   // Inputs per TDPBSUD: a group of 16 or 32, else 64 (a tile row's 64 bytes), the group's sums kept in the tiles
-  int64_t amx_step() const { return std::min<int64_t>(act_group, 64); }
+  int64_t amx_step() const { return std::min<int64_t>(weight_group(), 64); }
 
   cpuserve_amx::TileConfig amx_config() const {
     const int step = static_cast<int>(amx_step());
     cpuserve_amx::TileConfig cfg;
-    cfg.set(0, 16, 64), cfg.set(1, 16, 64);          // the sums of two column blocks, int32
-    cfg.set(2, 16, step);                            // 16 rows' activation codes, one step
+    cfg.set(0, 16, 64), cfg.set(1, 16, 64);              // the sums of two column blocks, int32
+    cfg.set(2, 16, step);                                // 16 rows' activation codes, one step
     cfg.set(3, step / 4, 64), cfg.set(4, step / 4, 64);  // the codes of two column blocks, one step
     return cfg;
   }
@@ -380,58 +383,75 @@ struct Gemm {
     return _mm512_fmadd_ps(zv, _mm512_set1_ps(axs[row * A + g]), y);
   }
 
-  // Rows m..m+15 of column blocks b..b+n-1 (n <= kCols) on AMX tiles (Tiles: AmxHw or AmxEmu, configured with
-  // amx_config): codes8 holds the blocks' 8-bit codes [n][K/4][64], the layout of a B tile.
-  template <typename Tiles>
-  void amx_rows(const uint8_t* codes8, int64_t m, int64_t b, int64_t n) const {
+  // Rows m..m+15 of column blocks b..b+C-1 on AMX tiles (Tiles: AmxHw or AmxEmu, configured with amx_config):
+  // codes8 holds the blocks' 8-bit codes [C][K/4][64], the layout of a B tile.
+  template <typename Tiles, int C>
+  void amx_rows(const uint8_t* codes8, int64_t m, int64_t b) const {
     constexpr int R = 16;
     g_amx_blocks.fetch_add(1, std::memory_order_relaxed);
-    const int64_t A = K / act_group;
-    const bool per_channel = S == 1, symmetric = scales.symmetric();
-    alignas(64) int32_t sums[2][kCols][R][16];  // by the group's parity: the next group's tiles need not wait
-    __m512 y[R][kCols];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < kCols; ++c) y[r][c] = _mm512_setzero_ps();
+    const int64_t A = K / act_group, wg = weight_group(), W = K / wg, sub = W / A, G = std::max(A, S);
     const int64_t step = amx_step();
-    for (int64_t g = 0; g < A; ++g) {
-      auto& s = sums[g & 1];
+    const bool nest = nested(), per_channel = S == 1, symmetric = scales.symmetric();
+    const bool int_mins = nest && !symmetric && int_mins_zero();
+    alignas(64) int32_t sums[2][C][R][16];  // by the group's parity: the next group's tiles need not wait
+    __m512 y[R][C], t[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) y[r][c] = _mm512_setzero_ps();
+    for (int64_t w = 0; w < W; ++w) {
+      auto& s = sums[w & 1];
       Tiles::template zero<0>();
-      if (n == 2) Tiles::template zero<1>();
-      for (int64_t k = g * act_group; k < (g + 1) * act_group; k += step) {
+      if constexpr (C == 2) Tiles::template zero<1>();
+      for (int64_t k = w * wg; k < (w + 1) * wg; k += step) {
         Tiles::template load<2>(q + m * K + k, K);
         Tiles::template load<3>(codes8 + k * 16, 64);
         Tiles::template dpbsud<0, 2, 3>();
-        if (n == 2) {
+        if constexpr (C == 2) {
           Tiles::template load<4>(codes8 + (K + k) * 16, 64);
           Tiles::template dpbsud<1, 2, 4>();
         }
       }
       Tiles::template store<0>(s[0], 64);
-      if (n == 2) Tiles::template store<1>(s[1], 64);
-      for (int c = 0; c < n; ++c) {
-        const __m512 sv = per_channel ? _mm512_setzero_ps() : scales.scale(b + c, g);
-        const __m512 zv = per_channel || symmetric ? _mm512_setzero_ps() : scales.zoff(b + c, g);
-        for (int r = 0; r < R; ++r) {
-          __m512i acc = _mm512_load_si512(s[c][r]);
-          if (symmetric) acc = _mm512_add_epi32(_mm512_set1_epi32(-z * qs[(m + r) * A + g]), acc);
-          y[r][c] = group_term(y[r][c], acc, m + r, g, A, per_channel, symmetric, sv, zv);
+      if constexpr (C == 2) Tiles::template store<1>(s[1], 64);
+      const auto sum = [&](int c, int r) {  // the group's integer sum, the symmetric form's zero term in it
+        const __m512i acc = _mm512_load_si512(s[c][r]);
+        return symmetric ? _mm512_add_epi32(_mm512_set1_epi32(-z * qs[(m + r) * G + w]), acc) : acc;
+      };
+      if (!nest) {
+        for (int c = 0; c < C; ++c) {
+          const __m512 sv = per_channel ? _mm512_setzero_ps() : scales.scale(b + c, w);
+          const __m512 zv = per_channel || symmetric ? _mm512_setzero_ps() : scales.zoff(b + c, w);
+          for (int r = 0; r < R; ++r) y[r][c] = group_term(y[r][c], sum(c, r), m + r, w, A, per_channel, symmetric, sv, zv);
         }
+        continue;
+      }
+      // block_nested's: the weight groups' terms into t, then t times the activation group's scale into y
+      if (w % sub == 0)
+        for (int r = 0; r < R; ++r)
+          for (int c = 0; c < C; ++c) t[r][c] = _mm512_setzero_ps();
+      for (int c = 0; c < C; ++c) {
+        const __m512 sv = scales.scale(b + c, w);
+        for (int r = 0; r < R; ++r) t[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum(c, r)), sv, t[r][c]);
+        if (symmetric || int_mins) continue;
+        const __m512 zv = scales.zoff(b + c, w);
+        for (int r = 0; r < R; ++r) t[r][c] = _mm512_fmadd_ps(zv, _mm512_set1_ps(axs[(m + r) * S + w]), t[r][c]);
+      }
+      if (w % sub != sub - 1) continue;
+      const int64_t a = w / sub;
+      if (int_mins) zero_term<R, C>(t, m, a * sub, sub, b);
+      for (int r = 0; r < R; ++r) {
+        const __m512 av = _mm512_set1_ps(ax[(m + r) * A + a]);
+        for (int c = 0; c < C; ++c) y[r][c] = _mm512_fmadd_ps(t[r][c], av, y[r][c]);
       }
     }
-    for (int c = 0; c < n; ++c) {
-      if (per_channel) {  // block's per-channel tail
+    if (per_channel && !nest)  // block's per-channel tail
+      for (int c = 0; c < C; ++c) {
         const __m512 sv = scales.scale(b + c, 0);
         for (int r = 0; r < R; ++r)
           y[r][c] = symmetric ? _mm512_mul_ps(y[r][c], sv)
                               : _mm512_fmadd_ps(y[r][c], sv, _mm512_mul_ps(scales.zoff(b + c, 0),
                                                                            _mm512_set1_ps(axt[m + r])));
       }
-      for (int r = 0; r < R; ++r) {  // store's
-        __m512 v = y[r][c];
-        if (symmetric && unscale != 1.f) v = _mm512_mul_ps(v, _mm512_set1_ps(unscale));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m + r) * ldo + (b + c) * 16), to_bf16(v));
-      }
-    }
+    store<R, C>(m, b, y);
   }
 
   // This Gemm's rows from m0 on, as a Gemm of M - m0 rows (the operands' row arrays moved on)
@@ -622,8 +642,12 @@ struct Gemm {
         codes8 = dst;
         if constexpr (kUnpack) view.w0 = b;
       }
+      expand_scales(b, n);
       int64_t m = 0;
-      for (; m + 16 <= M; m += 16) gemm.template amx_rows<Tiles>(codes8, m, b, n);
+      for (; m + 16 <= M; m += 16) {
+        if (n == kCols) view.template amx_rows<Tiles, kCols>(codes8, m, b);
+        else view.template amx_rows<Tiles, 1>(codes8, m, b);
+      }
       if (m < M) all_rows_of(view.rows_from(m), M - m, b, kUnpack ? 0 : kPrefetch);
     }
 
@@ -633,6 +657,12 @@ struct Gemm {
         unpack(b, n, reinterpret_cast<uint8_t*>(codes), ahead);
         view.w0 = b;
       }
+      expand_scales(b, n);
+      all_rows_of(view, M, b, kUnpack ? 0 : (ahead > 0 ? ahead : kPrefetch));
+    }
+
+    // A K-quant's factored scales of column blocks b..b+n-1 multiplied out into the view's fp32 copy
+    void expand_scales(int64_t b, int64_t n) {
       if constexpr (Scales::kFactored) {
         const int64_t S = gemm.S, P = int64_t{1} << gemm.scales.shift;
         auto* sc = reinterpret_cast<float*>(scales);
@@ -652,7 +682,6 @@ struct Gemm {
           }
         view.scales.b0 = b;
       }
-      all_rows_of(view, M, b, kUnpack ? 0 : (ahead > 0 ? ahead : kPrefetch));
     }
   };
 

@@ -3,11 +3,14 @@ blocks: the same bits for every form it takes, every row count, the last tile of
 
 On a CPU without AMX the path runs through the tiles' software model (AmxEmu), so its addressing, tile shapes and
 epilogue are checked here too; where the CPU has AMX the instructions themselves are checked the same way."""
+import gguf
 import pytest
 import torch
+from kquant_factory import real_blocks
 
 from cpuserve.engine.layers import native
 from cpuserve.engine.layers.linear import build_linear
+from cpuserve.engine.loader.gguf_codes import decode_codes
 from test_int8_activations import coded_layer, make_weight, make_x
 
 pytestmark = pytest.mark.skipif(not native.vnni_gemm_enabled(), reason="needs the AVX-512 VNNI kernels")
@@ -66,14 +69,24 @@ def test_the_engines_own_weights_on_tiles_give_the_register_blocks_bits(amx_mode
     assert_same_bits(m, k, n, amx_modes)
 
 
-def test_nested_groups_keep_the_register_blocks(amx_modes):
-    """A K-quant's activation scale per super-block is not the tiles' form: no block goes through them"""
-    m = coded_layer(4, 32, None, n=112)
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+def test_k_quants_on_tiles_give_the_register_blocks_bits(amx_modes, qtype):
+    """A K-quant file's blocks (kquant_factory: real block layouts): its groups of 16 or 32 on tiles inside the
+    activations' super-blocks of 256, the factored scales and the sub-mins' integer zero term as the registers take
+    them; 7 column blocks"""
+    n, k = 112, 1024
+    coded = decode_codes(real_blocks(qtype, (n, k), 0), gguf.GGMLQuantizationType[qtype], (n, k))
+    m = build_linear(coded, None, "int4", activations="int8")
+    assert m.supers is not None and m.act_group == 256
+    assert_same_bits(m, k, n, amx_modes)
+
+
+@pytest.mark.parametrize("bits,group,zero", [(4, 32, None), (6, 16, 32), (6, 64, 16)])
+def test_activation_groups_over_stored_weight_groups_on_tiles(amx_modes, bits, group, zero):
+    """Activation groups of 256 over stored weight groups of 16-64 (block_nested without factored scales)"""
+    m = coded_layer(bits, group, zero, n=112)
     m.act_group = 256
-    x = make_x(40, 512)
-    want, _ = run(m, x, "off")
-    got, blocks = run(m, x, "emulate")
-    assert blocks == 0 and torch.equal(got, want)
+    assert_same_bits(m, 512, 112, amx_modes)
 
 
 def test_a_row_on_tiles_does_not_depend_on_the_batch(amx_modes):
