@@ -210,21 +210,37 @@ struct Gemm {
       for (int64_t g = a * sub; g < (a + 1) * sub; ++g) {
         __m512i acc[R][C];
         group_dots<R, C, Steps>(acc, m, g, group, S, symmetric, b, ahead);
-        for (int c = 0; c < C; ++c) {
-          const __m512 sv = scales.scale(b + c, g);
-          for (int r = 0; r < R; ++r) t[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), sv, t[r][c]);
-          if (symmetric || int_mins) continue;
-          const __m512 zv = scales.zoff(b + c, g);
-          for (int r = 0; r < R; ++r) t[r][c] = _mm512_fmadd_ps(zv, _mm512_set1_ps(axs[(m + r) * S + g]), t[r][c]);
-        }
+        weight_group_terms<R, C>(t, acc, m, g, b, symmetric || int_mins);
       }
-      if (int_mins) zero_term<R, C>(t, m, a * sub, sub, b);
-      for (int r = 0; r < R; ++r) {
-        const __m512 av = _mm512_set1_ps(ax[(m + r) * A + a]);
-        for (int c = 0; c < C; ++c) y[r][c] = _mm512_fmadd_ps(t[r][c], av, y[r][c]);
-      }
+      activation_group_terms<R, C>(y, t, m, a, b, int_mins);
     }
     store(m, b, y);
+  }
+
+  // block_nested's epilogue of weight group g: t += its integer sums times its scales, plus its zero term unless
+  // there is none or zero_term takes it
+  template <int R, int C>
+  __attribute__((always_inline)) void weight_group_terms(__m512 (&t)[R][C], const __m512i (&acc)[R][C], int64_t m,
+                                                         int64_t g, int64_t b, bool no_zoff) const {
+    for (int c = 0; c < C; ++c) {
+      const __m512 sv = scales.scale(b + c, g);
+      for (int r = 0; r < R; ++r) t[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), sv, t[r][c]);
+      if (no_zoff) continue;
+      const __m512 zv = scales.zoff(b + c, g);
+      for (int r = 0; r < R; ++r) t[r][c] = _mm512_fmadd_ps(zv, _mm512_set1_ps(axs[(m + r) * S + g]), t[r][c]);
+    }
+  }
+
+  // block_nested's epilogue of activation group a (its weight groups' terms in t): y += t times its scale
+  template <int R, int C>
+  __attribute__((always_inline)) void activation_group_terms(__m512 (&y)[R][C], __m512 (&t)[R][C], int64_t m,
+                                                             int64_t a, int64_t b, bool int_mins) const {
+    const int64_t A = K / act_group, sub = S / A;
+    if (int_mins) zero_term<R, C>(t, m, a * sub, sub, b);
+    for (int r = 0; r < R; ++r) {
+      const __m512 av = _mm512_set1_ps(ax[(m + r) * A + a]);
+      for (int c = 0; c < C; ++c) y[r][c] = _mm512_fmadd_ps(t[r][c], av, y[r][c]);
+    }
   }
 
   // Whether block_nested takes the zero term as zero_term's integer sums: nested groups with sub-mins, an activation
@@ -277,43 +293,56 @@ struct Gemm {
     for (int64_t g = 0; g < A; ++g) {
       __m512i acc[R][C];
       group_dots<R, C, Steps>(acc, m, g, group, A, symmetric, b, ahead);
-      if (per_channel) {
-        for (int r = 0; r < R; ++r) {
-          const __m512 a = _mm512_set1_ps(ax[(m + r) * A + g]);
-          for (int c = 0; c < C; ++c) y[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), a, y[r][c]);
-        }
-        continue;
+      group_terms<R, C>(y, acc, m, g, b, per_channel, symmetric);
+    }
+    if (per_channel) channel_terms<R, C>(y, m, b, symmetric);
+    store(m, b, y);
+  }
+
+  // block's epilogue of group g (act_group inputs, the weights' group too unless per channel): y += its integer sums
+  // times the activation scale (per channel) or the two scales, plus its zero term unless symmetric
+  template <int R, int C>
+  __attribute__((always_inline)) void group_terms(__m512 (&y)[R][C], const __m512i (&acc)[R][C], int64_t m, int64_t g,
+                                                  int64_t b, bool per_channel, bool symmetric) const {
+    const int64_t A = K / act_group;
+    if (per_channel) {
+      for (int r = 0; r < R; ++r) {
+        const __m512 a = _mm512_set1_ps(ax[(m + r) * A + g]);
+        for (int c = 0; c < C; ++c) y[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), a, y[r][c]);
       }
-      for (int c = 0; c < C; ++c) {  // the weights' group g (act_group = group)
-        const __m512 sv = scales.scale(b + c, g);
-        if (symmetric) {
-          for (int r = 0; r < R; ++r) {
-            const __m512 t = _mm512_mul_ps(sv, _mm512_set1_ps(ax[(m + r) * A + g]));
-            y[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), t, y[r][c]);
-          }
-          continue;
-        }
-        const __m512 zv = scales.zoff(b + c, g);
+      return;
+    }
+    for (int c = 0; c < C; ++c) {  // the weights' group g (act_group = group)
+      const __m512 sv = scales.scale(b + c, g);
+      if (symmetric) {
         for (int r = 0; r < R; ++r) {
           const __m512 t = _mm512_mul_ps(sv, _mm512_set1_ps(ax[(m + r) * A + g]));
           y[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), t, y[r][c]);
-          y[r][c] = _mm512_fmadd_ps(zv, _mm512_set1_ps(axs[(m + r) * A + g]), y[r][c]);
         }
+        continue;
+      }
+      const __m512 zv = scales.zoff(b + c, g);
+      for (int r = 0; r < R; ++r) {
+        const __m512 t = _mm512_mul_ps(sv, _mm512_set1_ps(ax[(m + r) * A + g]));
+        y[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), t, y[r][c]);
+        y[r][c] = _mm512_fmadd_ps(zv, _mm512_set1_ps(axs[(m + r) * A + g]), y[r][c]);
       }
     }
-    if (per_channel) {
-      for (int c = 0; c < C; ++c) {
-        const __m512 sv = scales.scale(b + c, 0);
-        if (symmetric) {
-          for (int r = 0; r < R; ++r) y[r][c] = _mm512_mul_ps(y[r][c], sv);
-          continue;
-        }
-        const __m512 zv = scales.zoff(b + c, 0);
-        for (int r = 0; r < R; ++r)
-          y[r][c] = _mm512_fmadd_ps(y[r][c], sv, _mm512_mul_ps(zv, _mm512_set1_ps(axt[m + r])));
+  }
+
+  // block's per-channel tail: y times each channel's scale, plus its zero term unless symmetric
+  template <int R, int C>
+  __attribute__((always_inline)) void channel_terms(__m512 (&y)[R][C], int64_t m, int64_t b, bool symmetric) const {
+    for (int c = 0; c < C; ++c) {
+      const __m512 sv = scales.scale(b + c, 0);
+      if (symmetric) {
+        for (int r = 0; r < R; ++r) y[r][c] = _mm512_mul_ps(y[r][c], sv);
+        continue;
       }
+      const __m512 zv = scales.zoff(b + c, 0);
+      for (int r = 0; r < R; ++r)
+        y[r][c] = _mm512_fmadd_ps(y[r][c], sv, _mm512_mul_ps(zv, _mm512_set1_ps(axt[m + r])));
     }
-    store(m, b, y);
   }
 
   // block<R, C> for per-channel symmetric codes with one activation group a row (act_group = K: "int8-token"): the
@@ -373,16 +402,6 @@ struct Gemm {
     return cfg;
   }
 
-  // y + group g's term of row `row` for one column block from its integer sum: block's epilogue, op for op
-  __attribute__((always_inline)) __m512 group_term(__m512 y, __m512i acc, int64_t row, int64_t g, int64_t A,
-                                                   bool per_channel, bool symmetric, __m512 sv, __m512 zv) const {
-    if (per_channel) return _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(ax[row * A + g]), y);
-    const __m512 t = _mm512_mul_ps(sv, _mm512_set1_ps(ax[row * A + g]));
-    y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), t, y);
-    if (symmetric) return y;
-    return _mm512_fmadd_ps(zv, _mm512_set1_ps(axs[row * A + g]), y);
-  }
-
   // Rows m..m+15 of column blocks b..b+C-1 on AMX tiles (Tiles: AmxHw or AmxEmu, configured with amx_config):
   // codes8 holds the blocks' 8-bit codes [C][K/4][64], the layout of a B tile.
   template <typename Tiles, int C>
@@ -412,45 +431,23 @@ struct Gemm {
       }
       Tiles::template store<0>(s[0], 64);
       if constexpr (C == 2) Tiles::template store<1>(s[1], 64);
-      const auto sum = [&](int c, int r) {  // the group's integer sum, the symmetric form's zero term in it
-        const __m512i acc = _mm512_load_si512(s[c][r]);
-        return symmetric ? _mm512_add_epi32(_mm512_set1_epi32(-z * qs[(m + r) * G + w]), acc) : acc;
-      };
-      if (!nest) {
+      __m512i acc[R][C];  // the group's integer sums, the symmetric form's zero term in them
+      for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) {
-          const __m512 sv = per_channel ? _mm512_setzero_ps() : scales.scale(b + c, w);
-          const __m512 zv = per_channel || symmetric ? _mm512_setzero_ps() : scales.zoff(b + c, w);
-          for (int r = 0; r < R; ++r) y[r][c] = group_term(y[r][c], sum(c, r), m + r, w, A, per_channel, symmetric, sv, zv);
+          acc[r][c] = _mm512_load_si512(s[c][r]);
+          if (symmetric) acc[r][c] = _mm512_add_epi32(_mm512_set1_epi32(-z * qs[(m + r) * G + w]), acc[r][c]);
         }
+      if (!nest) {
+        group_terms<R, C>(y, acc, m, w, b, per_channel, symmetric);
         continue;
       }
-      // block_nested's: the weight groups' terms into t, then t times the activation group's scale into y
       if (w % sub == 0)
         for (int r = 0; r < R; ++r)
           for (int c = 0; c < C; ++c) t[r][c] = _mm512_setzero_ps();
-      for (int c = 0; c < C; ++c) {
-        const __m512 sv = scales.scale(b + c, w);
-        for (int r = 0; r < R; ++r) t[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum(c, r)), sv, t[r][c]);
-        if (symmetric || int_mins) continue;
-        const __m512 zv = scales.zoff(b + c, w);
-        for (int r = 0; r < R; ++r) t[r][c] = _mm512_fmadd_ps(zv, _mm512_set1_ps(axs[(m + r) * S + w]), t[r][c]);
-      }
-      if (w % sub != sub - 1) continue;
-      const int64_t a = w / sub;
-      if (int_mins) zero_term<R, C>(t, m, a * sub, sub, b);
-      for (int r = 0; r < R; ++r) {
-        const __m512 av = _mm512_set1_ps(ax[(m + r) * A + a]);
-        for (int c = 0; c < C; ++c) y[r][c] = _mm512_fmadd_ps(t[r][c], av, y[r][c]);
-      }
+      weight_group_terms<R, C>(t, acc, m, w, b, symmetric || int_mins);
+      if (w % sub == sub - 1) activation_group_terms<R, C>(y, t, m, w / sub, b, int_mins);
     }
-    if (per_channel && !nest)  // block's per-channel tail
-      for (int c = 0; c < C; ++c) {
-        const __m512 sv = scales.scale(b + c, 0);
-        for (int r = 0; r < R; ++r)
-          y[r][c] = symmetric ? _mm512_mul_ps(y[r][c], sv)
-                              : _mm512_fmadd_ps(y[r][c], sv, _mm512_mul_ps(scales.zoff(b + c, 0),
-                                                                           _mm512_set1_ps(axt[m + r])));
-      }
+    if (per_channel && !nest) channel_terms<R, C>(y, m, b, symmetric);
     store<R, C>(m, b, y);
   }
 
@@ -609,8 +606,6 @@ struct Gemm {
       if constexpr (kUnpack) view.w = reinterpret_cast<const uint8_t*>(codes);
     }
 
-    // Every row through the column blocks of tile b (kCols, fewer at the end), prefetching `ahead` bytes past its
-    // codes (the next tile's) while unpacking them
     // The codes of column blocks b..b+n-1 as 8-bit codes [n][K/4][64] at dst, prefetching `ahead` bytes past them
     void unpack(int64_t b, int64_t n, uint8_t* dst, int64_t ahead) const {
       using W = Codes<Bits>;
@@ -651,6 +646,8 @@ struct Gemm {
       if (m < M) all_rows_of(view.rows_from(m), M - m, b, kUnpack ? 0 : kPrefetch);
     }
 
+    // Every row through the column blocks of tile b (kCols, fewer at the end), prefetching `ahead` bytes past its
+    // codes (the next tile's) while unpacking them
     void compute(int64_t M, int64_t b, int64_t ahead) {
       const int64_t n = std::min<int64_t>(kCols, gemm.N / 16 - b);
       if constexpr (kUnpack) {
