@@ -39,7 +39,9 @@ def test_cpuserve_serve_refuses_a_taken_http_port_before_starting_ray(taken_port
 
     from cpuserve.serving.app import start_serving
 
-    other = taken_port + 1 if taken_port < 65535 else 1024
+    with socket.socket() as probe:  # a port free now (taken_port + 1 was not always: CI saw it in use)
+        probe.bind(("127.0.0.1", 0))
+        other = probe.getsockname()[1]
     with pytest.raises(RuntimeError, match=f"http_port={taken_port}: cannot bind"):
         start_serving(ServeConfig(http_port=taken_port, grpc_port=other))
     with pytest.raises(RuntimeError, match=f"grpc_port={taken_port}: cannot bind"):
