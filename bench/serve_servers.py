@@ -13,20 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import tempfile
 import time
 
+from cpuserve.serving.ports import free_port
 from serve_client import grpc_sender, openai_sender
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def openai_target(base_url: str, model: str | None, extra: dict):

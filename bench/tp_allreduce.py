@@ -11,17 +11,12 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import time
 
+from cpuserve.serving.ports import free_port
+
 SIZES = (576, 2048, 8192, 65536)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, world: int, port: int, transport: str, sizes, iters: int, results) -> None:

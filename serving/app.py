@@ -16,7 +16,6 @@ import functools
 import logging
 import os
 import re
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from cpuserve.engine.threads import openmp_env
 from cpuserve.serving.affinity import ENGINE_CORES_ENV, on_cores, split_cores
 from cpuserve.serving.config import ServeConfig
 from cpuserve.serving.direct_http import bind
+from cpuserve.serving.ports import free_port
 from cpuserve.serving.ray_env import RAY_ENV
 
 log = logging.getLogger(__name__)
@@ -101,23 +101,20 @@ def start_serving(config: ServeConfig, blocking_timeout_s: float = 600) -> None:
     if config.tls_cert_file:
         log.warning("TLS applies to HTTP only: gRPC listens in plaintext on port %d",
                     config.grpc_port)
-    logging.getLogger("ray.serve").addFilter(_quiet_serve_start)
-    if config.direct_http:  # the Ingress replica owns http_port; Serve's proxy answers on a private port
-        http = HTTPOptions(host="127.0.0.1", port=_free_port())
+    logging.getLogger("ray.serve").addFilter(_quiet_serve_start if config.direct_http else _quiet_connecting)
+    if config.direct_http:  # the Ingress replica owns http_port; Serve's proxy, if any, answers on a private port
+        http = HTTPOptions(host="127.0.0.1", port=free_port())
     else:
         http = HTTPOptions(host=config.host, port=config.http_port, ssl_certfile=config.tls_cert_file,
                            ssl_keyfile=config.tls_key_file)
-    serve.start(http_options=http,
+    # with both ports the Ingress's own, Serve's proxy would carry no request: not started, one Ray actor fewer
+    # waking up beside the engines (docs/serving.md, "Serve's proxy, not started")
+    proxies = "Disabled" if config.direct_http and config.direct_grpc else "HeadOnly"
+    serve.start(proxy_location=proxies, http_options=http,
                 # with direct_grpc no servicer: Serve then starts no gRPC proxy
                 grpc_options=gRPCOptions(port=config.grpc_port,
                                          grpc_servicer_functions=[] if config.direct_grpc else [GRPC_SERVICER]))
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _split_cores(config: ServeConfig) -> tuple[list[int], list[int]] | None:
@@ -134,10 +131,16 @@ def _split_cores(config: ServeConfig) -> tuple[list[int], list[int]] | None:
     return split
 
 
-def _quiet_serve_start(record: logging.LogRecord) -> bool:
+def _quiet_connecting(record: logging.LogRecord) -> bool:
     """serve.run after serve.start always logs that it connects to the Serve instance serve.start just made and
     will not apply new options: true and normal here, and read as a warning. Everything else passes."""
     return not record.getMessage().startswith("Connecting to existing Serve app")
+
+
+def _quiet_serve_start(record: logging.LogRecord) -> bool:
+    """As _quiet_connecting, and with direct_http also Serve's "Application ... is ready at <url>": that URL is
+    its proxy's (private, or none), not where clients connect; `cpuserve serve` prints the endpoints itself."""
+    return _quiet_connecting(record) and " is ready at http" not in record.getMessage()
 
 
 def stop_serving() -> None:

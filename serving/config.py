@@ -110,8 +110,9 @@ class ServeConfig(BaseSettings):
     """OpenAI-compatible HTTP endpoint."""
     direct_http: bool = True
     """The Ingress replica listens on http_port itself (serving/direct_http.py), one process hop less per message
-    than through Serve's HTTP proxy, which `cpuserve serve` then puts on a free port of 127.0.0.1. False: Serve's
-    proxy listens on http_port (what a Serve config applied through Ray's REST API, as the operator's, does)."""
+    than through Serve's HTTP proxy. With direct_grpc too, `cpuserve serve` starts no Serve proxy at all; with
+    direct_grpc off, the proxy answers HTTP on a free port of 127.0.0.1. False: Serve's proxy listens on http_port
+    (what a Serve config applied through Ray's REST API, as the operator's, does)."""
     metrics_port: int = Field(8080, ge=0, le=65535)
     """Prometheus endpoint served by the ingress; 0 turns it off."""
     stats_interval_s: float = Field(0.5, gt=0, le=60)

@@ -3,8 +3,8 @@
 Through Serve's proxy every SSE message crosses two processes after the LLMServer: the Ingress turns a chunk into
 ASGI messages, Serve pickles them to the proxy, and the proxy writes them to the client. With `direct_http` the
 Ingress replica runs its own uvicorn server on `http_port` for the same FastAPI app, so a message is written to
-the client's socket by the process that built it. Serve's HTTP proxy still runs (Serve starts it with the app);
-`cpuserve serve` moves it to a free port on 127.0.0.1.
+the client's socket by the process that built it. With direct_grpc as well, `cpuserve serve` starts no Serve proxy
+at all; without it, Serve's proxy serves gRPC and answers HTTP on a free port of 127.0.0.1.
 
 Measured on 2 cores at 32 streams (docs/serving.md): the proxy and the Ingress together spent 355-361 us of CPU per
 output token with the proxy in the path and 114-120 us without it.

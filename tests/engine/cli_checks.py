@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from cpuserve.serving.ports import free_port
 
 CPUSERVE = str(Path(sys.executable).parent / "cpuserve")  # the console script of this environment
 
@@ -32,10 +33,3 @@ def undocumented_flags(parser: argparse.ArgumentParser) -> list[str]:
 def subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     return sub.choices[name]
-
-
-def free_port() -> int:
-    """A port free on 127.0.0.1 now (another process may take it before it is bound)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

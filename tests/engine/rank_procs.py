@@ -6,14 +6,9 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import traceback
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from cpuserve.serving.ports import free_port
 
 
 def _entry(target, rank: int, world: int, port: int, args: tuple, results) -> None:

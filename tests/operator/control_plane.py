@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,17 +21,12 @@ from typing import Any
 from kubernetes import client, config
 
 from cpuserve.operator.kube import Kube, KubeError
+from cpuserve.serving.ports import free_port
 from fake_apiserver import FakeApiServer, chart_crds
 
 ASSETS_ENV = "KUBEBUILDER_ASSETS"
 ASSETS = ("etcd", "kube-apiserver", "kubectl")
 TOKEN = "cpuserve-test-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(what: str, predicate, timeout: float = 30.0, interval: float = 0.1):

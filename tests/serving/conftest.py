@@ -8,22 +8,17 @@ other test runs may share the machine.
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import httpx
 import pytest
 
+from cpuserve.serving.ports import free_port
+
 pytest.importorskip("ray.serve")
 
 BASE_CONFIG = dict(replicas=1, cpus_per_rank=2, kv_cache_gb=0.25, max_num_seqs=16, max_queued_requests=16,
                    stats_interval_s=0.25)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

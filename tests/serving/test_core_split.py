@@ -1,5 +1,5 @@
 """Ray's processes off the engine's cores where the node has cores to spare: one replica of one CPU on this 2-core
-machine runs its engine on the first core, and every serving process (GCS, raylet, Serve's controller and proxy,
+machine runs its engine on the first core, and every serving process (GCS, raylet, Serve's controller,
 the ingress, the replica's own Ray threads) on the other."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def test_engine_and_serving_processes_on_their_own_cores(serving):
     engine, rest = CORES[:1], CORES[1:]
     assert os.sched_getaffinity(0) == set(CORES)  # the process that started serving keeps its own mask
     processes = _ray_processes()
-    assert set(processes) == {"LLMServer", "Ingress", "ProxyActor", "ServeController", "gcs_server", "raylet"}
+    assert set(processes) == {"LLMServer", "Ingress", "ServeController", "gcs_server", "raylet"}  # no proxy (direct ports)
     replica = processes.pop("LLMServer")
     for name, proc in processes.items():
         assert proc.cpu_affinity() == rest, name

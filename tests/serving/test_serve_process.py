@@ -92,6 +92,7 @@ def test_serve_binds_its_endpoints_to_host_and_sigterm_stops_every_process(tmp_p
         host_ips = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs} - LOOPBACK
         unexpected = {k: v for k, v in sockets.items() if k[0] not in LOOPBACK | WIDE | host_ips}
         assert unexpected == {}
+        assert not any("ProxyActor" in name for name in sockets.values())  # direct ports: Serve starts no proxy
         os.killpg(proc.pid, signal.SIGTERM) if to_group else proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=90) == 0, _read(err)
         gone, alive = psutil.wait_procs([psutil.Process(p) for p in tree if psutil.pid_exists(p)], timeout=15)
@@ -99,6 +100,7 @@ def test_serve_binds_its_endpoints_to_host_and_sigterm_stops_every_process(tmp_p
         log = _read(err)
         assert "Traceback" not in log and "SIGTERM received" not in log, log
         assert "Connecting to existing Serve app" not in log, log
+        assert " is ready at http" not in log, log  # Serve's line names its proxy's URL, not the endpoints
         assert "graceful_shutdown failed" not in log, log  # normal at every shutdown: filtered (serving/app.py)
         leftover = [p for p in tree if (Path("/dev/shm") / f"__KMP_REGISTERED_LIB_{p}_{os.getuid()}").exists()]
         assert leftover == []
