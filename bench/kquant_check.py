@@ -6,7 +6,11 @@ over the text tests/engine/test_correctness.py uses (8192 tokens of Python's doc
 
     cpuserve fp32 on the F32 file                 the reference
     cpuserve defaults (int4 + int8 act + int8 KV) on each quantized file
+    cpuserve with a bf16 KV cache                 the file's weights scored at about llama.cpp's KV precision (f16)
     llama.cpp on each quantized file              its own logits (logits_all), same token ids
+
+The int8 KV pool (its K read as codes by prefill's int8 Q K^T) costs SmolLM2 about 0.6% of perplexity on its own:
+the bf16-KV row tells the weights' share from the pool's.
 
 Each engine runs in its own process (llama.cpp and torch bring different OpenMP runtimes).
 
@@ -92,7 +96,7 @@ def perplexity(engine: str, model: str, ids: list[int], weights: str) -> float:
     else:
         from cpuserve.engine.llm import LLM
 
-        kw = dict(weights="fp32", kv_cache="fp32") if weights == "fp32" else {}
+        kw = {"fp32": dict(weights="fp32", kv_cache="fp32"), "kv-bf16": dict(kv_cache="bf16")}.get(weights, {})
         llm = LLM(model=model, kv_cache_gb=0.25, show_progress=False, **kw)
 
         def score(tokens):
@@ -134,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run(folder: str, num_tokens: int) -> dict:
-    """{"fp32": ppl, recipe: {"types", "cpuserve", "llama.cpp", "vs_llama.cpp", "vs_fp32", "llama.cpp_vs_fp32"}}."""
+    """{"fp32": ppl, recipe: {"types", "cpuserve", "cpuserve_kv_bf16", "llama.cpp", "vs_llama.cpp", "vs_fp32",
+    "kv_bf16_vs_llama.cpp", "kv_bf16_vs_fp32", "llama.cpp_vs_fp32"}}: "cpuserve" is the defaults (int8 KV)."""
     from cpuserve.engine.loader import default_model_path
 
     os.makedirs(folder, exist_ok=True)  # --out-dir may name a folder that does not exist yet
@@ -148,8 +153,10 @@ def run(folder: str, num_tokens: int) -> dict:
         path = os.path.join(folder, f"smollm2-{recipe}.gguf")
         quantize(f32, path, ftype)
         ours, theirs = _run("cpuserve", path, ids_file), _run("llama.cpp", path, ids_file)
-        results[recipe] = {"types": tensor_types(path), "cpuserve": ours, "llama.cpp": theirs,
+        kv16 = _run("cpuserve", path, ids_file, "kv-bf16")
+        results[recipe] = {"types": tensor_types(path), "cpuserve": ours, "cpuserve_kv_bf16": kv16, "llama.cpp": theirs,
                            "vs_llama.cpp": ours / theirs - 1, "vs_fp32": ours / results["fp32"] - 1,
+                           "kv_bf16_vs_llama.cpp": kv16 / theirs - 1, "kv_bf16_vs_fp32": kv16 / results["fp32"] - 1,
                            "llama.cpp_vs_fp32": theirs / results["fp32"] - 1}
     return results
 
