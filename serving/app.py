@@ -83,7 +83,8 @@ def start_serving(config: ServeConfig, blocking_timeout_s: float = 600) -> None:
     os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(2 * config.max_request_bytes))
     app = build_app(config)  # before Ray starts: a config the model cannot take fails here
     if not config.ray_address:  # the Ingress will bind these on this machine: fail here, before Ray starts
-        for on, name in ((config.direct_http, "http_port"), (config.direct_grpc, "grpc_port")):
+        for on, name in ((config.direct_http, "http_port"), (config.direct_grpc, "grpc_port"),
+                         (config.metrics_port, "metrics_port")):
             if on:
                 bind(config.host, getattr(config, name), name).close()
     if not ray.is_initialized():
@@ -114,7 +115,21 @@ def start_serving(config: ServeConfig, blocking_timeout_s: float = 600) -> None:
                 # with direct_grpc no servicer: Serve then starts no gRPC proxy
                 grpc_options=gRPCOptions(port=config.grpc_port,
                                          grpc_servicer_functions=[] if config.direct_grpc else [GRPC_SERVICER]))
-    serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+    try:
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+    except RuntimeError as e:
+        raise RuntimeError(_with_replica_errors(str(e))) from e
+
+
+def _with_replica_errors(message: str) -> str:
+    """serve.run says only which deployments failed to deploy ("Failed to update the deployments ['Ingress']");
+    each one's status message ends with its replica's own error (a port taken, named by field): add those."""
+    from ray import serve
+
+    app = serve.status().applications.get(APP_NAME)
+    failed = [(name, d.message.strip().splitlines()) for name, d in (app.deployments.items() if app else ())
+              if d.status.name == "DEPLOY_FAILED" and d.message.strip()]
+    return "; ".join([message, *(f"{name}: {lines[-1]}" for name, lines in failed)])
 
 
 def _split_cores(config: ServeConfig) -> tuple[list[int], list[int]] | None:

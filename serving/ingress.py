@@ -69,7 +69,12 @@ class IngressCore:
         initialize_serving_metrics(self.metrics, self.model)
         self.engine_stats = EngineStatsAggregator(self.metrics, self.model)
         if self.config.metrics_port:
-            start_http_server(self.config.metrics_port, addr=self.config.host, registry=registry)
+            try:
+                start_http_server(self.config.metrics_port, addr=self.config.host, registry=registry)
+            except OSError as e:  # Serve reports only that the Ingress failed: name the field here
+                port = self.config.metrics_port
+                raise RuntimeError(f"metrics_port={port}: cannot bind {self.config.host}:{port} ({e.strerror}); "
+                                   "choose a free port, or 0 for none") from e
         c = self.config
         self.max_in_flight = c.replicas * c.max_num_seqs + c.max_queued_requests
         self.num_in_flight = 0

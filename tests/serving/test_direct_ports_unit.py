@@ -1,5 +1,5 @@
-"""direct_http / direct_grpc without a running app: a taken port is refused by name, before Ray starts; a Serve
-config applied through Ray's REST API (the operator's) leaves the ports to Serve's proxies."""
+"""direct_http / direct_grpc without a running app: a taken port (and a taken metrics port) is refused by name, before
+Ray starts; a Serve config applied through Ray's REST API (the operator's) leaves the ports to Serve's proxies."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 
 from cpuserve.serving.config import ServeConfig
 from cpuserve.serving.inplace import build_serve_deploy_config
+from cpuserve.serving.ports import free_port
 
 
 @pytest.fixture
@@ -39,11 +40,11 @@ def test_cpuserve_serve_refuses_a_taken_http_port_before_starting_ray(taken_port
 
     from cpuserve.serving.app import start_serving
 
-    with socket.socket() as probe:  # a port free now (taken_port + 1 was not always: CI saw it in use)
-        probe.bind(("127.0.0.1", 0))
-        other = probe.getsockname()[1]
+    other, another, metrics = free_port(), free_port(), free_port()  # free now (taken_port + 1 was not always)
     with pytest.raises(RuntimeError, match=f"http_port={taken_port}: cannot bind"):
-        start_serving(ServeConfig(http_port=taken_port, grpc_port=other))
+        start_serving(ServeConfig(http_port=taken_port, grpc_port=other, metrics_port=metrics))
     with pytest.raises(RuntimeError, match=f"grpc_port={taken_port}: cannot bind"):
-        start_serving(ServeConfig(http_port=other, grpc_port=taken_port))
+        start_serving(ServeConfig(http_port=other, grpc_port=taken_port, metrics_port=metrics))
+    with pytest.raises(RuntimeError, match=f"metrics_port={taken_port}: cannot bind"):
+        start_serving(ServeConfig(http_port=other, grpc_port=another, metrics_port=taken_port))
     assert not ray.is_initialized()
