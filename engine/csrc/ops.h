@@ -17,5 +17,9 @@ at::Tensor& decode_attention_out(const at::Tensor& q, const at::Tensor& kv, cons
 at::Tensor& vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                           const at::Tensor& zoffs, int64_t bits, int64_t act_group,
                           const c10::optional<at::Tensor>& supers, at::Tensor& out);  // vnni_gemm.cpp
+// The checks of every GEMM over vnni_layouts.h's operands (vnni_gemm, amx_bf16_gemm): TORCH_CHECK on a mismatch
+void check_gemm_operands(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                         const at::Tensor& zoffs, int64_t bits, int64_t act_group,
+                         const c10::optional<at::Tensor>& supers, const at::Tensor& out);  // vnni_gemm.cpp
 
 }  // namespace cpuserve_ops

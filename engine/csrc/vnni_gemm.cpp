@@ -773,17 +773,16 @@ void check_scales(const at::Tensor& scales, const at::Tensor& zoffs, const c10::
               sp.scalar_type(), " ", sp.sizes());
 }
 
-// x [M, K] bf16; packed [N/16, K*bits/32, 64] uint8; scales, zoffs, supers: check_scales -> out [M, N] bf16, rows
-// of any stride (a StackedLinear's part writes its columns)
-at::Tensor& vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                          const at::Tensor& zoffs, int64_t bits, int64_t act_group,
-                          const c10::optional<at::Tensor>& supers, at::Tensor& out) {
-  TORCH_CHECK(vnni_gemm_supported(), "the int8 dot-product GEMMs need AVX-512 VNNI (this CPU's build has none)");
+// x [M, K] bf16; packed [N/16, K*bits/32, 64] uint8; scales, zoffs, supers: check_scales; out [M, N] bf16, rows
+// of any stride (a StackedLinear's part writes its columns). The operands of every GEMM over these layouts
+// (vnni_gemm, amx_bf16_gemm.cpp).
+void check_operands(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& zoffs,
+                    int64_t bits, int64_t act_group, const c10::optional<at::Tensor>& supers, const at::Tensor& out) {
   TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "bits must be 4, 6 or 8, got ", bits);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == 64 && packed.is_contiguous() &&
                   packed.size(1) * 32 % bits == 0,
               "packed must be contiguous uint8 [N/16, K*bits/32, 64], got ", packed.scalar_type(), " ", packed.sizes());
-  const int64_t N = packed.size(0) * 16, K = packed.size(1) * 32 / bits, S = scales.size(1);
+  const int64_t N = packed.size(0) * 16, K = packed.size(1) * 32 / bits;
   TORCH_CHECK(act_group % 16 == 0 && K % act_group == 0 && act_group <= 65536, "act_group=", act_group,
               " must be a multiple of 16 dividing K=", K, ", at most 65536 (a group's integer sum must fit int32)");
   check_scales(scales, zoffs, supers, bits, N, K, act_group);
@@ -794,6 +793,14 @@ at::Tensor& vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const a
                   out.stride(0) >= N,
               "out must be bf16 [", M, ", ", N, "] with contiguous rows (a block of columns of a wider output, too), "
               "got ", out.scalar_type(), " ", out.sizes(), " strides ", out.strides());
+}
+
+at::Tensor& vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                          const at::Tensor& zoffs, int64_t bits, int64_t act_group,
+                          const c10::optional<at::Tensor>& supers, at::Tensor& out) {
+  TORCH_CHECK(vnni_gemm_supported(), "the int8 dot-product GEMMs need AVX-512 VNNI (this CPU's build has none)");
+  check_operands(x, packed, scales, zoffs, bits, act_group, supers, out);
+  const int64_t N = packed.size(0) * 16, K = packed.size(1) * 32 / bits, S = scales.size(1), M = x.size(0);
 #if defined(CPUSERVE_VNNI)
   auto q = at::empty({M, K}, x.options().dtype(at::kChar));
   const int64_t A = K / act_group, G = std::max(A, S);  // G: the zero terms' groups (the weights' when nested)
@@ -858,6 +865,12 @@ std::string vnni_gemm_amx(const std::string& mode) {
 int64_t vnni_gemm_amx_blocks() { return g_amx_blocks.load(); }
 
 }  // namespace
+
+void cpuserve_ops::check_gemm_operands(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                                       const at::Tensor& zoffs, int64_t bits, int64_t act_group,
+                                       const c10::optional<at::Tensor>& supers, const at::Tensor& out) {
+  check_operands(x, packed, scales, zoffs, bits, act_group, supers, out);
+}
 
 at::Tensor& cpuserve_ops::vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                                         const at::Tensor& zoffs, int64_t bits, int64_t act_group,

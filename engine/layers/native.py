@@ -25,8 +25,8 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = [CSRC / name for name in ("decode_ops.cpp", "decode_attention.cpp", "slim_attention.cpp", "int4_gemm.cpp",
-                                     "int4_few_rows.cpp", "int8_gemm.cpp", "vnni_gemm.cpp", "decode_layers.cpp",
-                                     "argmax.cpp", "kv_gather.cpp")]
+                                     "int4_few_rows.cpp", "int8_gemm.cpp", "vnni_gemm.cpp", "amx_bf16_gemm.cpp",
+                                     "decode_layers.cpp", "argmax.cpp", "kv_gather.cpp")]
 # headers are part of the build's cache key too
 HEADERS = [CSRC / name for name in ("simd.h", "tasks.h", "int4_few_rows.h", "bf16_dot.h", "act_quant.h", "ops.h",
                                      "rows.h", "warm.h", "vnni_layouts.h", "int8_scores.h", "amx_tiles.h")]

@@ -1,0 +1,288 @@
+// Prompt rows on AMX-BF16: a layer's codes (vnni_layouts.h: 4-, 6- or 8-bit, every scale form) dequantized to bf16
+// once per call and column tile, bf16 activations as they come, fp32 sums kept in the tiles over all of K.
+//
+// Why not the int8 path's tiles (vnni_gemm.cpp amx_rows): their per-group epilogue needs each weight group's int32
+// sums out of the tiles, 1 KB per 16 x 16 x 32 multiply-adds, and tile stores cap that at about a third of the
+// TMUL's rate (measured on a 2-core Xeon with AMX: 340 G multiply-adds a second a core at best, 170 in registers).
+// Here the group scales are folded into the weights before the tiles see them, so nothing leaves a tile until K is
+// done: 560-640 G multiply-adds a second a core on the same CPU, dequantization included.
+//
+// The bits are those of a row alone: each output element is one tile lane's fp32 sum over K in increasing order,
+// whatever the row count, the row block, the thread or the batch (rows past the last whole 16 are computed in a
+// zero-padded block). They are not the int8 path's bits, so the engine takes this path by a row's role (a prompt
+// token), never by the batch's size (engine/layers/linear/base.py). Quality: bf16 activations instead of int8 groups.
+//
+//   w[n, k] = bf16(code * scale + zoff)            per weight group, fp32 then rounded to nearest even
+//           = bf16((code - z) * scale * 2^-e)      symmetric codes
+//   y[m, n] = bf16(sum over k of x[m, k] * w[n, k])  fp32 sums in TDPBF16PS's order
+// engine/layers/linear/act_int8.py's prompt_reference is the plain-torch reference.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "amx_tiles.h"
+#include "ops.h"
+#include "simd.h"
+#include "tasks.h"
+#include "vnni_layouts.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#if defined(CPUSERVE_VNNI) && defined(__AVX512BF16__)
+#define CPUSERVE_AMX_BF16 1
+#endif
+
+namespace {
+
+using bf16 = at::BFloat16;
+constexpr int64_t kStepInputs = 32;  // inputs per TDPBF16PS: 16 bf16 pairs
+
+// 0 off, 1 the instructions (AmxHw), 2 their software model (AmxEmu: tests); -1 until first asked: the
+// instructions where the CPU and Linux give them, unless CPUSERVE_AMX=off
+std::atomic<int> g_mode{-1};
+
+int bf16_mode() {
+  int mode = g_mode.load();
+  if (mode < 0) {
+    const char* env = std::getenv("CPUSERVE_AMX");
+    const bool off = env != nullptr && std::string(env) == "off";
+#if defined(CPUSERVE_AMX_BF16)
+    const int want = !off && cpuserve_amx::amx_bf16_hw_available() ? 1 : 0;
+#else
+    const int want = 0;
+#endif
+    g_mode.compare_exchange_strong(mode, want);
+    mode = g_mode.load();
+  }
+  return mode;
+}
+
+#if defined(CPUSERVE_AMX_BF16)
+using cpuserve_vnni::Codes;
+using cpuserve_vnni::StoredScales;
+using cpuserve_vnni::SuperScales;
+
+constexpr int kTileCols = 2;  // column blocks of 16 per task: two B tiles
+
+// The tiles: sums of 2 row blocks x 2 column blocks (tmm0-3), 16 rows of activations each (tmm4, tmm5), the weights
+// of 2 column blocks (tmm6, tmm7), each 16 rows of 64 bytes
+cpuserve_amx::TileConfig tile_config() {
+  cpuserve_amx::TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.set(t, 16, 64);
+  return cfg;
+}
+
+template <int Bits, typename Scales>
+struct PromptGemm {
+  using W = Codes<Bits>;
+  const bf16* x;        // [M, K]
+  const uint8_t* w;     // packed codes
+  Scales scales;
+  bool symmetric;
+  int32_t z;            // the symmetric form's zero code
+  float unscale;        // its 2^-e
+  int64_t K, S, N;
+  bf16* out;
+  int64_t ldo;
+
+  // Column block b's weights as B tiles: [K / 2][16 columns x a bf16 pair] at dst, pair p holding inputs 2p, 2p + 1
+  void dequantize(int64_t b, uint16_t* dst) const {
+    const __m512i byte = _mm512_set1_epi32(255);
+    // cvtne2ps gives 16 bf16 of the even input, then 16 of the odd; the permutation interleaves them per column
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const int64_t group = K / S;
+    const uint8_t* src = w + b * K * 2 * Bits;
+    for (int64_t k = 0; k < K; k += W::kStep) {
+      const int64_t g = k / group;
+      const __m512 sv = symmetric ? _mm512_mul_ps(scales.scale(b, g), _mm512_set1_ps(unscale)) : scales.scale(b, g);
+      const __m512 zv = symmetric ? _mm512_setzero_ps() : scales.zoff(b, g);
+      __m512i wk[W::kOps];
+      W::load(src + k * 2 * Bits, wk);
+      for (int i = 0; i < W::kOps; ++i) {  // inputs k + 4i .. k + 4i + 3: byte j of column c's lane
+        __m512 v[4];
+        for (int j = 0; j < 4; ++j) {
+          __m512i code = _mm512_and_si512(_mm512_srli_epi32(wk[i], 8 * j), byte);
+          if (symmetric) code = _mm512_sub_epi32(code, _mm512_set1_epi32(z));
+          v[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(code), sv, zv);  // symmetric: + 0, exact
+        }
+        for (int p = 0; p < 2; ++p) {
+          const __m512i two = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v[2 * p + 1], v[2 * p]));
+          _mm512_store_si512(dst + ((k + 4 * i) / 2 + p) * 32, _mm512_permutexvar_epi16(pairs, two));
+        }
+      }
+    }
+  }
+
+  // Sums tile c (of two row blocks x two column blocks) to bf16 rows m.. of column block b (`rows` of them)
+  template <typename Tiles, int C>
+  static void store_sums(float* scratch, bf16* dst, int64_t ldo, int64_t rows) {
+    Tiles::template store<C>(scratch, 64);
+    for (int64_t r = 0; r < rows; ++r)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + r * ldo),
+                          cpuserve_simd::to_bf16_exact(_mm512_load_ps(scratch + r * 16)));
+  }
+
+  // Rows a (16) and, when two, a2 (16 more) through the tile's column blocks (n of them) from the B tiles at slab
+  template <typename Tiles>
+  void rows_block(const bf16* a, const bf16* a2, int64_t lda, const uint16_t* slab, int n, bf16* dst, bf16* dst2,
+                  int64_t rows, int64_t rows2, float* scratch) const {
+    Tiles::template zero<0>(), Tiles::template zero<1>(), Tiles::template zero<2>(), Tiles::template zero<3>();
+    const uint16_t* slab1 = slab + K * 16;
+    for (int64_t k = 0; k < K; k += kStepInputs) {
+      Tiles::template load<4>(a + k, lda * 2);
+      Tiles::template load<6>(slab + k * 16, 64);
+      Tiles::template dpbf16ps<0, 4, 6>();
+      if (n == 2) Tiles::template load<7>(slab1 + k * 16, 64), Tiles::template dpbf16ps<1, 4, 7>();
+      if (a2 == nullptr) continue;
+      Tiles::template load<5>(a2 + k, lda * 2);
+      Tiles::template dpbf16ps<2, 5, 6>();
+      if (n == 2) Tiles::template dpbf16ps<3, 5, 7>();
+    }
+    store_sums<Tiles, 0>(scratch, dst, ldo, rows);
+    if (n == 2) store_sums<Tiles, 1>(scratch, dst + 16, ldo, rows);
+    if (a2 == nullptr) return;
+    store_sums<Tiles, 2>(scratch, dst2, ldo, rows2);
+    if (n == 2) store_sums<Tiles, 3>(scratch, dst2 + 16, ldo, rows2);
+  }
+
+  // Every row through column blocks b, b + 1 (n of them): 32 rows a block, then 16, then the rest zero-padded
+  template <typename Tiles>
+  void tile(int64_t M, int64_t b, int n, const uint16_t* slab, bf16* padded) const {
+    alignas(64) float scratch[16 * 16];  // one sums tile on its way to bf16
+    int64_t m = 0;
+    for (; m + 32 <= M; m += 32)
+      rows_block<Tiles>(x + m * K, x + (m + 16) * K, K, slab, n, out + m * ldo + b * 16, out + (m + 16) * ldo + b * 16,
+                        16, 16, scratch);
+    for (; m + 16 <= M; m += 16)
+      rows_block<Tiles>(x + m * K, nullptr, K, slab, n, out + m * ldo + b * 16, nullptr, 16, 0, scratch);
+    if (m == M) return;
+    std::copy(x + m * K, x + M * K, padded);
+    std::fill(padded + (M - m) * K, padded + 16 * K, bf16(0.f));
+    rows_block<Tiles>(padded, nullptr, K, slab, n, out + m * ldo + b * 16, nullptr, M - m, 0, scratch);
+  }
+
+  void run(int64_t M, int mode) const {
+    const int64_t tiles = (N / 16 + kTileCols - 1) / kTileCols;
+    cpuserve_tasks::share_tasks(tiles, [&](const auto& next) {
+      // per thread, kept between calls: the tile's weights as bf16, a padded row block
+      thread_local std::vector<uint16_t> slab;
+      thread_local std::vector<bf16> padded;
+      if (static_cast<int64_t>(slab.size()) < kTileCols * K * 16 + 32) slab.resize(kTileCols * K * 16 + 32);
+      if (static_cast<int64_t>(padded.size()) < 16 * K) padded.resize(16 * K);
+      // 64-byte aligned for the stores (the vector's own alignment is 2)
+      auto* aligned = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(slab.data()) + 63) & ~uintptr_t{63});
+      const auto each = [&](auto tiles_kind) {
+        using Tiles = decltype(tiles_kind);
+        Tiles::config(tile_config());
+        for (int64_t t; (t = next()) >= 0;) {
+          const int64_t b = t * kTileCols;
+          const int n = static_cast<int>(std::min<int64_t>(kTileCols, N / 16 - b));
+          for (int c = 0; c < n; ++c) dequantize(b + c, aligned + c * K * 16);
+          tile<Tiles>(M, b, n, aligned, padded.data());
+        }
+        Tiles::release();
+      };
+      if (mode == 1) return each(cpuserve_amx::AmxHw{});
+      each(cpuserve_amx::AmxEmu{});
+    });
+  }
+};
+#endif
+
+bool amx_bf16_gemm_supported() { return bf16_mode() != 0; }
+
+// x [M, K] bf16 and the operands of vnni_gemm (vnni_layouts.h) -> out [M, N] bf16, rows of any stride
+at::Tensor& amx_bf16_gemm_out(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                              const at::Tensor& zoffs, int64_t bits, int64_t act_group,
+                              const c10::optional<at::Tensor>& supers, at::Tensor& out) {
+  const int mode = bf16_mode();
+  TORCH_CHECK(mode != 0, "amx_bf16_gemm needs AMX-BF16 (this CPU or its build has none, or CPUSERVE_AMX=off)");
+  cpuserve_ops::check_gemm_operands(x, packed, scales, zoffs, bits, act_group, supers, out);
+  const int64_t N = packed.size(0) * 16, K = packed.size(1) * 32 / bits, M = x.size(0);
+  TORCH_CHECK(K % kStepInputs == 0, "amx_bf16_gemm: K=", K, " must be a multiple of ", kStepInputs);
+#if defined(CPUSERVE_AMX_BF16)
+  const bool symmetric = zoffs.scalar_type() == at::kInt;
+  const int32_t* header = symmetric ? zoffs.data_ptr<int32_t>() : nullptr;
+  const int64_t S = scales.size(1);
+  const auto widths = [&](auto form) {
+    using Scales = decltype(form);
+    const auto go = [&](auto gemm) {
+      gemm.x = x.data_ptr<bf16>(), gemm.w = packed.data_ptr<uint8_t>(), gemm.scales = form;
+      gemm.symmetric = symmetric, gemm.z = symmetric ? header[0] : 0;
+      gemm.unscale = symmetric ? std::ldexp(1.f, -header[1]) : 1.f;
+      gemm.K = K, gemm.S = S, gemm.N = N, gemm.out = out.data_ptr<bf16>(), gemm.ldo = out.stride(0);
+      gemm.run(M, mode);
+    };
+    if (bits == 4) return go(PromptGemm<4, Scales>{});
+    if (bits == 6) return go(PromptGemm<6, Scales>{});
+    if constexpr (!Scales::kFactored) go(PromptGemm<8, Scales>{});
+  };
+  if (supers.has_value()) {
+    const uint8_t* mins = symmetric ? nullptr : zoffs.data_ptr<uint8_t>();
+    const int64_t shift = __builtin_ctzll(S / supers->size(1)), F = supers->size(2);
+    const auto* sup = supers->data_ptr<at::Half>();
+    if (scales.scalar_type() == at::kByte) {
+      widths(SuperScales<uint8_t>{scales.data_ptr<uint8_t>(), mins, sup, S, shift, F});
+    } else {
+      widths(SuperScales<int8_t>{scales.data_ptr<int8_t>(), mins, sup, S, shift, F});
+    }
+  } else if (scales.scalar_type() == at::kHalf) {
+    widths(StoredScales<at::Half>{scales.data_ptr<at::Half>(), symmetric ? nullptr : zoffs.data_ptr<at::Half>(), S, 0});
+  } else {
+    widths(StoredScales<float>{scales.data_ptr<float>(), symmetric ? nullptr : zoffs.data_ptr<float>(), S, 0});
+  }
+#endif
+  return out;
+}
+
+at::Tensor amx_bf16_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                         const at::Tensor& zoffs, int64_t bits, int64_t act_group,
+                         const c10::optional<at::Tensor>& supers) {
+  auto out = at::empty({x.size(0), packed.size(0) * 16}, x.options());
+  return amx_bf16_gemm_out(x, packed, scales, zoffs, bits, act_group, supers, out);
+}
+
+// mode "off", "auto" (the instructions where the CPU and Linux give them) or "emulate" (their software model:
+// tests), or "" to keep it; returns the mode in force: "off", "hw" or "emulate"
+std::string amx_bf16_gemm_mode(const std::string& mode) {
+  TORCH_CHECK(mode.empty() || mode == "off" || mode == "auto" || mode == "emulate",
+              "amx_bf16_gemm_mode: mode must be off, auto or emulate, got ", mode);
+#if defined(CPUSERVE_AMX_BF16)
+  if (mode == "off") g_mode = 0;
+  if (mode == "emulate") g_mode = 2;
+  if (mode == "auto") g_mode = cpuserve_amx::amx_bf16_hw_available() ? 1 : 0;
+#else
+  TORCH_CHECK(mode.empty() || mode == "off", "amx_bf16_gemm_mode(", mode, "): this build has no AVX-512 BF16");
+#endif
+  static const char* const kNames[] = {"off", "hw", "emulate"};
+  return kNames[bf16_mode()];
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(cpuserve, m) {
+  m.def("amx_bf16_gemm(Tensor x, Tensor packed, Tensor scales, Tensor zoffs, int bits, int act_group, "
+        "Tensor? supers=None) -> Tensor");
+  m.def("amx_bf16_gemm.out(Tensor x, Tensor packed, Tensor scales, Tensor zoffs, int bits, int act_group, "
+        "Tensor? supers=None, *, Tensor(a!) out) -> Tensor(a!)");
+  m.def("amx_bf16_gemm_supported() -> bool");
+  m.def("amx_bf16_gemm_mode(str mode=\"\") -> str");
+}
+
+TORCH_LIBRARY_IMPL(cpuserve, CPU, m) {
+  m.impl("amx_bf16_gemm", &amx_bf16_gemm);
+  m.impl("amx_bf16_gemm.out", &amx_bf16_gemm_out);
+}
+
+TORCH_LIBRARY_IMPL(cpuserve, CompositeExplicitAutograd, m) {
+  m.impl("amx_bf16_gemm_supported", &amx_bf16_gemm_supported);
+  m.impl("amx_bf16_gemm_mode", &amx_bf16_gemm_mode);
+}
