@@ -142,7 +142,8 @@ class AsyncLLMEngine:
         """After an idle spell, wait for the requests that were sent together to arrive, so that the first step
         prefills them all: up to arrival_window_ms, and no longer once none has come for a quarter of it. Served,
         a burst's requests reach the engine one by one; without this the first starts a step alone while the others
-        are still on their way, and they wait a step more for their first token (docs/serving.md, run K)."""
+        are still on their way, and they wait a step more for their first token (docs/measurements/history.md,
+        run K)."""
         window = self.engine.config.arrival_window_ms / 1e3
         if window <= 0 or self._commands.empty():
             return

@@ -7,10 +7,10 @@ proxy, the ingress, the replicas' own Ray threads) run on the spare cores and ev
     [replica 0's engine | replica 1's engine | ... | serving processes (the spare cores)]
 
 An engine's OpenMP threads wait for each other at the end of every parallel region, so a serving process that
-preempts one of them costs the engine about twice its own CPU (docs/serving.md). Without spare cores everything
-shares all of them, as before. `cpuserve serve` decides at start (split_cores) and hands the engines' cores to
-the replicas in CPUSERVE_ENGINE_CORES; each replica takes its slice by its rank on the node (engine_cores).
-CPUSERVE_SPLIT_CORES=0 turns this off.
+preempts one of them costs the engine about twice its own CPU (docs/measurements/history.md). Without spare
+cores everything shares all of them, as before. `cpuserve serve` decides at start (split_cores) and hands the
+engines' cores to the replicas in CPUSERVE_ENGINE_CORES; each replica takes its slice by its rank on the node
+(engine_cores). CPUSERVE_SPLIT_CORES=0 turns this off.
 """
 from __future__ import annotations
 

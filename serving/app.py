@@ -109,7 +109,7 @@ def start_serving(config: ServeConfig, blocking_timeout_s: float = 600) -> None:
         http = HTTPOptions(host=config.host, port=config.http_port, ssl_certfile=config.tls_cert_file,
                            ssl_keyfile=config.tls_key_file)
     # with both ports the Ingress's own, Serve's proxy would carry no request: not started, one Ray actor fewer
-    # waking up beside the engines (docs/serving.md, "Serve's proxy, not started")
+    # waking up beside the engines (docs/measurements/history.md, "Serve's proxy, not started")
     proxies = "Disabled" if config.direct_http and config.direct_grpc else "HeadOnly"
     serve.start(proxy_location=proxies, http_options=http,
                 # with direct_grpc no servicer: Serve then starts no gRPC proxy

@@ -6,8 +6,8 @@ Ingress replica runs its own uvicorn server on `http_port` for the same FastAPI 
 the client's socket by the process that built it. With direct_grpc as well, `cpuserve serve` starts no Serve proxy
 at all; without it, Serve's proxy serves gRPC and answers HTTP on a free port of 127.0.0.1.
 
-Measured on 2 cores at 32 streams (docs/serving.md): the proxy and the Ingress together spent 355-361 us of CPU per
-output token with the proxy in the path and 114-120 us without it.
+Measured on 2 cores at 32 streams (docs/measurements/history.md): the proxy and the Ingress together spent 355-361
+us of CPU per output token with the proxy in the path and 114-120 us without it.
 """
 from __future__ import annotations
 
