@@ -87,12 +87,16 @@ struct AmxHw {
   // tile C += tile A (signed bytes) . tile B (unsigned bytes). AT&T order: B, A, C.
   template <int C, int A, int B>
   static void dpbsud() {
-    static_assert(C == 0 || C == 1, "the GEMMs' sums are tmm0 and tmm1");
+    static_assert(C == 0 || C == 1 || C == 5 || C == 6, "the GEMMs' sums are tmm0-1 and tmm5-6");
     static_assert(A == 2 && (B == 3 || B == 4), "the GEMMs' operands are tmm2 (activations), tmm3 and tmm4 (codes)");
     if constexpr (C == 0 && B == 3) asm volatile("tdpbsud %%tmm3, %%tmm2, %%tmm0" ::);
     else if constexpr (C == 0) asm volatile("tdpbsud %%tmm4, %%tmm2, %%tmm0" ::);
-    else if constexpr (B == 3) asm volatile("tdpbsud %%tmm3, %%tmm2, %%tmm1" ::);
-    else asm volatile("tdpbsud %%tmm4, %%tmm2, %%tmm1" ::);
+    else if constexpr (C == 1 && B == 3) asm volatile("tdpbsud %%tmm3, %%tmm2, %%tmm1" ::);
+    else if constexpr (C == 1) asm volatile("tdpbsud %%tmm4, %%tmm2, %%tmm1" ::);
+    else if constexpr (C == 5 && B == 3) asm volatile("tdpbsud %%tmm3, %%tmm2, %%tmm5" ::);
+    else if constexpr (C == 5) asm volatile("tdpbsud %%tmm4, %%tmm2, %%tmm5" ::);
+    else if constexpr (B == 3) asm volatile("tdpbsud %%tmm3, %%tmm2, %%tmm6" ::);
+    else asm volatile("tdpbsud %%tmm4, %%tmm2, %%tmm6" ::);
   }
   // tile C += tile A (bf16 pairs) . tile B (bf16 pairs), fp32 sums: amx_bf16_gemm.cpp's sums (tmm0-3) of its
   // activations (tmm4, tmm5) and weights (tmm6, tmm7). AT&T order: B, A, C.

@@ -38,6 +38,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -74,6 +75,11 @@ constexpr int64_t kDecodeTasksPerThread = 4;
 constexpr int kPairRows = 2;
 // Beyond kFewRows rows, likewise (Gemm::tile_runs)
 constexpr int64_t kTileRunsPerThread = 4;
+// The int8 GEMMs take AMX tiles (Gemm::amx_rows) from this many rows: below it their per-group epilogue, the same as
+// the register blocks', outweighs what the tiles save. One thread of a 2-core Xeon with AMX, SmolLM2's four layer
+// GEMMs (Q4_1 codes), tiles against registers: 0.82-1.0x at 32 and 64 rows, 0.96-1.19x at 128, 1.03-1.15x at 256,
+// 1.07-1.19x at 512. (Prompt rows take amx_bf16_gemm.cpp where the CPU has AMX-BF16: 2.8-3.5x at 512 rows.)
+constexpr int64_t kAmxMinRows = 128;
 
 // Units (tiles or column blocks) per task, about `per_thread` tasks a thread: of the two lengths nearest that, the
 // one whose busiest thread gets fewer units. SmolLM2's o and down (18 tiles) as 9 tasks of 2 left one thread 10
@@ -396,59 +402,97 @@ struct Gemm {
   cpuserve_amx::TileConfig amx_config() const {
     const int step = static_cast<int>(amx_step());
     cpuserve_amx::TileConfig cfg;
-    cfg.set(0, 16, 64), cfg.set(1, 16, 64);              // the sums of two column blocks, int32
+    cfg.set(0, 16, 64), cfg.set(1, 16, 64);              // the sums of two column blocks, int32: even groups
+    cfg.set(5, 16, 64), cfg.set(6, 16, 64);              // the same for odd groups
     cfg.set(2, 16, step);                                // 16 rows' activation codes, one step
     cfg.set(3, step / 4, 64), cfg.set(4, step / 4, 64);  // the codes of two column blocks, one step
     return cfg;
   }
 
+  // Weight group w's integer sums of rows m..m+15 into the tiles of w's parity (tmm0-1 or tmm5-6)
+  template <typename Tiles, int C, int Odd>
+  __attribute__((always_inline)) void amx_group(const uint8_t* codes8, int64_t m, int64_t w) const {
+    constexpr int C0 = Odd ? 5 : 0, C1 = Odd ? 6 : 1;
+    const int64_t wg = weight_group(), step = amx_step();
+    Tiles::template zero<C0>();
+    if constexpr (C == 2) Tiles::template zero<C1>();
+    for (int64_t k = w * wg; k < (w + 1) * wg; k += step) {
+      Tiles::template load<2>(q + m * K + k, K);
+      Tiles::template load<3>(codes8 + k * 16, 64);
+      Tiles::template dpbsud<C0, 2, 3>();
+      if constexpr (C == 2) {
+        Tiles::template load<4>(codes8 + (K + k) * 16, 64);
+        Tiles::template dpbsud<C1, 2, 4>();
+      }
+    }
+  }
+
+  template <typename Tiles, int C, int Odd>
+  __attribute__((always_inline)) static void amx_store(int32_t (*sums)[16][16]) {
+    Tiles::template store<Odd ? 5 : 0>(sums[0], 64);
+    if constexpr (C == 2) Tiles::template store<Odd ? 6 : 1>(sums[1], 64);
+  }
+
   // Rows m..m+15 of column blocks b..b+C-1 on AMX tiles (Tiles: AmxHw or AmxEmu, configured with amx_config):
-  // codes8 holds the blocks' 8-bit codes [C][K/4][64], the layout of a B tile.
+  // codes8 holds the blocks' 8-bit codes [C][K/4][64], the layout of a B tile. The groups alternate between two
+  // sets of sum tiles, so the TMUL makes group w's sums while the cores store group w - 1's and run its epilogue
+  // (stored sums are what a tile path costs: stored and reloaded in the same step, the tiles ran no faster than the
+  // register blocks). The epilogue is the register blocks' own, 4 rows at a time, its fp32 sums kept in memory
+  // (16 x 2 blocks of them would take every vector register): the same instructions in the same order per output
+  // element as block's (block_token's, block_nested's), so a row's bits are the register blocks'.
   template <typename Tiles, int C>
   void amx_rows(const uint8_t* codes8, int64_t m, int64_t b) const {
-    constexpr int R = 16;
+    constexpr int R = 16, E = 4;  // E: rows per epilogue block
     g_amx_blocks.fetch_add(1, std::memory_order_relaxed);
     const int64_t A = K / act_group, wg = weight_group(), W = K / wg, sub = W / A, G = std::max(A, S);
-    const int64_t step = amx_step();
     const bool nest = nested(), per_channel = S == 1, symmetric = scales.symmetric();
     const bool int_mins = nest && !symmetric && int_mins_zero();
-    alignas(64) int32_t sums[2][C][R][16];  // by the group's parity: the next group's tiles need not wait
-    __m512 y[R][C], t[R][C];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) y[r][c] = _mm512_setzero_ps();
-    for (int64_t w = 0; w < W; ++w) {
-      auto& s = sums[w & 1];
-      Tiles::template zero<0>();
-      if constexpr (C == 2) Tiles::template zero<1>();
-      for (int64_t k = w * wg; k < (w + 1) * wg; k += step) {
-        Tiles::template load<2>(q + m * K + k, K);
-        Tiles::template load<3>(codes8 + k * 16, 64);
-        Tiles::template dpbsud<0, 2, 3>();
-        if constexpr (C == 2) {
-          Tiles::template load<4>(codes8 + (K + k) * 16, 64);
-          Tiles::template dpbsud<1, 2, 4>();
+    alignas(64) int32_t sums[C][R][16];
+    alignas(64) float ys[R][C][16], ts[R][C][16];  // y (and a nested group's t) of every row, between groups
+    std::memset(ys, 0, sizeof(ys));
+    const auto epilogue = [&](int64_t w) {
+      if (nest && w % sub == 0) std::memset(ts, 0, sizeof(ts));
+      for (int r0 = 0; r0 < R; r0 += E) {
+        __m512i acc[E][C];  // the group's integer sums, the symmetric form's zero term in them
+        __m512 y[E][C], t[E][C];
+        for (int r = 0; r < E; ++r)
+          for (int c = 0; c < C; ++c) {
+            acc[r][c] = _mm512_load_si512(sums[c][r0 + r]);
+            if (symmetric) acc[r][c] = _mm512_add_epi32(_mm512_set1_epi32(-z * qs[(m + r0 + r) * G + w]), acc[r][c]);
+            y[r][c] = _mm512_load_ps(ys[r0 + r][c]);
+          }
+        if (!nest) {
+          group_terms<E, C>(y, acc, m + r0, w, b, per_channel, symmetric);
+        } else {
+          for (int r = 0; r < E; ++r)
+            for (int c = 0; c < C; ++c) t[r][c] = _mm512_load_ps(ts[r0 + r][c]);
+          weight_group_terms<E, C>(t, acc, m + r0, w, b, symmetric || int_mins);
+          if (w % sub == sub - 1) activation_group_terms<E, C>(y, t, m + r0, w / sub, b, int_mins);
+          for (int r = 0; r < E; ++r)
+            for (int c = 0; c < C; ++c) _mm512_store_ps(ts[r0 + r][c], t[r][c]);
         }
+        for (int r = 0; r < E; ++r)
+          for (int c = 0; c < C; ++c) _mm512_store_ps(ys[r0 + r][c], y[r][c]);
       }
-      Tiles::template store<0>(s[0], 64);
-      if constexpr (C == 2) Tiles::template store<1>(s[1], 64);
-      __m512i acc[R][C];  // the group's integer sums, the symmetric form's zero term in them
-      for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) {
-          acc[r][c] = _mm512_load_si512(s[c][r]);
-          if (symmetric) acc[r][c] = _mm512_add_epi32(_mm512_set1_epi32(-z * qs[(m + r) * G + w]), acc[r][c]);
-        }
-      if (!nest) {
-        group_terms<R, C>(y, acc, m, w, b, per_channel, symmetric);
-        continue;
+    };
+    amx_group<Tiles, C, 0>(codes8, m, 0);
+    for (int64_t w = 1; w <= W; ++w) {
+      if (w % 2 == 1) {  // group w on the odd tiles while group w - 1's leave the even ones
+        if (w < W) amx_group<Tiles, C, 1>(codes8, m, w);
+        amx_store<Tiles, C, 0>(sums);
+      } else {
+        if (w < W) amx_group<Tiles, C, 0>(codes8, m, w);
+        amx_store<Tiles, C, 1>(sums);
       }
-      if (w % sub == 0)
-        for (int r = 0; r < R; ++r)
-          for (int c = 0; c < C; ++c) t[r][c] = _mm512_setzero_ps();
-      weight_group_terms<R, C>(t, acc, m, w, b, symmetric || int_mins);
-      if (w % sub == sub - 1) activation_group_terms<R, C>(y, t, m, w / sub, b, int_mins);
+      epilogue(w - 1);
     }
-    if (per_channel && !nest) channel_terms<R, C>(y, m, b, symmetric);
-    store<R, C>(m, b, y);
+    for (int r0 = 0; r0 < R; r0 += E) {
+      __m512 y[E][C];
+      for (int r = 0; r < E; ++r)
+        for (int c = 0; c < C; ++c) y[r][c] = _mm512_load_ps(ys[r0 + r][c]);
+      if (per_channel && !nest) channel_terms<E, C>(y, m + r0, b, symmetric);
+      store<E, C>(m + r0, b, y);
+    }
   }
 
   // This Gemm's rows from m0 on, as a Gemm of M - m0 rows (the operands' row arrays moved on)
@@ -551,7 +595,7 @@ struct Gemm {
   void tile_runs(int64_t M) const {
     const int64_t tiles = (N / 16 + kCols - 1) / kCols;
     const int64_t run = run_length(tiles, kTileRunsPerThread);
-    const int amx = amx_form() ? amx_mode() : 0;
+    const int amx = amx_form() && M >= kAmxMinRows ? amx_mode() : 0;
     cpuserve_tasks::share_tasks((tiles + run - 1) / run, [&](const auto& next) {
       TileView view(*this);  // per thread
       const auto each = [&](const auto& compute) {

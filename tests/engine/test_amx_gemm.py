@@ -14,7 +14,7 @@ from cpuserve.engine.loader.gguf_codes import decode_codes
 from test_int8_activations import coded_layer, make_weight, make_x
 
 pytestmark = pytest.mark.skipif(not native.vnni_gemm_enabled(), reason="needs the AVX-512 VNNI kernels")
-ROWS = [17, 31, 32, 40, 64]  # beyond decode's 16: whole 16-row tile blocks and every remainder beside them
+ROWS = [128, 129, 143, 160]  # from kAmxMinRows (vnni_gemm.cpp): whole 16-row tile blocks and remainders beside them
 
 
 @pytest.fixture
@@ -91,11 +91,11 @@ def test_activation_groups_over_stored_weight_groups_on_tiles(amx_modes, bits, g
 
 def test_a_row_on_tiles_does_not_depend_on_the_batch(amx_modes):
     m = coded_layer(4, 32, None, n=112)
-    x = make_x(48, 512)
+    x = make_x(136, 512)
     for mode in amx_modes:
         batched, blocks = run(m, x, mode)
         assert blocks > 0
-        alone = torch.cat([run(m, x[i:i + 1], mode)[0] for i in range(48)])
+        alone = torch.cat([run(m, x[i:i + 1], mode)[0] for i in range(136)])
         assert torch.equal(batched, alone)
 
 
@@ -112,13 +112,31 @@ def test_an_unknown_mode_is_refused_naming_it():
 
 @pytest.mark.slow
 def test_smollm2_scores_on_tiles_are_the_register_blocks(amx_modes, llm_int4):
-    """The whole default model, 40 prompt tokens: every layer's logits bit for bit"""
-    ids = llm_int4.tokenizer.encode("The int8 GEMMs of a prefill take AMX tiles where the CPU has them. " * 3)[:40]
-    torch.ops.cpuserve.vnni_gemm_amx("off")
-    want = llm_int4.engine.score(ids)
-    for mode in amx_modes:
-        torch.ops.cpuserve.vnni_gemm_amx(mode)
-        before = torch.ops.cpuserve.vnni_gemm_amx_blocks()
-        got = llm_int4.engine.score(ids)
-        assert torch.ops.cpuserve.vnni_gemm_amx_blocks() - before > 0
-        assert torch.equal(got, want), mode
+    """The whole default model, 140 prompt tokens on the int8 path (the prompt rows' bf16 tiles off): every layer's
+    logits bit for bit"""
+    ids = llm_int4.tokenizer.encode("The int8 GEMMs of a prefill take AMX tiles where the CPU has them. " * 12)[:140]
+    assert len(ids) == 140
+    bf16_before = torch.ops.cpuserve.amx_bf16_gemm_mode("")
+    try:
+        torch.ops.cpuserve.amx_bf16_gemm_mode("off")
+        torch.ops.cpuserve.vnni_gemm_amx("off")
+        want = llm_int4.engine.score(ids)
+        for mode in amx_modes:
+            torch.ops.cpuserve.vnni_gemm_amx(mode)
+            before = torch.ops.cpuserve.vnni_gemm_amx_blocks()
+            got = llm_int4.engine.score(ids)
+            assert torch.ops.cpuserve.vnni_gemm_amx_blocks() - before > 0
+            assert torch.equal(got, want), mode
+    finally:
+        torch.ops.cpuserve.amx_bf16_gemm_mode({"hw": "auto"}.get(bf16_before, bf16_before))
+
+
+def test_below_the_tiles_row_count_the_register_blocks_run(amx_modes):
+    """Batched decode (17-127 rows) stays on the register blocks, where the tiles measured no faster"""
+    m = coded_layer(4, 32, None, n=112)
+    for rows in (17, 64, 127):
+        x = make_x(rows, 512)
+        want, _ = run(m, x, "off")
+        for mode in amx_modes:
+            got, blocks = run(m, x, mode)
+            assert blocks == 0 and torch.equal(got, want), (mode, rows, blocks)
