@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: install protos serve generate test bench bench-peers bench-serving clean tools
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -e '.[serve,operator,test]'

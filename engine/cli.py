@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import logging
 import sys
 import types
@@ -15,6 +16,8 @@ from cpuserve.engine.config import ACTIVATION_FORMATS, GROUP_SIZES, KV_CACHE_DTY
 
 # Subcommands owned by other packages: each module offers register(subparsers).
 _PLUGINS = ("cpuserve.serving.cli", "cpuserve.operator.cli")
+# The extra that installs what each subcommand imports (an install with the operator extra alone has no torch)
+_EXTRAS = {"generate": "engine", "bench": "engine", "serve": "serve", "operator": "operator"}
 
 # EngineConfig fields that every subcommand starting an engine offers as flags, with their help; the type and the
 # default come from EngineConfig itself (choices: the tuples in engine/config.py)
@@ -159,8 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None:  # the console script: steps run off the main thread in serving, see threads.py
-        from cpuserve.engine.threads import reexec_with_intel_openmp
+    if argv is None and importlib.util.find_spec("torch"):  # the console script, with the engine installed:
+        from cpuserve.engine.threads import reexec_with_intel_openmp  # steps run off the main thread in serving
 
         reexec_with_intel_openmp()
     args = build_parser().parse_args(argv)
@@ -171,6 +174,13 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args) or 0
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        if e.name is None or e.name.split(".")[0] == "cpuserve":
+            raise
+        extra = _EXTRAS.get(args.command, "serve")
+        print(f"error: `cpuserve {args.command}` needs {e.name}, which is not installed: install cpuserve with "
+              f"its {extra!r} extra (pip install 'cpuserve[{extra}]')", file=sys.stderr)
         return 2
 
 

@@ -18,7 +18,6 @@ from cpuserve.operator.memory import GIB, MIB, MemoryPlan, download_size_limit
 from cpuserve.operator.security import DASHBOARD_PORT, ray_auth_env
 from cpuserve.operator.settings import OperatorSettings
 from cpuserve.operator.spec import LLMServiceSpec
-from cpuserve.serving.config import ServeConfig
 from cpuserve.serving.ray_env import RAY_ENV
 
 UID = 10001
@@ -37,28 +36,6 @@ def model_path(spec: LLMServiceSpec) -> str | None:
     if m.source == "url":
         return f"{MODEL_DIR}/model.gguf" if m.format == "gguf" else f"{MODEL_DIR}/model"
     return None
-
-
-def serve_config(spec: LLMServiceSpec) -> ServeConfig:
-    """The ServeConfig the head pod serves, validated here: a value serving would refuse fails in the operator."""
-    q, r, b, p = spec.quantization, spec.resources, spec.batching, spec.ports
-    fields = dict(weights=q.weights, group_size=q.group_size, kv_cache=q.kv_cache, kv_cache_gb=r.kv_cache_gb,
-                  # at replicas 0 there are no rank pods: the app's one LLMServer replica waits for a rank pod
-                  # (cpuserve serve refuses --replicas 0)
-                  replicas=max(spec.replicas, 1), ranks_per_replica=spec.ranks_per_replica,
-                  cpus_per_rank=r.cpus_per_rank, max_num_seqs=b.max_num_seqs,
-                  max_num_batched_tokens=b.max_num_batched_tokens, max_queued_requests=b.max_queued_requests,
-                  host="0.0.0.0", grpc_port=p.grpc, http_port=p.http, metrics_port=p.metrics, ray_address="auto",
-                  socket_resource=naming.SOCKET_RESOURCE,
-                  # each rank pod is its own Ray node offering one socket unit: a group's bundles land on k pods
-                  placement_strategy="STRICT_SPREAD")
-    if (path := model_path(spec)) is not None:
-        fields["model"] = path
-    if spec.security.api_keys is not None:
-        fields["api_key_file"] = f"{API_KEYS_DIR}/{spec.security.api_keys.key}"
-    if spec.security.tls_secret_name:
-        fields.update(tls_cert_file=f"{TLS_DIR}/tls.crt", tls_key_file=f"{TLS_DIR}/tls.key")
-    return ServeConfig.for_another_host(**fields)  # the paths are the pod's
 
 
 def _container_security() -> dict[str, Any]:

@@ -15,7 +15,8 @@ from cpuserve.operator.kube import Kube, KubeError
 from cpuserve.operator.memory import plan_memory
 from cpuserve.operator.rollout import pods_to_delete
 from cpuserve.operator.security import build_ray_token_secret, ray_token_secret_name
-from cpuserve.operator.serve_api import ServeApi, ServeState, build_serve_document, dashboard_url, read_token, sync
+from cpuserve.operator.serve_api import ServeApi, ServeState, dashboard_url, read_token, sync
+from cpuserve.operator.serve_document import build_serve_document
 from cpuserve.operator.settings import OperatorSettings
 from cpuserve.operator.validation import Finding, validate
 

@@ -13,12 +13,10 @@ from typing import Any
 
 from cpuserve.operator import naming
 from cpuserve.operator.kube import Kube
-from cpuserve.operator.pods import serve_config
 from cpuserve.operator.security import DASHBOARD_PORT, TOKEN_KEY, ray_token_secret_name
 from cpuserve.operator.settings import OperatorSettings
 from cpuserve.operator.spec import LLMServiceSpec
-from cpuserve.serving.app import APP_NAME
-from cpuserve.serving.inplace import build_serve_deploy_config
+from cpuserve.serving.names import APP_NAME
 
 APPLICATIONS = "/api/serve/applications/"
 TIMEOUT_SECONDS = 10.0
@@ -37,11 +35,6 @@ class ServeState:
     message: str = ""
     applied: bool = False
     error: str = ""
-
-
-def build_serve_document(spec: LLMServiceSpec) -> dict[str, Any]:
-    """The Serve config document of an LLMService (serving/inplace.py's, from the head's ServeConfig)."""
-    return build_serve_deploy_config(serve_config(spec))
 
 
 class ServeApi:

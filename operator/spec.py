@@ -81,7 +81,7 @@ class BatchingSpec(Spec):
     # streams shrinks with the cores. The models a cluster serves need more KV per sequence, so at the same
     # kvCacheGb 32 sequences run out of blocks (and preempt) less often than 64. One endpoint queues for many
     # clients: 256. The API server stores these defaults in every LLMService created without them, so changing
-    # them would restart running services; the head pod always gets all three explicitly (pods.serve_config).
+    # them would restart running services; the head pod always gets all three explicitly (serve_document.serve_fields).
     max_num_seqs: int = Field(32, ge=1, le=4096)
     """Most sequences in one engine step."""
     max_num_batched_tokens: int = Field(2048, ge=16, le=1_048_576)

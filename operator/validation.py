@@ -9,7 +9,6 @@ from pydantic import ValidationError
 
 from cpuserve.operator.memory import MIB, plan_memory
 from cpuserve.operator.naming import MAX_NAME_LENGTH, RAY_GCS_PORT
-from cpuserve.operator.pods import serve_config
 from cpuserve.operator.settings import OperatorSettings
 from cpuserve.operator.spec import LLMServiceSpec
 
@@ -98,15 +97,4 @@ def validate(body: dict[str, Any], settings: OperatorSettings) -> tuple[LLMServi
     if spec is None:
         return None, findings + parse_findings
     findings += _check_model(spec) + _check_shape(spec, settings)
-    return spec, findings or _check_serve_config(spec)
-
-
-def _check_serve_config(spec: LLMServiceSpec) -> list[Finding]:
-    """What the head pod would refuse at start (`cpuserve serve`'s own checks), refused here instead."""
-    try:
-        serve_config(spec)
-    except ValidationError as err:
-        e = err.errors()[0]
-        field = ".".join(str(p) for p in e["loc"]) or "config"
-        return [Finding("spec", field, f"the head's ServeConfig refuses it: {e['msg']}")]
-    return []
+    return spec, findings

@@ -23,13 +23,12 @@ from cpuserve.engine.threads import openmp_env
 from cpuserve.serving.affinity import ENGINE_CORES_ENV, on_cores, split_cores
 from cpuserve.serving.config import ServeConfig
 from cpuserve.serving.direct_http import bind
+from cpuserve.serving.names import APP_NAME, GRPC_SERVICER
 from cpuserve.serving.ports import free_port
 from cpuserve.serving.ray_env import RAY_ENV
 
 log = logging.getLogger(__name__)
 
-APP_NAME = "cpuserve"
-GRPC_SERVICER = "cpuserve.serving.grpc_api.add_InferenceServicer_to_server"
 HEAD_NODE_RESOURCE = "node:__internal_head__"
 
 

@@ -1,6 +1,6 @@
 """The Ingress deployment as build_app deploys it: its admission limit and the replica count it reports follow
-the LLMServer replica count that a Serve config applied in place gives it as user_config (serving/inplace.py),
-without restarting it."""
+the LLMServer replica count that a Serve config applied in place gives it as user_config
+(operator/serve_document.py), without restarting it."""
 from __future__ import annotations
 
 from typing import Any

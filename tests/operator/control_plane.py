@@ -186,14 +186,16 @@ def kubectl(server: ApiServer, *args: str, stdin: str | None = None) -> subproce
 class OperatorProcess:
     """The real operator (`python -m cpuserve.operator`) on a kubeconfig; `settings` become CPUSERVE_OPERATOR_*."""
 
-    def __init__(self, kubeconfig: Path, namespaces: list[str], log: Path, liveness_port: int, **settings: Any):
+    def __init__(self, kubeconfig: Path, namespaces: list[str], log: Path, liveness_port: int,
+                 python: str = sys.executable, cwd: Path | None = None, **settings: Any):
+        """python: the interpreter of the environment to run it from (cwd: its working folder)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBERNETES_", "CPUSERVE_OPERATOR_"))}
         env.update(KUBECONFIG=str(kubeconfig), **{f"CPUSERVE_OPERATOR_{k.upper()}": str(v) for k, v in settings.items()})
         self.log = open(log, "w")
         args = [f"--namespace={ns}" for ns in namespaces]
-        self.proc = subprocess.Popen([sys.executable, "-m", "cpuserve.operator", "--standalone", *args,
+        self.proc = subprocess.Popen([python, "-m", "cpuserve.operator", "--standalone", *args,
                                       f"--liveness=http://127.0.0.1:{liveness_port}/healthz"],
-                                     env=env, stdout=self.log, stderr=subprocess.STDOUT)
+                                     env=env, cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT)
 
     def stop(self, show_log: bool = False) -> None:
         stop_process(self.proc)

@@ -1,5 +1,6 @@
 """The Serve config the operator applies to the head through Ray Serve's REST API: Ray's own schema accepts it,
-its args are the validated ServeConfig, and what a change touches follows Serve's in-place update rules."""
+serving's ServeConfig accepts its args for every value the CRD allows (the operator builds them without serving
+installed), and what a change touches follows Serve's in-place update rules."""
 from __future__ import annotations
 
 import typing
@@ -7,8 +8,8 @@ import typing
 import pytest
 from ray.serve.schema import ServeDeploySchema
 
-from cpuserve.operator.pods import serve_config
-from cpuserve.operator.serve_api import build_serve_document, is_deployed
+from cpuserve.operator.serve_api import is_deployed
+from cpuserve.operator.serve_document import build_serve_document, serve_fields
 from cpuserve.operator.settings import OperatorSettings
 from cpuserve.operator.validation import validate
 from cpuserve.serving.config import ServeConfig
@@ -47,20 +48,41 @@ def test_the_document_is_a_valid_serve_deploy_config():
     assert doc["grpc_options"]["port"] == 9100 and doc["proxy_location"] == "HeadOnly"
 
 
-def test_the_args_are_the_validated_serve_config():
+def test_every_quantization_the_crd_offers_is_one_the_engine_takes():
     from cpuserve.engine.config import GROUP_SIZES, KV_CACHE_DTYPES, WEIGHT_FORMATS
     from cpuserve.operator.spec import QuantizationSpec
 
-    # every quantization the CRD offers is one the engine takes
     for name, allowed in (("weights", WEIGHT_FORMATS), ("group_size", GROUP_SIZES), ("kv_cache", KV_CACHE_DTYPES)):
         assert set(typing.get_args(QuantizationSpec.model_fields[name].annotation)) <= set(allowed), name
-    doc, spec = document(replicas=3, batching={"maxNumSeqs": 8})
-    args = doc["applications"][0]["args"]
-    rebuilt = ServeConfig(**args, replicas=3, grpc_port=9000, http_port=8000)  # what build_app validates again
-    expected = serve_config(spec)
-    assert {k: getattr(rebuilt, k) for k in expected.model_fields_set if k != "ray_address"} == \
-        {k: getattr(expected, k) for k in expected.model_fields_set if k != "ray_address"}
-    assert "model" not in args  # embedded: the image's model
+
+
+# the CRD's extremes: every value a valid LLMService may carry into the head's ServeConfig
+EXTREMES = [
+    {},
+    {"replicas": 0, "ranksPerReplica": 1, "resources": {"cpusPerRank": 1, "kvCacheGb": 0.001}},
+    {"replicas": 256, "ranksPerReplica": 2, "resources": {"cpusPerRank": 512, "kvCacheGb": 0.5}},
+    {"batching": {"maxNumSeqs": 1, "maxNumBatchedTokens": 16, "maxQueuedRequests": 0}},
+    {"batching": {"maxNumSeqs": 4096, "maxNumBatchedTokens": 1_048_576, "maxQueuedRequests": 1_000_000}},
+    {"ports": {"grpc": 1024, "http": 65535, "metrics": 1025}},
+    {"model": URL_MODEL, "security": SECURITY},
+    {"model": {"source": "pvc", "claimName": "models", "path": "llama/model.gguf", "numParameters": 8_000_000_000}},
+    *({"quantization": {"weights": w, "groupSize": g, "kvCache": kv}}
+      for w in ("int4", "int8", "bf16", "fp32") for g in (32, 128) for kv in ("int8", "bf16", "fp32")),
+]
+
+
+@pytest.mark.parametrize("spec", EXTREMES, ids=range(len(EXTREMES)))
+def test_serving_accepts_the_fields_for_every_value_the_crd_allows(spec):
+    parsed, findings = validate(make_body(**spec), SETTINGS)
+    assert findings == []
+    fields = serve_fields(parsed)
+    config = ServeConfig.for_another_host(**fields)  # the head's own checks, but the pod's files' existence
+    assert {name: getattr(config, name) for name in fields} == fields
+    args = build_serve_document(parsed)["applications"][0]["args"]
+    rebuilt = ServeConfig.for_another_host(**args)  # what build_app validates again on the head
+    assert {k: getattr(rebuilt, k) for k in args} == {k: getattr(config, k) for k in args if k in fields} | {
+        "direct_http": False, "direct_grpc": False}
+    assert ("model" in args) is ("source" in spec.get("model", {}) and spec["model"]["source"] != "embedded")
 
 
 @pytest.mark.parametrize("change,lightweight", [

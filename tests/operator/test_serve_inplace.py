@@ -12,7 +12,8 @@ import grpc
 import pytest
 
 from control_plane import free_port, wait_for
-from cpuserve.operator.serve_api import ServeApi, ServeState, build_serve_document, is_deployed, sync
+from cpuserve.operator.serve_api import ServeApi, ServeState, is_deployed, sync
+from cpuserve.operator.serve_document import build_serve_document
 from cpuserve.operator.settings import OperatorSettings
 from cpuserve.operator.validation import validate
 from cpuserve.v1 import inference_pb2 as pb

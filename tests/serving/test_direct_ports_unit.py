@@ -1,5 +1,6 @@
 """direct_http / direct_grpc without a running app: a taken port (and a taken metrics port) is refused by name, before
-Ray starts; a Serve config applied through Ray's REST API (the operator's) leaves the ports to Serve's proxies."""
+Ray starts. (A Serve config applied through Ray's REST API, the operator's, leaves the ports to Serve's proxies:
+tests/operator/test_operator_serve_document.py.)"""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import socket
 import pytest
 
 from cpuserve.serving.config import ServeConfig
-from cpuserve.serving.inplace import build_serve_deploy_config
 from cpuserve.serving.ports import free_port
 
 
@@ -26,13 +26,6 @@ def test_a_taken_http_port_is_refused_by_name(taken_port):
 
     with pytest.raises(RuntimeError, match=f"http_port={taken_port}: cannot bind 127.0.0.1:{taken_port}"):
         bind("127.0.0.1", taken_port)
-
-
-def test_a_serve_config_applied_through_the_rest_api_leaves_the_ports_to_serves_proxies():
-    doc = build_serve_deploy_config(ServeConfig(http_port=8123))
-    assert doc["http_options"]["port"] == 8123
-    assert doc["grpc_options"]["port"] == 9000
-    assert doc["applications"][0]["args"]["direct_http"] is doc["applications"][0]["args"]["direct_grpc"] is False
 
 
 def test_cpuserve_serve_refuses_a_taken_http_port_before_starting_ray(taken_port):
