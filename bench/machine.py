@@ -14,7 +14,7 @@ import tempfile
 
 # AMD's family 25 (0x19) holds Zen 3 and Zen 4, told apart by model; 26 (0x1A) is Zen 5
 _ZEN4_MODELS = (range(0x10, 0x20), range(0x60, 0x80), range(0xA0, 0xB0))
-_FLAGS = ("avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
+_FLAGS = ("avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
 
 # 12 independent accumulators in registers, one 512-bit vpdpbusd each per pass: the instruction's rate, not a chain's
 _PEAK_SOURCE = r"""
@@ -57,6 +57,11 @@ def cpu() -> dict:
     flags = set(info.get("flags", "").split())
     return dict(name=info.get("model name", "?"), family=family, model=model,
                 uarch=uarch(info.get("vendor_id", ""), family, model), flags=[f for f in _FLAGS if f in flags])
+
+
+def has_amx() -> bool:
+    """The CPU reports AMX tiles with int8 and bf16 products (the kernels' tile paths can run)."""
+    return {"amx_tile", "amx_int8", "amx_bf16"} <= set(cpu()["flags"])
 
 
 def uarch(vendor: str, family: int, model: int) -> str:
