@@ -47,8 +47,7 @@ def build_kernels(build_lib: Path) -> None:
     kernel_build = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclass looks itself up
     spec.loader.exec_module(kernel_build)
     for level in kernel_build.LEVELS:
-        kernel_build.build(level, build_lib / "cpuserve" / "engine" / "kernels",
-                           progress=lambda line: print(line, file=sys.stderr, flush=True))
+        kernel_build.build(level, build_lib / "cpuserve" / "engine" / "kernels", progress=kernel_build.print_progress)
 
 
 class BuildPy(build_py):

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import functools
 import hashlib
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -85,6 +87,42 @@ def runnable_levels(flags: frozenset[str]) -> list[Level]:
     return [level for level in LEVELS if level.cpu_flags <= flags]
 
 
+MODES = ("auto", "native", "torch")  # CPUSERVE_KERNELS (engine/layers/native.py)
+
+
+def mode() -> str:
+    value = os.environ.get("CPUSERVE_KERNELS", "auto")
+    if value not in MODES:
+        raise ValueError(f"CPUSERVE_KERNELS={value!r}: allowed values are {', '.join(MODES)}")
+    return value
+
+
+def select_level(flags: frozenset[str] | None = None, forced: str | None = None) -> Level:
+    """The level to load: CPUSERVE_KERNEL_LEVEL when set (and the CPU runs it), else the best the CPU runs.
+
+    Raises:
+        RuntimeError: the CPU runs no level, or not the one asked for (naming the flags it lacks).
+    """
+    flags = cpu_flags() if flags is None else flags
+    forced = os.environ.get("CPUSERVE_KERNEL_LEVEL") if forced is None else forced
+    if forced:
+        chosen = level_named(forced)
+        if missing := sorted(chosen.cpu_flags - flags):
+            raise RuntimeError(f"CPUSERVE_KERNEL_LEVEL={forced}: this CPU lacks {', '.join(missing)}; it runs "
+                               f"{', '.join(l.name for l in runnable_levels(flags)) or 'no level'}")
+        return chosen
+    levels = runnable_levels(flags)
+    if not levels:
+        raise RuntimeError(f"this CPU runs none of the kernel levels ({', '.join(LEVEL_NAMES)})")
+    return levels[0]
+
+
+@functools.lru_cache(maxsize=1)
+def level() -> Level:
+    """The level of the library this process loads (decided once)."""
+    return select_level()
+
+
 def sources() -> list[Path]:
     return sorted(CSRC.glob("*.cpp"))
 
@@ -94,9 +132,13 @@ def headers() -> list[Path]:
 
 
 def _torch_version() -> str:
-    import torch
+    """torch's version, read without importing it (a second or two saved where nothing is built)."""
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        import torch
 
-    return torch.__version__
+        return torch.__version__
 
 
 def _digest(*parts: bytes) -> str:
@@ -204,6 +246,32 @@ def build(level: Level, out_dir: Path, progress: Callable[[str], None] | None = 
         return target
 
 
+def print_progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def prepare() -> str | None:
+    """Builds this CPU's library now if it must be built (a checkout's), with progress on this terminal, so that
+    the processes started next (serving replicas, ranks) load it at once; loads nothing and imports no torch when
+    it is there. Returns the level's name, or None where the mode or the CPU uses no kernels.
+
+    Raises:
+        RuntimeError: CPUSERVE_KERNELS=native and the library cannot be had.
+    """
+    if mode() == "torch":
+        return None
+    try:
+        chosen = level()
+        if find_library(chosen) is None:
+            build(chosen, cache_dir(), progress=print_progress)
+    except Exception as e:  # no level for this CPU, no compiler, a read-only cache ...
+        if mode() == "native":
+            raise RuntimeError(f"CPUSERVE_KERNELS=native but the kernels in {CSRC} cannot be loaded: {e}") from e
+        print_progress(f"cpuserve: no fused CPU kernels ({e}); the engine runs its plain-torch path")
+        return None
+    return chosen.name
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m cpuserve.engine.layers.kernel_build [--level NAME | --all] [--out DIR]`."""
     parser = argparse.ArgumentParser(prog="python -m cpuserve.engine.layers.kernel_build",
@@ -223,8 +291,8 @@ def main(argv: list[str] | None = None) -> int:
             print("this CPU runs none of the kernel levels "
                   f"({', '.join(LEVEL_NAMES)}): the engine uses its plain-torch path", file=sys.stderr)
             return 0
-    for level in levels:
-        build(level, args.out or cache_dir(), progress=lambda line: print(line, file=sys.stderr, flush=True))
+    for each in levels:
+        build(each, args.out or cache_dir(), progress=print_progress)
     return 0
 
 

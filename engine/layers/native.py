@@ -15,51 +15,14 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import sys
 from pathlib import Path
 
 import torch
 
 from cpuserve.engine.layers import kernel_build
-from cpuserve.engine.layers.kernel_build import Level
+from cpuserve.engine.layers.kernel_build import MODES, level, mode, select_level  # noqa: F401 (this module's API)
 
 log = logging.getLogger(__name__)
-
-MODES = ("auto", "native", "torch")
-
-
-def mode() -> str:
-    value = os.environ.get("CPUSERVE_KERNELS", "auto")
-    if value not in MODES:
-        raise ValueError(f"CPUSERVE_KERNELS={value!r}: allowed values are {', '.join(MODES)}")
-    return value
-
-
-def select_level(flags: frozenset[str] | None = None, forced: str | None = None) -> Level:
-    """The level to load: CPUSERVE_KERNEL_LEVEL when set (and the CPU runs it), else the best the CPU runs.
-
-    Raises:
-        RuntimeError: the CPU runs no level, or not the one asked for (naming the flags it lacks).
-    """
-    flags = kernel_build.cpu_flags() if flags is None else flags
-    forced = os.environ.get("CPUSERVE_KERNEL_LEVEL") if forced is None else forced
-    if forced:
-        level = kernel_build.level_named(forced)
-        if missing := sorted(level.cpu_flags - flags):
-            raise RuntimeError(f"CPUSERVE_KERNEL_LEVEL={forced}: this CPU lacks {', '.join(missing)}; it runs "
-                               f"{', '.join(l.name for l in kernel_build.runnable_levels(flags)) or 'no level'}")
-        return level
-    levels = kernel_build.runnable_levels(flags)
-    if not levels:
-        raise RuntimeError(f"this CPU runs none of the kernel levels ({', '.join(kernel_build.LEVEL_NAMES)})")
-    return levels[0]
-
-
-@functools.lru_cache(maxsize=1)
-def level() -> Level:
-    """The level of the library this process loads (decided once)."""
-    return select_level()
 
 
 def library_path() -> Path:
@@ -67,37 +30,14 @@ def library_path() -> Path:
     return kernel_build.find_library(level()) or kernel_build.cache_dir() / kernel_build.library_name(level())
 
 
-def _progress(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
 @functools.lru_cache(maxsize=1)
 def _load() -> bool:
     path = kernel_build.find_library(level())
-    if path is None:  # a checkout (or an edited kernel): the developer path
-        path = kernel_build.build(level(), kernel_build.cache_dir(), progress=_progress)
+    if path is None:  # a checkout (or an edited kernel): the developer path, with progress on the terminal
+        path = kernel_build.build(level(), kernel_build.cache_dir(), progress=kernel_build.print_progress)
     torch.ops.load_library(str(path))
     log.info("cpuserve kernels: %s (%s)", level().name, path)
     return True
-
-
-def prepare() -> str | None:
-    """Builds this CPU's library now if it must be built (with progress on this terminal), so that processes
-    started next (a serving replica, a rank) load it at once; the level's name, or None where the mode or the
-    CPU uses no kernels. Loads nothing into this process."""
-    if mode() == "torch":
-        return None
-    try:
-        chosen = level()
-        if kernel_build.find_library(chosen) is None:
-            kernel_build.build(chosen, kernel_build.cache_dir(), progress=_progress)
-    except Exception as e:
-        if mode() == "native":
-            raise RuntimeError(f"CPUSERVE_KERNELS=native but the kernels in {kernel_build.CSRC} did not build: {e}") \
-                from e
-        _warn_once(e)
-        return None
-    return chosen.name
 
 
 def available() -> bool:
