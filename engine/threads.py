@@ -8,7 +8,6 @@ import os
 import sys
 from pathlib import Path
 
-import torch
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +22,8 @@ def configure_threads(num_threads: int | None = None) -> int:
     n = num_threads or len(cores)
     if n > len(cores):
         log.warning("num_threads=%d exceeds the %d cores in the affinity mask %s", n, len(cores), cores)
+    import torch  # here: the `cpuserve` command imports this module before it re-executes itself
+
     torch.set_num_threads(n)
     log.info("torch threads=%d, affinity mask=%s", n, cores)
     return n

@@ -47,6 +47,10 @@ def _serve(args: argparse.Namespace) -> int:
     config.check_model()
     if getattr(args, "from_command_line", False) and config.ray_address is None and os.environ.get(_SUPERVISED) != "1":
         return _supervise()
+    if config.ray_address is None:  # the replicas run here: a checkout's kernels are built now, on this terminal
+        from cpuserve.engine.layers import kernel_build
+
+        kernel_build.prepare()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

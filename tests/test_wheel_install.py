@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT / "tests" / "operator"))  # the fake API server and 
 from control_plane import OperatorProcess, wait_for, write_kubeconfig  # noqa: E402
 from fake_apiserver import FakeApiServer  # noqa: E402
 
+from cpuserve.engine.layers import kernel_build  # noqa: E402
 from cpuserve.serving.ports import free_port  # noqa: E402
 from cpuserve.v1 import inference_pb2 as pb  # noqa: E402
 from cpuserve.v1 import inference_pb2_grpc as pbg  # noqa: E402
@@ -41,7 +42,7 @@ MAX_TOKENS = 12
 # a process outside the checkout: none of the test runner's paths or settings
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV", "CPUSERVE_"))}
 CLEAN_ENV["RAY_AUTH_MODE"] = "disabled"
-CLEAN_ENV["CPUSERVE_KERNELS"] = "torch"  # until the wheel carries the kernels prebuilt (a checkout's first use builds)
+CLEAN_ENV["CPUSERVE_KERNELS"] = "native"  # the kernels load, or the command fails
 
 
 def run(args: list, timeout: float = 900, **kwargs) -> subprocess.CompletedProcess:
@@ -84,6 +85,9 @@ def test_the_wheel_holds_every_module_of_the_checkout(wheel):
     sources = {p.name for p in (ROOT / "engine" / "csrc").iterdir()}
     held = {Path(n).name for n in zipfile.ZipFile(wheel).namelist() if n.startswith("cpuserve/engine/csrc/")}
     assert sources <= held
+    libraries = {n.split("/")[-1] for n in zipfile.ZipFile(wheel).namelist() if n.startswith("cpuserve/engine/kernels/")}
+    assert libraries == {kernel_build.library_name(level) for level in kernel_build.LEVELS}  # every level, current
+    assert wheel.name.endswith("-py3-none-linux_x86_64.whl")  # it holds x86 libraries: not a pure wheel
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +113,16 @@ print(len(modules))
 """
     done = run([serve_venv, "-c", code], cwd=serve_venv.parent.parent, env=CLEAN_ENV)
     assert int(done.stdout) == len(wheel_modules(wheel))
+
+
+def test_the_kernels_load_prebuilt_with_no_compiler(serve_venv, tmp_path):
+    """The wheel's library for this CPU loads as it is: with an empty cache and no compiler to build one."""
+    code = ("from cpuserve.engine.layers import native; assert native.available(); print(native.library_path())")
+    env = {**CLEAN_ENV, "CPUSERVE_KERNEL_CACHE": str(tmp_path / "cache"), "CXX": str(tmp_path / "no-compiler")}
+    done = run([serve_venv, "-c", code], cwd=tmp_path, env=env)
+    path = Path(done.stdout.strip())
+    assert path.parent.name == "kernels" and path.is_relative_to(serve_venv.parent.parent / "lib")
+    assert not (tmp_path / "cache").exists()
 
 
 def generate(cpuserve: Path, cwd: Path, env: dict[str, str]) -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import os
 
-import torch
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +48,8 @@ def bind_rank(rank: int, cpus: list[int], num_threads: int | None = None) -> int
     """Pin this thread (and the threads it starts) to cpus and size torch's pool to match; returns threads."""
     os.sched_setaffinity(0, cpus)
     threads = num_threads or len(cpus)
+    import torch  # here: `cpuserve serve` checks CPU counts without loading torch
+
     torch.set_num_threads(threads)
     log.info("rank %d bound to cpus %s, torch threads=%d", rank, _ranges(cpus), threads)
     return threads

@@ -1,106 +1,42 @@
-"""The fused C++ kernels of engine/csrc (torch.ops.cpuserve.*), compiled on first use for this CPU.
+"""The fused C++ kernels of engine/csrc (torch.ops.cpuserve.*): the library of the best x86 level this CPU runs.
 
-    CPUSERVE_KERNELS=auto    (default) use them when they build, else the plain-torch path with one warning
-    CPUSERVE_KERNELS=native  fail if they do not build
+    CPUSERVE_KERNELS=auto    (default) use them when they load, else the plain-torch path with one warning
+    CPUSERVE_KERNELS=native  fail if they do not load
     CPUSERVE_KERNELS=torch   never use them (the reference path)
+    CPUSERVE_KERNEL_LEVEL=<level>   a lower level than the CPU's best (the tests run each level so); a level the
+                                    CPU lacks is refused by name
 
-The build (-O3 -march=native, about 40 s on 2 cores) is cached under ~/.cache/cpuserve/kernels, keyed by the
-source, torch's version and the CPU's feature flags, so a cache copied to another CPU model is not reused.
+A wheel carries every level's library, built when the wheel was (engine/layers/kernel_build.py has the levels);
+a checkout compiles its level on first use into ~/.cache/cpuserve/kernels, saying so on the terminal (about
+3 minutes on 2 cores; an edited kernel recompiles only its own file).
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
-import os
-import platform
-import sys
-import time
 from pathlib import Path
 
 import torch
 
+from cpuserve.engine.layers import kernel_build
+from cpuserve.engine.layers.kernel_build import MODES, level, mode, select_level  # noqa: F401 (this module's API)
+
 log = logging.getLogger(__name__)
-
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = [CSRC / name for name in ("decode_ops.cpp", "decode_attention.cpp", "slim_attention.cpp", "int4_gemm.cpp",
-                                     "int4_few_rows.cpp", "int8_gemm.cpp", "vnni_gemm.cpp", "amx_bf16_gemm.cpp",
-                                     "decode_layers.cpp", "argmax.cpp", "kv_gather.cpp")]
-# headers are part of the build's cache key too
-HEADERS = [CSRC / name for name in ("simd.h", "tasks.h", "int4_few_rows.h", "bf16_dot.h", "act_quant.h", "ops.h",
-                                     "rows.h", "warm.h", "vnni_layouts.h", "int8_scores.h", "amx_tiles.h")]
-# -fassociative-math lets GCC vectorize the reductions; with alignment peeling off, their summation order depends
-# only on the length, never on where a buffer happens to sit: results are reproducible across processes and
-# batch layouts (a replica group's ranks must match one rank bit for bit).
-CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
-          "-fassociative-math", "-fno-signed-zeros", "--param=vect-max-peeling-for-alignment=0"]
-MODES = ("auto", "native", "torch")
-
-
-def mode() -> str:
-    value = os.environ.get("CPUSERVE_KERNELS", "auto")
-    if value not in MODES:
-        raise ValueError(f"CPUSERVE_KERNELS={value!r}: allowed values are {', '.join(MODES)}")
-    return value
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _build_name() -> str:
-    h = hashlib.sha256()
-    for src in SOURCES + HEADERS:
-        h.update(src.read_bytes())
-    h.update(" ".join(CFLAGS).encode() + torch.__version__.encode() + _cpu_flags().encode())
-    return f"cpuserve_ops_{h.hexdigest()[:12]}"
-
-
-STALE_LOCK_SECONDS = 900  # a build takes ~40 s (minutes on a loaded machine): a lock this old outlived its build
-
-
-def clear_stale_lock(build_dir: Path, max_age: float = STALE_LOCK_SECONDS) -> bool:
-    """Remove the build lock torch's cpp_extension leaves behind when a compiling process is killed (every later
-    start would wait on it forever); True if one was removed. A lock younger than max_age is a build in progress."""
-    lock = build_dir / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    if age < max_age:
-        return False
-    log.warning("removing %s: left %.0f s ago by a kernel build that did not finish", lock, age)
-    lock.unlink(missing_ok=True)
-    return True
 
 
 def library_path() -> Path:
-    """Where this source, torch and CPU's build of the kernels lies (or will lie once built)."""
-    name = _build_name()
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return cache / "cpuserve" / "kernels" / name / f"{name}.so"
+    """Where this level's library for these sources lies: the wheel's, else the cache's (built there if missing)."""
+    return kernel_build.find_library(level()) or kernel_build.cache_dir() / kernel_build.library_name(level())
 
 
 @functools.lru_cache(maxsize=1)
 def _load() -> bool:
-    from torch.utils import cpp_extension
-
-    name = _build_name()
-    build_dir = library_path().parent
-    build_dir.mkdir(parents=True, exist_ok=True)
-    clear_stale_lock(build_dir)
-    if not library_path().exists():
-        print(f"compiling cpuserve's CPU kernels for this CPU into {build_dir} (first use only, ~40 s)",
-              file=sys.stderr, flush=True)
-    cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
-                       build_directory=str(build_dir), is_python_module=False, verbose=False)
+    path = kernel_build.find_library(level())
+    if path is None:  # a checkout (or an edited kernel): the developer path, with progress on the terminal
+        path = kernel_build.build(level(), kernel_build.cache_dir(), progress=kernel_build.print_progress)
+    torch.ops.load_library(str(path))
+    log.info("cpuserve kernels: %s (%s)", level().name, path)
     return True
 
 
@@ -111,9 +47,10 @@ def available() -> bool:
         return False
     try:
         return _load()
-    except Exception as e:  # no compiler, no ninja, a read-only cache ...
+    except Exception as e:  # no level for this CPU, no compiler, a read-only cache ...
         if m == "native":
-            raise RuntimeError(f"CPUSERVE_KERNELS=native but the kernels in {CSRC} did not build: {e}") from e
+            raise RuntimeError(f"CPUSERVE_KERNELS=native but the kernels in {kernel_build.CSRC} did not load: {e}") \
+                from e
         _warn_once(e)
         return False
 

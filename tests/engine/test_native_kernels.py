@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cpuserve.engine.layers import native
+from cpuserve.engine.layers import kernel_build, native
 from cpuserve.engine.layers.kv_quant import write_kv_fused
 from cpuserve.engine.models.rope import apply_rope
 
@@ -20,7 +20,7 @@ ops = torch.ops.cpuserve
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
-    # gcc and ninja come with the project's install: a build failure here is a real failure, not a skip
+    # a checkout's kernels are built by `make install` (g++ is the machine's): a failure here is real, not a skip
     assert native.available(), "the fused kernels did not build"
 
 
@@ -154,18 +154,70 @@ def test_mode_is_validated(monkeypatch):
     assert native.available() is False
 
 
-def test_a_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path):
-    """torch's cpp_extension waits forever on a build directory's lock: one left by a killed compile must go."""
-    import os
-    import time
+# CPU flags as /proc/cpuinfo names them: x86-64-v4 (AVX-512 F/BW/CD/DQ/VL over AVX2's level)
+V4 = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave",
+                "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"})
 
-    lock = tmp_path / "lock"
-    lock.touch()
-    assert not native.clear_stale_lock(tmp_path) and lock.exists()  # a build in progress keeps its lock
-    old = time.time() - native.STALE_LOCK_SECONDS - 60
-    os.utime(lock, (old, old))
-    assert native.clear_stale_lock(tmp_path) and not lock.exists()
-    assert not native.clear_stale_lock(tmp_path)  # nothing left to remove
+
+@pytest.mark.parametrize("flags,forced,want", [
+    (V4 | {"avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8"}, "", "avx512_bf16"),  # Sapphire Rapids: AMX inside
+    (V4 | {"avx512_vnni", "avx512_bf16"}, "", "avx512_bf16"),  # Zen 4
+    (V4 | {"avx512_vnni"}, "", "avx512_vnni"),  # Ice Lake
+    (V4 | {"avx512_vnni", "avx512_bf16"}, "avx512_vnni", "avx512_vnni"),  # a lower level, forced
+])
+def test_the_level_is_the_best_the_cpu_runs_unless_a_lower_one_is_asked_for(flags, forced, want):
+    assert native.select_level(frozenset(flags), forced=forced).name == want
+
+
+def test_a_level_the_cpu_cannot_run_is_refused_by_name():
+    with pytest.raises(RuntimeError, match="CPUSERVE_KERNEL_LEVEL=avx512_bf16: this CPU lacks avx512_bf16; "
+                                           "it runs avx512_vnni"):
+        native.select_level(V4 | {"avx512_vnni"}, forced="avx512_bf16")
+    with pytest.raises(ValueError, match="kernel level 'avx3': the levels are avx512_bf16, avx512_vnni"):
+        native.select_level(V4, forced="avx3")
+    with pytest.raises(RuntimeError, match="runs none of the kernel levels"):
+        native.select_level(frozenset({"avx", "avx2", "fma"}), forced="")  # AVX2 only: no level yet (#43 item 3)
+
+
+def test_the_loaded_library_is_the_level_chosen_for_this_cpu():
+    import os
+
+    want = os.environ.get("CPUSERVE_KERNEL_LEVEL") or kernel_build.runnable_levels(kernel_build.cpu_flags())[0].name
+    assert native.level().name == want
+    assert native.library_path().name.startswith(f"cpuserve_ops_{want}_") and native.library_path().is_file()
+
+
+def test_another_checkout_of_the_same_sources_finds_the_built_library(tmp_path, monkeypatch):
+    """A library is named by what went into it, never by where the checkout lies: nothing is built twice."""
+    level, built = native.level(), native.library_path()
+    checkout = tmp_path / "another-checkout" / "csrc"
+    shutil.copytree(kernel_build.CSRC, checkout)
+    monkeypatch.setattr(kernel_build, "CSRC", checkout)
+    assert kernel_build.find_library(level) == built
+    (checkout / "argmax.cpp").write_text((checkout / "argmax.cpp").read_text() + "// an edited kernel\n")
+    assert kernel_build.find_library(level) is None  # an edit is built anew
+    assert kernel_build.library_name(level) != built.name
+
+
+@pytest.mark.slow
+def test_each_lower_level_loads_and_reproduces_torchs_kernels():
+    """Every other level this CPU runs, forced (CPUSERVE_KERNEL_LEVEL), in a process of its own (a process loads
+    one level): its bf16 GEMMs give torch's bits and its int8 GEMMs run (each *_enabled() probes that; with AMX,
+    the tiles' bits against the register blocks')."""
+    import os
+    import sys
+
+    lower = kernel_build.runnable_levels(kernel_build.cpu_flags())[1:]
+    if not lower:
+        pytest.skip("this CPU runs one kernel level only")
+    code = ("from cpuserve.engine.layers import native; import torch; assert native.available(); "
+            "print(native.level().name, native.int4_gemm_enabled(), native.int8_gemm_enabled(), "
+            "native.vnni_gemm_enabled())")
+    for level in lower:
+        env = {**os.environ, "CPUSERVE_KERNEL_LEVEL": level.name, "CPUSERVE_KERNELS": "native"}
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1500)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.split() == [level.name, "True", "True", "True"]
 
 
 # The int8 GEMMs' innermost helpers (vnni_gemm.cpp, vnni_layouts.h). Built out of line, even at one call site, their
