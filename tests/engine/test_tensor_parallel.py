@@ -16,6 +16,8 @@ from cpuserve.engine.llm import LLM
 from cpuserve.engine.models.args import ModelArgs
 from cpuserve.engine.sampling_params import SamplingParams
 
+from sampling_examples import examples
+
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,",
            "The best way to learn a language is", "import numpy as np\n", "Water boils at",
            "Here is a list of fruits: apple,"]
@@ -107,6 +109,40 @@ def test_seeded_sampling_identical_to_one_rank(llm_tp, llm_int4):
         assert [o.token_ids for o in two] == [o.token_ids for o in one], params
         if params.logprobs:
             assert [o.logprobs for o in two] == [o.logprobs for o in one]
+
+
+def _chat_ids(llm, messages) -> list[int]:
+    tok = llm.tokenizer
+    return tok.encode(tok.apply_chat_template(list(messages)), add_special_tokens=False)
+
+
+def _token_id(llm):
+    def token_id(text: str) -> int:
+        ids = llm.tokenizer.encode(text, add_special_tokens=False)
+        assert len(ids) == 1, f"{text!r} is {len(ids)} tokens"
+        return ids[0]
+    return token_id
+
+
+def _result(out) -> tuple:
+    return out.token_ids, out.text, out.logprobs, out.finish_reason
+
+
+@pytest.mark.slow
+def test_every_sampling_field_samples_as_one_rank(llm_tp, llm_int4):
+    """Each field a client can set (sampling_examples.py: bias, each penalty, logprobs, the filters, seeds, each
+    structured-output form, tool calls' grammars, the stop conditions) gives one rank's output on a 2-rank group:
+    each request alone (the step reduces to what that request needs) and all in one batch. Each example's
+    contrast (the field at its default) gives another output on one rank, so every field is really exercised."""
+    cases = examples(_token_id(llm_int4))
+    ids = [_chat_ids(llm_int4, e.messages) for e in cases]
+    one = llm_int4.generate(ids, [e.params for e in cases])
+    contrast = llm_int4.generate(ids, [e.contrast for e in cases])
+    unchanged = [e.name for e, a, b in zip(cases, one, contrast) if _result(a) == _result(b)]
+    assert not unchanged, f"these examples change nothing on this prompt: {unchanged}"
+    for e, i, want in zip(cases, ids, one):
+        assert _result(llm_tp.generate([i], e.params)[0]) == _result(want), e.name
+    assert [_result(o) for o in llm_tp.generate(ids, [e.params for e in cases])] == [_result(o) for o in one]
 
 
 @pytest.mark.slow
