@@ -8,10 +8,12 @@
 // for SmolLM2) in L2 and waste fewer keys past the diagonal than 512 (1.2x faster at 4096 tokens).
 // Same contract as engine/layers/attention.py's slim_attention.
 //
-// The products run on one of two kernels, chosen once per process (product_kernel()):
+// The products run on one of two kernels, the CPU's best chosen at first use (product_kernel()):
 //   brgemm       oneDNN's bf16 brgemm, where torch offers it (AMX: Intel Sapphire Rapids and later)
 //   avx512_bf16  our vdpbf16ps micro-kernels of bf16_dot.h (AMD Zen 4, and Intel CPUs without AMX)
 // On a CPU with neither the op refuses to run and engine/layers/native.py keeps the plain-torch path.
+// slim_attention_products() switches between them where the CPU has both (tests: an AMX machine checks the
+// avx512_bf16 kernel and its int8 scores too); slim_attention_runs() counts the calls of each path.
 //
 // With an int8 K and its scales (k_scale: the KV pool's codes, as decode reads them), Q K^T runs as int8 dot products
 // instead (int8_scores.h, each query row quantized on its own), on avx512_bf16 only: where brgemm runs, AMX's bf16 is
@@ -39,6 +41,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -110,17 +113,34 @@ float softmax_row(const float* s, int64_t valid, int64_t n, float mx, float scal
 
 enum class Products { kNone, kBrgemm, kAvx512Bf16 };
 
+bool brgemm_available() { return at::native::cpublas::could_pack(at::kBFloat16); }
+
+bool avx512_bf16_available() {
+#if defined(__AVX512BF16__)
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
 // AMX's peak bf16 rate (brgemm) is 8x that of vdpbf16ps on the same core: prefer it wherever torch offers it
 // (not measured against bf16_dot.h on an AMX machine; on Zen 4 the two are within 10%, see bf16_dot.h)
+Products best_products() {
+  if (brgemm_available()) return Products::kBrgemm;
+  if (avx512_bf16_available()) return Products::kAvx512Bf16;
+  return Products::kNone;
+}
+
+std::atomic<int> g_products{-1};  // the Products in force; -1 until first asked (then best_products())
+std::array<std::atomic<int64_t>, 3> g_runs{};  // calls: brgemm, avx512_bf16 with a bf16 K, with an int8 K
+
 Products product_kernel() {
-  static const Products kernel = [] {
-    if (at::native::cpublas::could_pack(at::kBFloat16)) return Products::kBrgemm;
-#if defined(__AVX512BF16__)
-    if (__builtin_cpu_supports("avx512bf16")) return Products::kAvx512Bf16;
-#endif
-    return Products::kNone;
-  }();
-  return kernel;
+  int kernel = g_products.load();
+  if (kernel < 0) {
+    g_products.compare_exchange_strong(kernel, static_cast<int>(best_products()));
+    kernel = g_products.load();
+  }
+  return static_cast<Products>(kernel);
 }
 
 // which kernel runs slim_attention's products on this CPU: "brgemm", "avx512_bf16", or "" (the op refuses)
@@ -131,6 +151,24 @@ std::string slim_attention_kernel() {
     default: return "";
   }
 }
+
+// The product kernel: mode "auto" (the CPU's best), "brgemm" or "avx512_bf16" (refused where the CPU has not got
+// it), or "" to keep it; returns the kernel in force, as slim_attention_kernel()
+std::string slim_attention_products(const std::string& mode) {
+  TORCH_CHECK(mode.empty() || mode == "auto" || mode == "brgemm" || mode == "avx512_bf16",
+              "slim_attention_products: mode must be auto, brgemm or avx512_bf16, got ", mode);
+  TORCH_CHECK(mode != "brgemm" || brgemm_available(),
+              "slim_attention_products: torch offers no bf16 brgemm on this CPU (it needs AMX)");
+  TORCH_CHECK(mode != "avx512_bf16" || avx512_bf16_available(),
+              "slim_attention_products: this CPU (or this build) has no AVX512-BF16");
+  if (mode == "auto") g_products = static_cast<int>(best_products());
+  if (mode == "brgemm") g_products = static_cast<int>(Products::kBrgemm);
+  if (mode == "avx512_bf16") g_products = static_cast<int>(Products::kAvx512Bf16);
+  return slim_attention_kernel();
+}
+
+// slim_attention's calls so far: [brgemm, avx512_bf16 with a bf16 K, avx512_bf16 with an int8 K]
+std::vector<int64_t> slim_attention_runs() { return {g_runs[0].load(), g_runs[1].load(), g_runs[2].load()}; }
 
 // slim_attention takes an int8 K (Q K^T as int8 dot products) on this CPU
 bool slim_attention_int8_keys() {
@@ -246,6 +284,7 @@ at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
                              k_scale->dim() == 2 && k_scale->size(0) == T && k_scale->size(1) == Hkv),
               "slim_attention: an int8 k needs head_dim a multiple of ", cpuserve_int8_scores::kQGroup, " (got ", D,
               ") and k_scale fp32 [T, Hkv]");
+  g_runs[kernel == Products::kBrgemm ? 0 : int8_keys ? 2 : 1].fetch_add(1, std::memory_order_relaxed);
   const int64_t g = H / Hkv, nkb = (T + kKeyBlock - 1) / kKeyBlock, t_pad = nkb * kKeyBlock;
   // row stride of the score and P buffers: 64 elements past the keys, so consecutive rows do not sit a multiple
   // of 4 KiB apart (16 rows of one AMX tile load would then share one L1 set)
@@ -370,6 +409,8 @@ TORCH_LIBRARY_FRAGMENT(cpuserve, m) {
         "Tensor? k_scale=None) -> Tensor");
   m.def("slim_attention_kernel() -> str");
   m.def("slim_attention_int8_keys() -> bool");
+  m.def("slim_attention_products(str mode=\"\") -> str");
+  m.def("slim_attention_runs() -> int[]");
 }
 
 TORCH_LIBRARY_IMPL(cpuserve, CPU, m) { m.impl("slim_attention", &slim_attention); }
@@ -377,4 +418,6 @@ TORCH_LIBRARY_IMPL(cpuserve, CPU, m) { m.impl("slim_attention", &slim_attention)
 TORCH_LIBRARY_IMPL(cpuserve, CompositeExplicitAutograd, m) {
   m.impl("slim_attention_kernel", &slim_attention_kernel);
   m.impl("slim_attention_int8_keys", &slim_attention_int8_keys);
+  m.impl("slim_attention_products", &slim_attention_products);
+  m.impl("slim_attention_runs", &slim_attention_runs);
 }

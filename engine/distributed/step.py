@@ -8,33 +8,32 @@ Wire (one int64 vector, so a step costs one broadcast):
 Every rank (rank 0 included) rebuilds the step from the wire and runs the runner's own prepare_inputs on it,
 so all ranks feed their shard exactly the same positions, slots, block tables and logit rows.
 
-Sampling: each rank takes the top num_candidates logits of its vocab shard; rank 0 gathers them, scatters them
-into a -inf row of the full vocab and runs the ordinary sampler on it. That is exact whenever the sampler can only
-pick among the global top num_candidates (greedy: 1; top-k: k); anything else (top-p without top-k, penalties,
-logprobs) gathers the full shards (num_candidates = 0). The sampler's noise is drawn over the full vocab from the
-request's generator on rank 0, so seeded streams match a single rank's.
+Sampling: each rank takes the top num_candidates logits of its vocab shard; rank 0 gathers them and hands them to
+the sampler (sampler.sample_candidates: the candidates in a -inf row of the full vocab, then the one sampling path
+of every runner, sample_scheduled). That is exact when every row's pick depends on its global top num_candidates logits only; the sampler says how many
+each row needs (sampler.num_top_logits: greedy 1, top-k k, and the whole row for a logit bias, a penalty, a grammar,
+logprobs, top-p or min-p without top-k), and a step with any whole-row request gathers the full shards
+(num_candidates = FULL). The sampler's noise is drawn over the full vocab from the request's generator on rank 0,
+so seeded streams match a single rank's.
 """
 
 from __future__ import annotations
 
 import torch
 
-from cpuserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from cpuserve.engine.sampler import WHOLE_ROW, num_top_logits
+from cpuserve.engine.scheduler_output import SamplingInputs, ScheduledRequest, SchedulerOutput
 
 KIND_STOP, KIND_SAMPLE, KIND_SCORE = 0, 1, 2
-FULL = 0  # num_candidates meaning "gather the whole shard"
+FULL = WHOLE_ROW  # num_candidates meaning "gather the whole shard"
 
 
-def num_candidates(params: list, vocab_per_rank: int) -> int:
-    """Per-rank candidates that keep this step's sampling exact; FULL when nothing smaller does."""
-    need = 1
-    for p in params:
-        if p.logprobs is not None or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0:
-            return FULL  # logprobs need the full softmax; penalties can lift a token from outside any top-k
-        if not p.is_greedy:
-            if p.top_k <= 0:
-                return FULL
-            need = max(need, p.top_k)
+def num_candidates(inputs: list[SamplingInputs], vocab_per_rank: int) -> int:
+    """Per-rank candidates that hold every logit the sampler reads this step; FULL when nothing smaller does."""
+    needs = [num_top_logits(i) for i in inputs]
+    if WHOLE_ROW in needs:
+        return FULL
+    need = max(needs, default=1)
     return FULL if need >= vocab_per_rank else need
 
 
@@ -67,15 +66,12 @@ def local_candidates(logits: torch.Tensor, k: int, vocab_start: int) -> torch.Te
     return torch.cat([values, (ids + vocab_start).float()], dim=-1)
 
 
-def dense_from_candidates(gathered: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """gathered [ranks, S, 2k] -> [S, V] float32 logits: the candidates in place, -inf elsewhere."""
+def split_candidates(gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gathered [ranks, S, 2k] -> (values [S, ranks*k] float32, global token ids [S, ranks*k] int64)."""
     ranks, s, two_k = gathered.shape
     k = two_k // 2
     per_row = gathered.permute(1, 0, 2).reshape(s, ranks, 2, k)  # [S, ranks, values|ids, k]
-    values = per_row[:, :, 0].reshape(s, ranks * k)
-    ids = per_row[:, :, 1].reshape(s, ranks * k).long()
-    dense = torch.full((s, vocab_size), float("-inf"))
-    return dense.scatter_(1, ids, values)
+    return per_row[:, :, 0].reshape(s, ranks * k), per_row[:, :, 1].reshape(s, ranks * k).long()
 
 
 def dense_from_shards(gathered: torch.Tensor, vocab_size: int) -> torch.Tensor:

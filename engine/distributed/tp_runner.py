@@ -16,7 +16,7 @@ from cpuserve.engine.distributed.communicator import Communicator, RankFailedErr
 from cpuserve.engine.distributed.worker import contribute, run_shard
 from cpuserve.engine.model_runner import ModelRunner
 from cpuserve.engine.outputs import ModelRunnerOutput
-from cpuserve.engine.sampler import sample_scheduled
+from cpuserve.engine.sampler import sample_candidates, sample_scheduled
 from cpuserve.engine.scheduler_output import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -55,17 +55,15 @@ class TPRunner:
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        samplers = out.samplers
-        params = [item.sampling.params for item in samplers]
-        candidates = step.num_candidates(params, self.plan.vocab_padded) if self.use_candidates else step.FULL
+        inputs = [item.sampling for item in out.samplers]
+        candidates = step.num_candidates(inputs, self.plan.vocab_padded) if self.use_candidates else step.FULL
         gathered = self._step(out, step.KIND_SAMPLE, candidates)
-        if not samplers:
+        if not inputs:
             return ModelRunnerOutput.place(out.scheduled, [], [])
-        if candidates == 1:  # all greedy: the best candidate, lowest id on ties (what argmax picks)
-            return ModelRunnerOutput.place(out.scheduled, _best(gathered), [None] * len(samplers))
-        logits = (step.dense_from_shards(gathered, self.vocab_size) if candidates == step.FULL
-                  else step.dense_from_candidates(gathered, self.vocab_size))  # [S, V]
-        return sample_scheduled(logits, out.scheduled)
+        if candidates == step.FULL:
+            return sample_scheduled(step.dense_from_shards(gathered, self.vocab_size), out.scheduled)  # [S, V]
+        values, ids = step.split_candidates(gathered)  # [S, ranks * candidates] each
+        return sample_candidates(values, ids, self.vocab_size, out.scheduled)
 
     @torch.inference_mode()
     def forward_logits(self, out: SchedulerOutput) -> torch.Tensor:
@@ -81,9 +79,3 @@ class TPRunner:
             on_close, self._on_close = self._on_close, None
             on_close(self)
 
-
-def _best(gathered: torch.Tensor) -> list[int]:
-    """gathered [ranks, S, 2] (value, id) -> per row the id of the largest value, the lowest id among equals."""
-    values, ids = gathered[..., 0].t(), gathered[..., 1].t()  # [S, ranks] each
-    best = values.max(dim=1, keepdim=True).values
-    return ids.masked_fill(values != best, float("inf")).min(dim=1).values.long().tolist()

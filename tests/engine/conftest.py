@@ -37,3 +37,15 @@ def hf_model(model_path):
     model = AutoModelForCausalLM.from_pretrained(
         os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=torch.float32)
     return model.eval()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Which CPU-dependent kernel paths this run did not take (kernel_paths.py): a pass here says nothing of them."""
+    import kernel_paths
+
+    missing = kernel_paths.not_run()
+    if missing is None:
+        return
+    terminalreporter.section("kernel paths this machine did not run")
+    for line in missing or ["none: every CPU-dependent kernel path ran in this pytest process"]:
+        terminalreporter.write_line(f"- {line}")

@@ -4,6 +4,7 @@ blocks: the same bits for every form it takes, every row count, the last tile of
 On a CPU without AMX the path runs through the tiles' software model (AmxEmu), so its addressing, tile shapes and
 epilogue are checked here too; where the CPU has AMX the instructions themselves are checked the same way."""
 import gguf
+import kernel_paths
 import pytest
 import torch
 from kquant_factory import real_blocks
@@ -30,10 +31,13 @@ def amx_modes():
 
 def run(m, x, mode: str) -> tuple[torch.Tensor, int]:
     """m(x) with the AMX path in `mode`, and how many 16-row blocks went through tiles."""
-    torch.ops.cpuserve.vnni_gemm_amx(mode)
+    in_force = torch.ops.cpuserve.vnni_gemm_amx(mode)
     before = torch.ops.cpuserve.vnni_gemm_amx_blocks()
     y = m(x)
-    return y, torch.ops.cpuserve.vnni_gemm_amx_blocks() - before
+    blocks = torch.ops.cpuserve.vnni_gemm_amx_blocks() - before
+    if blocks and in_force in ("hw", "emulate"):
+        kernel_paths.note({"hw": "amx_tiles_hw", "emulate": "amx_tiles_model"}[in_force])
+    return y, blocks
 
 
 def assert_same_bits(m, k: int, n: int, modes: list[str]) -> None:

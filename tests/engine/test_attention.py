@@ -26,15 +26,18 @@ def rand(*shape, dtype=torch.float32, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-# the C++ SlimAttention takes bf16 only (fp32 prefill runs the torch version)
-@pytest.mark.parametrize("impl,dtype", [("torch", torch.float32), ("torch", torch.bfloat16), ("native", torch.bfloat16)])
-@pytest.mark.parametrize("seq_len,q_start,heads,kv_heads,head_dim,block_rows", [
+SLIM_SHAPES = [  # seq_len, q_start, heads, kv_heads, head_dim, block_rows
     (37, 0, 9, 3, 64, 16),     # several blocks, last one partial, GQA 3
     (1, 20, 4, 4, 16, 16),     # single decode-like row over a prefix, MHA
     (300, 100, 9, 3, 64, 64),  # chunked prefill: cached prefix + new rows
     (130, 0, 8, 1, 32, 128),   # MQA, one full block + 2 rows
     (5, 3, 6, 2, 8, 128),      # block_rows > L
-])
+]
+
+
+# the C++ SlimAttention takes bf16 only (fp32 prefill runs the torch version)
+@pytest.mark.parametrize("impl,dtype", [("torch", torch.float32), ("torch", torch.bfloat16), ("native", torch.bfloat16)])
+@pytest.mark.parametrize("seq_len,q_start,heads,kv_heads,head_dim,block_rows", SLIM_SHAPES)
 def test_slim_attention_matches_reference(impl, dtype, seq_len, q_start, heads, kv_heads, head_dim, block_rows):
     total = q_start + seq_len
     # q as the model passes it: rows of the fused qkv output (strided), each row's heads dense
@@ -173,6 +176,35 @@ def test_native_decode_other_head_shapes(head_dim, heads, kv_heads):
         v = gather_kv(cache[2], cache[3], tables[s], length, torch.float32)
         ref = reference_attention(q[s:s + 1], k, v, length - 1, head_dim ** -0.5)
         assert (out[s] - ref[0]).abs().max() < 1e-5, f"sequence {s} (length {length})"
+
+
+@pytest.mark.parametrize("products", ["brgemm", "avx512_bf16"])
+def test_each_product_kernel_matches_reference_with_rows_independent_of_chunking(products):
+    """The C++ SlimAttention's two product kernels: the engine runs the CPU's best (brgemm where torch offers it,
+    i.e. AMX); the other is switched on here too where the CPU has it, so an AMX machine checks both."""
+    assert native.available(), "the fused kernels must build here (gcc and ninja are installed by the project)"
+    switch = torch.ops.cpuserve.slim_attention_products
+    before = switch("")
+    try:
+        switch(products)
+    except RuntimeError as e:  # kernel_paths.py lists it as not run here
+        pytest.skip(str(e))
+    try:
+        assert torch.ops.cpuserve.slim_attention_kernel() == products
+        for seq_len, q_start, heads, kv_heads, head_dim, block_rows in SLIM_SHAPES:
+            total = q_start + seq_len
+            q = rand(seq_len, heads, head_dim, dtype=torch.bfloat16, seed=1)
+            k, v = (rand(total, kv_heads, head_dim, dtype=torch.bfloat16, seed=s) for s in (2, 3))
+            out = torch.ops.cpuserve.slim_attention(q, k, v, q_start, head_dim ** -0.5, block_rows)
+            ref = reference_attention(q, k, v, q_start, head_dim ** -0.5)
+            assert (out.float() - ref.float()).abs().max() < TOL[torch.bfloat16], (seq_len, q_start, heads)
+        q, k, v = (rand(700, heads, 64, dtype=torch.bfloat16, seed=s) for s, heads in ((1, 9), (2, 3), (3, 3)))
+        whole = torch.ops.cpuserve.slim_attention(q, k, v, 0, 0.125, 32)
+        for start in (100, 517, 699):
+            part = torch.ops.cpuserve.slim_attention(q[start:].contiguous(), k, v, start, 0.125, 32)
+            assert torch.equal(part, whole[start:]), f"chunk from {start}"
+    finally:
+        switch(before)
 
 
 def test_native_slim_rows_do_not_depend_on_chunking():

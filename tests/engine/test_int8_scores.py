@@ -1,6 +1,8 @@
 """SlimAttention's Q K^T as int8 dot products (engine/csrc/int8_scores.h): K as the int8 pool stores it, each query
 row quantized in groups of 32 dims. The C++ kernel against the plain-torch reference, both against attention
-in fp32 with K unquantized, row independence, and which layers take this path."""
+in fp32 with K unquantized, row independence, and which layers take this path. The kernel's avx512_bf16 products
+(the only ones that take an int8 K) are switched on for these tests on a CPU with AMX too, where the engine runs
+oneDNN's brgemm."""
 import pytest
 import torch
 
@@ -22,11 +24,22 @@ def rand(*shape, dtype=torch.float32, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
+@pytest.fixture
 def int8_kernel():
+    """The C++ SlimAttention with its avx512_bf16 products, which take an int8 K. The engine picks them where the
+    CPU has no AMX; on a CPU with AMX (where it picks oneDNN's brgemm) they are switched on for the test."""
     assert native.available(), "the fused kernels must build here (gcc and ninja are installed by the project)"
-    if not native.slim_attention_int8_keys():
-        pytest.skip("the C++ SlimAttention runs Q K^T in int8 only on avx512_bf16 with VNNI (not AMX, where bf16 "
-                    "brgemm is faster): this CPU runs " + repr(torch.ops.cpuserve.slim_attention_kernel()))
+    products = torch.ops.cpuserve.slim_attention_products
+    before = products("")
+    try:
+        products("avx512_bf16")
+    except RuntimeError as e:  # kernel_paths.py reports the path as not run
+        pytest.skip(f"no avx512_bf16 products here: {e}")
+    if not torch.ops.cpuserve.slim_attention_int8_keys():
+        products(before)
+        pytest.skip("the C++ SlimAttention takes an int8 K only with AVX-512 VNNI, which this CPU lacks")
+    yield
+    products(before)
 
 
 def case(seq_len, q_start, heads, kv_heads, head_dim, spread=False):
@@ -51,8 +64,8 @@ SHAPES = [  # seq_len, q_start, heads, kv_heads, head_dim, block_rows, window
 
 
 @pytest.mark.parametrize("seq_len,q_start,heads,kv_heads,head_dim,block_rows,window", SHAPES)
-def test_int8_scores_kernel_matches_reference(seq_len, q_start, heads, kv_heads, head_dim, block_rows, window):
-    int8_kernel()
+def test_int8_scores_kernel_matches_reference(int8_kernel, seq_len, q_start, heads, kv_heads, head_dim, block_rows,
+                                             window):
     q, _, codes, scale, v = case(seq_len, q_start, heads, kv_heads, head_dim, spread=True)
     sm = head_dim ** -0.5
     out = torch.ops.cpuserve.slim_attention(q, codes, v, q_start, sm, block_rows, window, scale)
@@ -63,11 +76,12 @@ def test_int8_scores_kernel_matches_reference(seq_len, q_start, heads, kv_heads,
 
 @pytest.mark.parametrize("impl", ["torch", "native"])
 @pytest.mark.parametrize("seq_len,q_start,heads,kv_heads,head_dim,block_rows,window", SHAPES)
-def test_int8_scores_match_fp32_attention(impl, seq_len, q_start, heads, kv_heads, head_dim, block_rows, window):
+def test_int8_scores_match_fp32_attention(request, impl, seq_len, q_start, heads, kv_heads, head_dim, block_rows,
+                                          window):
     q, k, codes, scale, v = case(seq_len, q_start, heads, kv_heads, head_dim)
     sm = head_dim ** -0.5
     if impl == "native":
-        int8_kernel()
+        request.getfixturevalue("int8_kernel")
         out = torch.ops.cpuserve.slim_attention(q, codes, v, q_start, sm, block_rows, window, scale)
     else:
         out = slim_attention(q, codes, v, q_start, sm, block_rows=block_rows, window=window, k_scale=scale)
@@ -75,10 +89,9 @@ def test_int8_scores_match_fp32_attention(impl, seq_len, q_start, heads, kv_head
     assert (out.float() - truth).abs().max() < TRUTH_TOL
 
 
-def test_int8_scores_differ_from_bf16_products():
+def test_int8_scores_differ_from_bf16_products(int8_kernel):
     """The int8 path is taken, not a bf16 product under another name: its rows differ from the bf16 kernel's on the
     same dequantized keys, by about the quantization of q."""
-    int8_kernel()
     q, _, codes, scale, v = case(64, 0, 9, 3, 64)
     dequantized = (codes.float() * scale[..., None]).bfloat16()
     int8 = torch.ops.cpuserve.slim_attention(q, codes, v, 0, 0.125, 32, 0, scale)
@@ -87,10 +100,9 @@ def test_int8_scores_differ_from_bf16_products():
     assert 0 < diff < TRUTH_TOL
 
 
-def test_int8_scores_rows_do_not_depend_on_chunking():
+def test_int8_scores_rows_do_not_depend_on_chunking(int8_kernel):
     """A row's result depends on that row and the keys alone: whole, in chunks after a prefix, with other row blocks
     or a sliding window's later start, bit for bit."""
-    int8_kernel()
     q, _, codes, scale, v = case(700, 0, 9, 3, 64)
     whole = torch.ops.cpuserve.slim_attention(q, codes, v, 0, 0.125, 32, 0, scale)
     for start in (100, 517, 699):
@@ -110,8 +122,7 @@ def test_int8_scores_rows_do_not_depend_on_chunking():
     ("head_dim_16", "head_dim a multiple of 32"),
     ("scale_shape", "k_scale fp32 [T, Hkv]"),
 ])
-def test_int8_scores_refusals(change, message):
-    int8_kernel()
+def test_int8_scores_refusals(int8_kernel, change, message):
     head_dim = 16 if change == "head_dim_16" else 64
     q, _, codes, scale, v = case(8, 0, 4, 2, head_dim)
     k, k_scale = codes, scale
@@ -123,6 +134,21 @@ def test_int8_scores_refusals(change, message):
         k_scale = scale[:, :1].contiguous()
     with pytest.raises(RuntimeError, match=message.replace("[", r"\[").replace("]", r"\]")):
         torch.ops.cpuserve.slim_attention(q, k, v, 0, 0.125, 32, 0, k_scale)
+
+
+def test_an_int8_k_is_refused_by_the_brgemm_products():
+    products = torch.ops.cpuserve.slim_attention_products
+    before = products("")
+    try:
+        products("brgemm")
+    except RuntimeError:
+        pytest.skip("torch offers no bf16 brgemm on this CPU (it needs AMX)")
+    try:
+        q, _, codes, scale, v = case(8, 0, 4, 2, 64)
+        with pytest.raises(RuntimeError, match="an int8 k needs the avx512_bf16 kernel"):
+            torch.ops.cpuserve.slim_attention(q, codes, v, 0, 0.125, 32, 0, scale)
+    finally:
+        products(before)
 
 
 def pool_with(tokens: int, kv_heads: int, head_dim: int) -> tuple[LayerKV, torch.Tensor]:
@@ -161,10 +187,9 @@ def test_the_builder_gives_int8_keys_to_int8_activations_only(llm_int4):
     assert not any(layer.attention.int8_keys for layer in exact.engine.runner.model.layers)
 
 
-def test_each_group_of_32_dims_has_its_own_scale():
+def test_each_group_of_32_dims_has_its_own_scale(int8_kernel):
     """q with dims 0-31 a hundred times dims 32-63: one scale a head would round the small half to zero and the
     scores would leave the reference's by far more than TOL."""
-    int8_kernel()
     q, _, codes, scale, v = case(40, 0, 4, 2, 64)
     q = (q.float() * torch.cat([torch.full((Q_GROUP,), 100.0), torch.ones(64 - Q_GROUP)])).bfloat16()
     k = (codes.float() * torch.cat([torch.full((Q_GROUP,), 0.01), torch.ones(64 - Q_GROUP)])).round().to(torch.int8)

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import ctypes
+from dataclasses import dataclass, fields
+
 import pytest
 import torch
 
-from cpuserve.engine.sampler import apply_penalties, logits_to_probs, sample
+from cpuserve.engine.distributed import step
+from cpuserve.engine.sampler import (OUTPUT_FIELDS, TOP_K_FIELDS, WHOLE_ROW, apply_penalties, logits_to_probs,
+                                     num_top_logits, sample, sample_candidates, sample_scheduled)
 from cpuserve.engine.sampling_params import SamplingParams
+from cpuserve.engine.scheduler_output import SamplingInputs, ScheduledRequest
+
+from sampling_examples import examples
 
 
 def draw(logits: torch.Tensor, p: SamplingParams, n: int, seed: int = 0) -> list[int]:
@@ -97,3 +105,106 @@ def test_logit_bias_moves_only_its_rows_tokens():
     assert out.token_ids == [2, 0]  # row 0: [-97, 1, 2.5]; row 1 untouched
     with pytest.raises(ValueError):
         SamplingParams(logit_bias={1: 101})
+
+
+# -- which logits decide a pick: what a replica group gathers (engine/distributed/step.py) --------------------------
+def fake_token_id(text: str) -> int:
+    return 1000 + sum(map(ord, text))  # examples' ids in a synthetic vocab: any fixed id per text will do
+
+
+def test_every_sampling_field_has_an_example():
+    """A field added to SamplingParams fails here until sampling_examples.py has a request that sets it (so the
+    replica-group test runs it on 1 and 2 ranks) and the sampler declares whether it reads it."""
+    names = {f.name for f in fields(SamplingParams)}
+    covered = set().union(*(e.changed for e in examples(fake_token_id)))
+    assert covered == names, f"no example sets {sorted(names - covered)}"
+    assert OUTPUT_FIELDS | TOP_K_FIELDS <= names, sorted((OUTPUT_FIELDS | TOP_K_FIELDS) - names)
+
+
+def test_a_field_the_sampler_does_not_declare_needs_the_whole_row():
+    @dataclass(slots=True)
+    class Extended(SamplingParams):
+        new_knob: float = 0.0  # a field added later, handled by nobody yet
+
+    def need(p):
+        return num_top_logits(SamplingInputs(p, None, [], 0))
+
+    assert need(Extended(temperature=0)) == 1 and need(Extended(temperature=0, new_knob=0.5)) == WHOLE_ROW
+    assert need(Extended(temperature=1, top_k=5)) == 5 and need(Extended(temperature=1, top_k=5, new_knob=1)) == 0
+
+
+@pytest.mark.parametrize("changes,want", [
+    ({"temperature": 0}, 1),
+    ({"temperature": 0, "top_k": 7, "top_p": 0.5, "min_p": 0.2, "seed": 3}, 1),  # greedy ignores the filters
+    ({"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.1, "seed": 3}, 40),
+    ({"temperature": 0.8}, WHOLE_ROW), ({"temperature": 0.8, "top_p": 0.9}, WHOLE_ROW),
+    ({"temperature": 0.8, "min_p": 0.1}, WHOLE_ROW),
+    ({"temperature": 0, "logit_bias": {5: 1.0}}, WHOLE_ROW), ({"temperature": 0, "logprobs": 0}, WHOLE_ROW),
+    ({"temperature": 0, "repetition_penalty": 1.1}, WHOLE_ROW), ({"temperature": 0, "presence_penalty": 0.5}, WHOLE_ROW),
+    ({"temperature": 0, "frequency_penalty": 0.5}, WHOLE_ROW),
+    ({"temperature": 0, "structured_output": {"kind": "regex", "spec": "[0-9]+"}}, WHOLE_ROW),
+    ({"temperature": 0, "max_tokens": 3, "stop": ["x"], "stop_token_ids": [2], "ignore_eos": True,
+      "skip_special_tokens": False}, 1),
+])
+def test_num_top_logits_by_field(changes, want):
+    assert num_top_logits(SamplingInputs(SamplingParams(**changes), None, [], 0)) == want
+
+
+def test_a_grammar_needs_the_whole_row():
+    assert num_top_logits(SamplingInputs(SamplingParams(temperature=0), None, [], 0, grammar=object())) == WHOLE_ROW
+
+
+def test_num_candidates_is_the_largest_need_or_full():
+    def inputs(*params):
+        return [SamplingInputs(p, None, [], 0) for p in params]
+
+    greedy, top_k = SamplingParams(temperature=0), SamplingParams(temperature=1, top_k=40)
+    assert step.num_candidates(inputs(greedy, greedy), 1000) == 1
+    assert step.num_candidates(inputs(greedy, top_k), 1000) == 40
+    assert step.num_candidates(inputs(greedy, SamplingParams(temperature=0, logit_bias={3: 2.0})), 1000) == step.FULL
+    assert step.num_candidates(inputs(top_k), 40) == step.FULL  # a shard of 40: gathering it whole is the same
+    assert step.num_candidates([], 1000) == 1
+
+
+@pytest.mark.parametrize("example", examples(fake_token_id), ids=lambda e: e.name)
+def test_sampling_from_the_gathered_candidates_is_exact(example):
+    """Two shards of a synthetic vocab reduced as a replica group reduces them (step.num_candidates, then
+    sample_candidates): the same tokens and logprobs as sampling the whole rows. Rows 0-1 are the example's request,
+    their largest logit an odd token (which the stand-in grammar forbids) that their output repeats (which the
+    penalties punish), so a field that needs more than the top logits changes the pick; rows 2-3 are greedy."""
+    vocab, ranks, per_rank = 4096, 2, 2048
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, vocab, generator=gen) * 3
+    top = [2101, 103]  # rows 0 and 1: the top token in shard 1 and in shard 0
+    for row, token in enumerate(top):
+        logits[row, token] = logits[row].max() + 1
+    logits[3, 100] = logits[3, 2100] = logits[3].max() + 1  # a tie across the shards: the lower id wins
+    grammar = EvenTokens() if example.params.structured_output is not None else None
+    greedy = SamplingParams(temperature=0)
+    prompt = torch.randint(0, vocab, (20,), generator=gen).tolist()
+    scheduled = [ScheduledRequest(str(i), [1], 40, True, [0], SamplingInputs(
+        p, torch.Generator().manual_seed(11 + i), prompt + [top[i % 2]] * 20, 20,
+        grammar if p is example.params else None)) for i, p in enumerate([example.params] * 2 + [greedy] * 2)]
+
+    def fresh():  # the same generators' states for each run
+        for i, item in enumerate(scheduled):
+            item.sampling.generator.manual_seed(11 + i)
+        return scheduled
+
+    want = sample_scheduled(logits.clone(), fresh())
+    k = step.num_candidates([item.sampling for item in scheduled], per_rank)
+    shards = logits.view(4, ranks, per_rank).transpose(0, 1)  # [ranks, S, V / ranks]
+    if k == step.FULL:
+        got = sample_scheduled(step.dense_from_shards(shards.contiguous(), vocab), fresh())
+    else:
+        gathered = torch.stack([step.local_candidates(shards[r], k, r * per_rank) for r in range(ranks)])
+        got = sample_candidates(*step.split_candidates(gathered), vocab, fresh())
+    assert (got.token_ids, got.logprobs) == (want.token_ids, want.logprobs)
+    assert want.token_ids[3] == 100
+
+
+class EvenTokens:
+    """A stand-in for an llguidance matcher: allows the even token ids (its bitmask is 0x55555555 per word)."""
+
+    def unsafe_compute_mask_ptr(self, ptr: int, nbytes: int) -> None:
+        ctypes.memmove(ptr, bytes([0x55]) * nbytes, nbytes)

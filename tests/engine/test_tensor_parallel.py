@@ -9,12 +9,15 @@ import time
 
 import pytest
 import torch
+from torch import nn
 
 from cpuserve.engine.distributed.communicator import RankFailedError
 from cpuserve.engine.distributed.sharding import ShardPlan
 from cpuserve.engine.llm import LLM
 from cpuserve.engine.models.args import ModelArgs
 from cpuserve.engine.sampling_params import SamplingParams
+
+from sampling_examples import examples
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,",
            "The best way to learn a language is", "import numpy as np\n", "Water boils at",
@@ -109,6 +112,40 @@ def test_seeded_sampling_identical_to_one_rank(llm_tp, llm_int4):
             assert [o.logprobs for o in two] == [o.logprobs for o in one]
 
 
+def _chat_ids(llm, messages) -> list[int]:
+    tok = llm.tokenizer
+    return tok.encode(tok.apply_chat_template(list(messages)), add_special_tokens=False)
+
+
+def _token_id(llm):
+    def token_id(text: str) -> int:
+        ids = llm.tokenizer.encode(text, add_special_tokens=False)
+        assert len(ids) == 1, f"{text!r} is {len(ids)} tokens"
+        return ids[0]
+    return token_id
+
+
+def _result(out) -> tuple:
+    return out.token_ids, out.text, out.logprobs, out.finish_reason
+
+
+@pytest.mark.slow
+def test_every_sampling_field_samples_as_one_rank(llm_tp, llm_int4):
+    """Each field a client can set (sampling_examples.py: bias, each penalty, logprobs, the filters, seeds, each
+    structured-output form, tool calls' grammars, the stop conditions) gives one rank's output on a 2-rank group:
+    each request alone (the step reduces to what that request needs) and all in one batch. Each example's
+    contrast (the field at its default) gives another output on one rank, so every field is really exercised."""
+    cases = examples(_token_id(llm_int4))
+    ids = [_chat_ids(llm_int4, e.messages) for e in cases]
+    one = llm_int4.generate(ids, [e.params for e in cases])
+    contrast = llm_int4.generate(ids, [e.contrast for e in cases])
+    unchanged = [e.name for e, a, b in zip(cases, one, contrast) if _result(a) == _result(b)]
+    assert not unchanged, f"these examples change nothing on this prompt: {unchanged}"
+    for e, i, want in zip(cases, ids, one):
+        assert _result(llm_tp.generate([i], e.params)[0]) == _result(want), e.name
+    assert [_result(o) for o in llm_tp.generate(ids, [e.params for e in cases])] == [_result(o) for o in one]
+
+
 @pytest.mark.slow
 def test_killed_worker_raises_instead_of_hanging():
     before, mask = _segments(), os.sched_getaffinity(0)
@@ -135,9 +172,58 @@ def test_killed_worker_raises_instead_of_hanging():
     assert os.sched_getaffinity(0) == mask  # rank 0 gave its cores back
 
 
+class RoundedPartials(nn.Module):
+    """tp_mode="reduce"'s arithmetic on one rank, in plain torch around one rank's own linear: each rank's partial
+    product (the linear over that rank's input columns, the others zero: zero int8 groups add exact zeros) rounded
+    to bf16 as the kernel writes it, then the partials added in rank order with one rounding, as the all-reduce
+    adds them."""
+
+    def __init__(self, linear: nn.Module, widths: list[int]):
+        super().__init__()
+        self.linear, self.widths = linear, widths
+
+    def input_buffer(self, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.linear.input_buffer(rows, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        total, start = None, 0
+        for width in self.widths:
+            own = torch.zeros_like(x)
+            own[:, start:start + width] = x[:, start:start + width]
+            part = self.linear(own)  # [N, dim] bf16
+            total = part if total is None else total + part
+            start += width
+        return total
+
+
+def _score_with_rounded_partials(llm, ids: list[int], world_size: int) -> torch.Tensor:
+    """llm.engine.score(ids) with every o_proj and down computed as RoundedPartials over the reduce plan's columns."""
+    args = llm.engine.args
+    plans = [ShardPlan.make(args, r, world_size, exact=False) for r in range(world_size)]
+    heads = [(p.q_heads[1] - p.q_heads[0]) * args.head_dim for p in plans]
+    ffn = [p.ffn[1] - p.ffn[0] for p in plans]
+    layers = llm.engine.runner.model.layers
+    saved = [(layer.attention.o_proj, layer.mlp.down) for layer in layers]
+    try:
+        for layer, (o_proj, down) in zip(layers, saved):
+            layer.attention.o_proj, layer.mlp.down = RoundedPartials(o_proj, heads), RoundedPartials(down, ffn)
+        return llm.engine.score(ids)
+    finally:
+        for layer, (o_proj, down) in zip(layers, saved):
+            layer.attention.o_proj, layer.mlp.down = o_proj, down
+
+
 @pytest.mark.slow
-def test_reduce_mode_logits_close_to_one_rank(llm_int4):
-    """tp_mode="reduce" (row-parallel all-reduce) rounds partial sums to bf16: close to one rank, not identical."""
+def test_reduce_mode_is_one_rank_with_partial_sums_rounded_to_bf16(llm_int4):
+    """tp_mode="reduce" (row-parallel all-reduce) rounds each rank's partial sums to bf16: its logits are one rank's
+    arithmetic with exactly that rounding added (RoundedPartials), bit for bit, on any CPU.
+
+    How far that rounding moves the logits from one rank's is no property of the reduction: an extra bf16 rounding
+    of the o_proj / down outputs in each of 30 layers, carried through the rest of the model, moved the worst of
+    the 25 x 49152 logits by 0.6 to 1.1 on Zen 4 and by 1.72 on a Xeon with AMX, and on that same Xeon by 1.38 or
+    2.0 when only the prefill attention's rounding changed (its plain-torch reference with bf16 or int8 keys). So
+    no fixed bound on that difference holds on every CPU; the exact check above is what catches a broken reduction
+    (a lost or doubled partial moves logits by their own size)."""
     ids = _ids(llm_int4, PROMPTS[4] + " to read books in it every day, and to talk with people who speak it.")
     llm = LLM(weights="int4", kv_cache="int8", kv_cache_gb=0.25, show_progress=False, ranks=2, tp_mode="reduce")
     try:
@@ -149,8 +235,5 @@ def test_reduce_mode_logits_close_to_one_rank(llm_int4):
     finally:
         llm.engine.close()
     assert ops > 0 and copied == 0  # o_proj / down partial sums written in their all-reduce's slot, at decode too
-    one = llm_int4.engine.score(ids)
-    assert (two.argmax(-1) == one.argmax(-1)).float().mean() >= 0.9
-    # worst single logit over every position and the whole vocab: 0.6 to 1.1 measured (bf16 steps are 1/16 at
-    # logits of 8 to 16); a broken reduction is off by the logits' own size
-    assert (two - one).abs().max() < 1.5 < one.abs().max()
+    assert torch.equal(two, _score_with_rounded_partials(llm_int4, ids, 2))
+    assert not torch.equal(two, llm_int4.engine.score(ids))  # the rounding is there, else the above proves nothing

@@ -1,0 +1,81 @@
+"""The CPU-dependent paths of the C++ kernels (engine/csrc), and which of them this pytest process ran.
+
+Which path a kernel takes depends on the CPU: AMX (Intel Xeon Sapphire Rapids and later) or AVX512-BF16 alone (AMD
+Zen 4), so one machine's test run checks only some of them. tests/engine/conftest.py prints the paths this run did
+not take at the end of the suite, with the reason. SlimAttention counts its own calls by path (slim_attention_runs);
+the int8 GEMMs' AMX paths are noted by the tests that check them (test_amx_gemm.py calls `note`).
+"""
+
+from __future__ import annotations
+
+import sys
+
+PATHS = {  # key -> what it is
+    "slim_brgemm": "SlimAttention's bf16 products on oneDNN's brgemm (AMX-BF16; slim_attention.cpp)",
+    "slim_avx512_bf16": "SlimAttention's bf16 products on AVX512-BF16 (bf16_dot.h)",
+    "slim_int8_scores": "SlimAttention's Q K^T as int8 dot products (int8_scores.h, AVX-512 VNNI)",
+    "amx_tiles_hw": "the int8 GEMMs' AMX tiles, the instructions (amx_tiles.h AmxHw)",
+    "amx_tiles_model": "the int8 GEMMs' AMX tiles, their software model (amx_tiles.h AmxEmu)",
+}
+SLIM_RUNS = ("slim_brgemm", "slim_avx512_bf16", "slim_int8_scores")  # the order of slim_attention_runs()
+_noted: set[str] = set()
+
+
+def note(path: str) -> None:
+    """A test saw `path` run (and checked it)."""
+    assert path in PATHS, path
+    _noted.add(path)
+
+
+def not_run() -> list[str] | None:
+    """'what: why' for each path this process did not run; None when no engine kernel was loaded here at all."""
+    native = sys.modules.get("cpuserve.engine.layers.native")
+    if native is None or not native.enabled.cache_info().currsize:
+        return None  # no engine test asked for the kernels
+    if not native.enabled():
+        return ["every C++ kernel: they are not built or not enabled here (CPUSERVE_KERNELS); the plain-torch "
+                "references ran instead"]
+    import torch
+
+    ops = torch.ops.cpuserve
+    ran = set(_noted) | {name for name, count in zip(SLIM_RUNS, ops.slim_attention_runs()) if count}
+    missing = []
+    for path, what in PATHS.items():
+        if path not in ran:
+            missing.append(f"{what}: {_why(path, ops)}")
+    return missing
+
+
+def _why(path: str, ops) -> str:
+    if path == "slim_brgemm" and not _can(ops.slim_attention_products, "brgemm"):
+        return "torch offers no bf16 brgemm on this CPU (it needs AMX)"
+    if path in ("slim_avx512_bf16", "slim_int8_scores") and not _can(ops.slim_attention_products, "avx512_bf16"):
+        return "this CPU (or this build) has no AVX512-BF16"
+    if path == "slim_int8_scores" and not _int8_scores_possible(ops):
+        return "this CPU has no AVX-512 VNNI"
+    if path.startswith("amx_tiles") and not ops.vnni_gemm_supported():
+        return "the int8 GEMMs are not built on this CPU (no AVX-512 VNNI)"
+    if path == "amx_tiles_hw" and not _can(ops.vnni_gemm_amx, "auto", "hw"):
+        return "this CPU has no AMX, or Linux did not grant the tile state"
+    return "no test that ran here called it"
+
+
+def _can(switch, mode: str, want: str | None = None) -> bool:
+    """switch(mode) succeeds (and returns want, when given); the switch's previous mode is put back."""
+    before = switch("")
+    try:
+        got = switch(mode)
+        return want is None or got == want
+    except RuntimeError:
+        return False
+    finally:
+        switch({"hw": "auto"}.get(before, before))
+
+
+def _int8_scores_possible(ops) -> bool:
+    before = ops.slim_attention_products("")
+    try:
+        ops.slim_attention_products("avx512_bf16")
+        return bool(ops.slim_attention_int8_keys())
+    finally:
+        ops.slim_attention_products(before)
