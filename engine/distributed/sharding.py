@@ -8,8 +8,8 @@
 That is tp_mode "reduce", the issue's layout: 2 all-reduces per layer. Its row-parallel partial products come out
 of the int4/int8 kernels already rounded to bf16, so the group's hidden states differ from one rank's in the last
 bit, and greedy text drifts apart after a few tokens at near-ties (its logits are one rank's with exactly that
-rounding added: tests/engine/test_tensor_parallel.py rebuilds them so on one rank, bit for bit). tp_mode "exact" (the default) keeps every value
-bit-identical to one rank: o_proj and down are column-parallel too (rank r computes its slice of the output
+rounding added: tests/engine/test_tensor_parallel.py rebuilds them so on one rank, bit for bit). tp_mode "exact"
+(the default) keeps every value bit-identical to one rank: o_proj and down are column-parallel too (rank r computes its slice of the output
 features over the full input), their inputs and outputs are all-gathered (4 all-gathers per layer; each output
 element is the same kernel over the same K as on one rank). The weights are split k ways in both modes.
 

@@ -46,6 +46,6 @@ def pytest_terminal_summary(terminalreporter) -> None:
     missing = kernel_paths.not_run()
     if missing is None:
         return
-    terminalreporter.section("kernel paths this machine did not run")
+    terminalreporter.section("kernel paths (engine/csrc) this run did not take")
     for line in missing or ["none: every CPU-dependent kernel path ran in this pytest process"]:
         terminalreporter.write_line(f"- {line}")
