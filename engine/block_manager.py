@@ -7,6 +7,11 @@ nothing here touches torch.
     tokens  | t0 t1 t2 t3 | t4 t5 t6 t7 | t8 t9 .. .. |
     blocks  |    id 7     |    id 2     |    id 9     |   <- last block partly full, not hashed
     hash    | h(-, t0..3) | h(h7, t4..7)|     -       |
+
+With key_by_role (the runner computes prompt tokens in another GEMM scheme than generated ones: QuantLinear's
+prompt rows), a block's KV also depends on which of its tokens were prompt tokens, so that count joins the hash:
+h(parent, tokens, num_prompt_tokens). A request whose prompt holds another's generated tokens (the next turn of a
+chat) then misses those blocks and computes them as prompt tokens, as it would alone.
 """
 
 from __future__ import annotations
@@ -23,13 +28,15 @@ class Block:
     ref_count: int = 0
     block_hash: int | None = None
     token_ids: tuple[int, ...] = ()
+    num_prompt_tokens: int | None = None  # of token_ids, when the manager keys blocks by role
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, key_by_role: bool = False):
         assert num_blocks > 0 and block_size > 0
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.key_by_role = key_by_role
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks in eviction order: the front is reused first. An OrderedDict gives O(1) removal
         # of a cached block that gets hit again while free.
@@ -61,10 +68,11 @@ class BlockManager:
         parent: int | None = None
         max_blocks = (request.num_tokens - 1) // self.block_size
         for i in range(max_blocks):
-            tokens = tuple(request.all_token_ids[i * self.block_size:(i + 1) * self.block_size])
-            block_hash = hash((parent, tokens))
+            tokens, num_prompt = self._content(request, i)
+            block_hash = self._hash(parent, tokens, num_prompt)
             block_id = self.hash_to_block.get(block_hash)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:  # verify: hashes can collide
+            block = self.blocks[block_id] if block_id is not None else None
+            if block is None or (block.token_ids, block.num_prompt_tokens) != (tokens, num_prompt):  # hashes collide
                 break
             hits.append(block_id)
             parent = block_hash
@@ -124,13 +132,25 @@ class BlockManager:
         parent = self.blocks[request.block_ids[start - 1]].block_hash if start else None
         for i in range(start, num_full):
             block = self.blocks[request.block_ids[i]]
-            tokens = tuple(request.all_token_ids[i * self.block_size:(i + 1) * self.block_size])
+            tokens, num_prompt = self._content(request, i)
             if block.block_hash is None:
-                block.block_hash = hash((parent, tokens))
-                block.token_ids = tokens
+                block.block_hash = self._hash(parent, tokens, num_prompt)
+                block.token_ids, block.num_prompt_tokens = tokens, num_prompt
                 self.hash_to_block.setdefault(block.block_hash, block.block_id)
             parent = block.block_hash
         request.num_hashed_blocks = num_full
+
+    def _content(self, request: Request, i: int) -> tuple[tuple[int, ...], int | None]:
+        """Block i's tokens and, with key_by_role, how many of them are prompt tokens (else None)."""
+        start = i * self.block_size
+        tokens = tuple(request.all_token_ids[start:start + self.block_size])
+        if not self.key_by_role:
+            return tokens, None
+        return tokens, min(max(request.num_prompt_tokens - start, 0), self.block_size)
+
+    @staticmethod
+    def _hash(parent: int | None, tokens: tuple[int, ...], num_prompt: int | None) -> int:
+        return hash((parent, tokens)) if num_prompt is None else hash((parent, tokens, num_prompt))
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -143,4 +163,4 @@ class BlockManager:
         if block.block_hash is not None and self.hash_to_block.get(block.block_hash) == block_id:
             del self.hash_to_block[block.block_hash]
         block.block_hash = None
-        block.token_ids = ()
+        block.token_ids, block.num_prompt_tokens = (), None

@@ -65,7 +65,8 @@ class LLMEngine:
         self.num_threads = self.runner.num_threads
         release_free_memory()  # loading left fp32 copies of every weight behind in the heap
         tune_allocator()  # from here on keep freed activations for the next step
-        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          key_by_role=self.runner.has_prompt_scheme)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.outputs = OutputProcessor(self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.args.vocab_size,

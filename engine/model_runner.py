@@ -8,12 +8,13 @@ import torch
 
 from cpuserve.engine import huge_pages
 from cpuserve.engine.layers import ops
+from cpuserve.engine.layers.linear import QuantLinear
 from cpuserve.engine.models.args import ModelArgs
 from cpuserve.engine.models.llama import AttentionMetadata, LayerKV, LlamaModel, PrefillChunk
 from cpuserve.engine.models.rope import rope_tables
 from cpuserve.engine.outputs import ModelRunnerOutput
 from cpuserve.engine.sampler import sample_scheduled
-from cpuserve.engine.scheduler_output import SchedulerOutput
+from cpuserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
 KV_DTYPES = {"int8": torch.int8, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -31,6 +32,8 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.num_threads = torch.get_num_threads()
+        # some linear layer computes prompt rows in a scheme of its own (QuantLinear.has_prompt_kernel)
+        self.has_prompt_scheme = any(isinstance(m, QuantLinear) and m.has_prompt_kernel() for m in model.modules())
         self.cos, self.sin = rope_tables(args, max_model_len, model.dtype)  # [max_len, D] each
         shape = (num_blocks, block_size, 2 * args.n_kv_heads, args.head_dim)  # K heads then V heads
         dtype = KV_DTYPES[kv_cache]
@@ -93,8 +96,31 @@ class ModelRunner:
             decode_invalid=ops.prepare_decode_mask(lens, bs) if decode_lens else None,
             prefills=prefills,
             positions=pos,
+            prompt_rows=prompt_row_ranges(out.scheduled),
         )
         return torch.tensor(tokens, dtype=torch.long), meta, torch.tensor(logit_rows, dtype=torch.long)
+
+
+def prompt_row_ranges(scheduled: list[ScheduledRequest]) -> tuple[tuple[int, int], ...]:
+    """The rows of the flattened step that hold prompt tokens, as [start, stop) ranges, adjacent ones merged.
+
+    Each item's prompt tokens are its first rows (num_scheduled_prompt_tokens of them): all of a prompt's chunk, the
+    prompt part of a preempted request's recompute (b), a one-token prompt or rest of one, which runs among the decodes
+    (one); never a decode.
+
+        rows    | d0 d1 | one | prompt chunk a | b: prompt | b: generated | prompt chunk c |
+        ranges          [----------------------------------)              [----------------)
+    """
+    ranges: list[tuple[int, int]] = []
+    row = 0
+    for item in scheduled:
+        stop = row + item.num_scheduled_prompt_tokens
+        if stop > row and ranges and ranges[-1][1] == row:
+            ranges[-1] = (ranges[-1][0], stop)
+        elif stop > row:
+            ranges.append((row, stop))
+        row += len(item.token_ids)
+    return tuple(ranges)
 
 
 def _pad(tables: list[list[int]]) -> torch.Tensor:

@@ -2,8 +2,9 @@
 
     scheduler.schedule() -> SchedulerOutput -> runner.run() -> ModelRunnerOutput -> scheduler.postprocess()
 
-A ScheduledRequest carries everything a runner needs to compute its chunk (token ids, positions, block ids) and,
-when the chunk ends at the sequence's last token, to sample the next one (SamplingInputs). A replica group's
+A ScheduledRequest carries everything a runner needs to compute its chunk (token ids, positions, block ids, how many
+of its tokens are prompt tokens) and, when the chunk ends at the sequence's last token, to sample the next one
+(SamplingInputs). A replica group's
 worker ranks rebuild the same items from the broadcast wire (distributed/step.py), without sampling inputs.
 """
 
@@ -33,6 +34,9 @@ class ScheduledRequest:
     start_pos: int  # position of token_ids[0] in the sequence
     needs_sample: bool  # the chunk ends at the sequence's last token: the step yields one new token
     block_ids: list[int]  # the blocks holding positions [0, start_pos + len(token_ids))
+    # the first this many of token_ids are prompt tokens (positions below the request's prompt length), the rest
+    # generated ones (a preempted request recomputing them): the runner picks each row's GEMM scheme by this role
+    num_scheduled_prompt_tokens: int
     sampling: SamplingInputs | None = None  # set when needs_sample (on rank 0)
 
     @classmethod
@@ -42,10 +46,11 @@ class ScheduledRequest:
         end = start + num_tokens
         needs_sample = end == request.num_tokens
         num_blocks = -(-end // block_size)
+        num_prompt = max(0, min(end, request.num_prompt_tokens) - start)
         sampling = SamplingInputs(request.params, request.generator, request.all_token_ids,
                                   request.num_prompt_tokens, request.grammar) if needs_sample else None
         return cls(request.request_id, request.all_token_ids[start:end], start, needs_sample,
-                   request.block_ids[:num_blocks], sampling)
+                   request.block_ids[:num_blocks], num_prompt, sampling)
 
     @property
     def is_decode(self) -> bool:

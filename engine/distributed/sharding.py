@@ -130,11 +130,11 @@ class RowParallel(nn.Module):
     def input_buffer(self, rows: int, dtype: torch.dtype) -> torch.Tensor:
         return self.linear.input_buffer(rows, dtype)  # this rank's input columns, used as they are
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, prompt_rows: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
         if not self.linear.can_write_into(x.numel() // x.shape[-1]):  # it would copy: the all-reduce's is cheaper
-            return self.comm.all_reduce(self.linear(x).contiguous())
+            return self.comm.all_reduce(self.linear(x, prompt_rows=prompt_rows).contiguous())
         out = self.comm.next_buffer((*x.shape[:-1], self.linear.out_features), self.linear.act_dtype)
-        return self.comm.all_reduce(self.linear(x, out=out))
+        return self.comm.all_reduce(self.linear(x, out=out, prompt_rows=prompt_rows))
 
 
 class GatherLinear(nn.Module):
@@ -148,13 +148,13 @@ class GatherLinear(nn.Module):
         """This rank's input columns, built straight in the input gather's shared-memory slot (zero-copy)."""
         return self.comm.next_buffer((rows, self.in_widths[self.comm.rank]), dtype, self.in_widths)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, prompt_rows: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
         x = self.comm.all_gather_cols(x, self.in_widths)  # [N, sum(in_widths)]: the full input
         widths = self.out_widths
         if not self.linear.can_write_into(x.shape[0]):  # it would copy: the all-gather's memmove is cheaper
-            return self.comm.all_gather_cols(self.linear(x), widths)  # [N, dim]
+            return self.comm.all_gather_cols(self.linear(x, prompt_rows=prompt_rows), widths)  # [N, dim]
         out = self.comm.next_buffer((x.shape[0], widths[self.comm.rank]), self.linear.act_dtype, widths)
-        return self.comm.all_gather_cols(self.linear(x, out=out), widths)
+        return self.comm.all_gather_cols(self.linear(x, out=out, prompt_rows=prompt_rows), widths)
 
 
 class ShardedLlamaModel(LlamaModel):

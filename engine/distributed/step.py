@@ -3,7 +3,8 @@
 Wire (one int64 vector, so a step costs one broadcast):
 
     [kind, num_candidates, num_items,
-     then per scheduled item: num_tokens, start_pos, needs_sample, num_blocks, *token_ids, *block_ids]
+     then per scheduled item: num_tokens, start_pos, needs_sample, num_blocks, num_scheduled_prompt_tokens,
+     *token_ids, *block_ids]
 
 Every rank (rank 0 included) rebuilds the step from the wire and runs the runner's own prepare_inputs on it,
 so all ranks feed their shard exactly the same positions, slots, block tables and logit rows.
@@ -40,7 +41,8 @@ def num_candidates(inputs: list[SamplingInputs], vocab_per_rank: int) -> int:
 def pack(out: SchedulerOutput, kind: int, candidates: int) -> torch.Tensor:
     wire = [kind, candidates, len(out.scheduled)]
     for item in out.scheduled:
-        wire += [len(item.token_ids), item.start_pos, int(item.needs_sample), len(item.block_ids)]
+        wire += [len(item.token_ids), item.start_pos, int(item.needs_sample), len(item.block_ids),
+                 item.num_scheduled_prompt_tokens]
         wire += item.token_ids
         wire += item.block_ids
     return torch.tensor(wire, dtype=torch.int64)
@@ -52,11 +54,11 @@ def unpack(wire: torch.Tensor) -> tuple[int, int, SchedulerOutput]:
     kind, candidates, num_items = w[0], w[1], w[2]
     scheduled, i = [], 3
     for _ in range(num_items):
-        n, start, needs_sample, nb = w[i: i + 4]
-        i += 4
+        n, start, needs_sample, nb, num_prompt = w[i: i + 5]
+        i += 5
         tokens, blocks = w[i: i + n], w[i + n: i + n + nb]
         i += n + nb
-        scheduled.append(ScheduledRequest("", tokens, start, bool(needs_sample), blocks))
+        scheduled.append(ScheduledRequest("", tokens, start, bool(needs_sample), blocks, num_prompt))
     return kind, candidates, SchedulerOutput(scheduled)
 
 

@@ -39,7 +39,7 @@ class Gemma3Attention(Attention):
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, rope: Rope, decode_invalid) -> torch.Tensor:
         n = x.shape[0]
         h, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = self.qkv(x).view(n, h + 2 * hkv, d)  # qkv: [N, H + 2 Hkv, D]
+        qkv = self.qkv(x, prompt_rows=meta.prompt_rows).view(n, h + 2 * hkv, d)  # qkv: [N, H + 2 Hkv, D]
         qkv[:, :h] = self.q_norm(qkv[:, :h])
         qkv[:, h:h + hkv] = self.k_norm(qkv[:, h:h + hkv])
         kv = self.kv
@@ -53,7 +53,7 @@ class Gemma3Attention(Attention):
         for p in meta.prefills:  # prefill
             rows = slice(p.token_start, p.token_start + p.num_tokens)
             out[rows] = self._prefill(q[rows], p)
-        return self.o_proj(buf)
+        return self.o_proj(buf, prompt_rows=meta.prompt_rows)
 
     def _prefill(self, q: torch.Tensor, p: PrefillChunk) -> torch.Tensor:
         """The chunk's rows against the context read back from the pool; a local layer reads only from the aligned
@@ -71,9 +71,9 @@ class Gemma3Attention(Attention):
 
 
 class Gemma3MLP(MLP):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.gelu(gate, approximate="tanh") * up)
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        gate, up = self.gate_up(x, prompt_rows=meta.prompt_rows).chunk(2, dim=-1)
+        return self.down(F.gelu(gate, approximate="tanh") * up, prompt_rows=meta.prompt_rows)
 
 
 class Gemma3Block(nn.Module):
@@ -87,7 +87,7 @@ class Gemma3Block(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, rope: Rope, decode_invalid) -> torch.Tensor:
         h = x + self.post_attention_norm(self.attention(self.input_norm(x), meta, rope, decode_invalid))
-        return h + self.post_ffn_norm(self.mlp(self.pre_ffn_norm(h)))
+        return h + self.post_ffn_norm(self.mlp(self.pre_ffn_norm(h), meta))
 
 
 class Gemma3Model(LlamaModel):

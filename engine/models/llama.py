@@ -41,6 +41,9 @@ class AttentionMetadata:
     decode_invalid: torch.Tensor | None
     prefills: list[PrefillChunk]
     positions: torch.Tensor | None = None  # [N] int64, each token's position (Gemma 3's per-layer RoPE reads it)
+    # [start, stop) ranges of the rows that are prompt tokens: the linear layers compute them in their prompt scheme,
+    # every other row in the usual one (QuantLinear.forward), so a row's bits depend on its role, never on the batch
+    prompt_rows: tuple[tuple[int, int], ...] = ()
 
 
 class RMSNorm(nn.Module):
@@ -69,7 +72,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
         h, hkv, d = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = self.qkv(x).view(n, h + 2 * hkv, d)  # qkv: [N, H + 2 Hkv, D]
+        qkv = self.qkv(x, prompt_rows=meta.prompt_rows).view(n, h + 2 * hkv, d)  # qkv: [N, H + 2 Hkv, D]
         if self.q_norm is not None:
             qkv[:, :h] = self.q_norm(qkv[:, :h])
             qkv[:, h:h + hkv] = self.k_norm(qkv[:, h:h + hkv])
@@ -88,7 +91,7 @@ class Attention(nn.Module):
             k_ctx, k_scale, v_ctx = ops.prefill_context(kv, p.block_table, length, q.dtype, self.int8_keys)
             rows = slice(p.token_start, p.token_start + p.num_tokens)
             out[rows] = ops.prefill_attention(q[rows], k_ctx, v_ctx, p.q_start, self.scale, k_scale=k_scale)
-        return self.o_proj(buf)
+        return self.o_proj(buf, prompt_rows=meta.prompt_rows)
 
 
 class MLP(nn.Module):
@@ -97,10 +100,10 @@ class MLP(nn.Module):
         self.gate_up = gate_up  # gate and up projections fused into one matmul
         self.down = down
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up(x)
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        gate_up = self.gate_up(x, prompt_rows=meta.prompt_rows)
         # the kernel writes straight into down's input buffer: in a replica group, its gather's shared-memory slot
-        return self.down(ops.silu_mul(gate_up, self.down.input_buffer))
+        return self.down(ops.silu_mul(gate_up, self.down.input_buffer), prompt_rows=meta.prompt_rows)
 
 
 class TransformerBlock(nn.Module):
@@ -113,7 +116,7 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), meta)
-        return h + self.mlp(self.ffn_norm(h))
+        return h + self.mlp(self.ffn_norm(h), meta)
 
 
 class LlamaModel(nn.Module):
@@ -133,14 +136,16 @@ class LlamaModel(nn.Module):
     def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, logit_rows: torch.Tensor) -> torch.Tensor:
         """token_ids [N]; logit_rows [S]: the rows whose next-token logits are wanted. Returns [S, V] float32."""
         x = self.embed(token_ids)  # x: [N, dim]
-        fused = self.fused_decode() if not meta.prefills else None
-        if fused is not None:  # decode rows only: every layer in one C++ call, the same bits
+        # decode rows only (no prompt token, not even a one-token rest of a prompt): every layer in one C++ call, the
+        # op-by-op path's bits
+        fused = self.fused_decode() if not (meta.prefills or meta.prompt_rows) else None
+        if fused is not None:
             x = fused.run(x, meta)
         else:
             for layer in self.layers:
                 x = layer(x, meta)
         x = self.norm(x[logit_rows])  # only the rows that sample: prefill rows before the last need no logits
-        return self.lm_head(x).float()
+        return self.lm_head(x).float()  # no prompt_rows: the lm_head never takes the prompt scheme
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed_tokens, CodedEmbedding):

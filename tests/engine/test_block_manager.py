@@ -110,3 +110,30 @@ def test_a_prefix_hit_counts_as_hashed_and_the_rest_of_the_chain_continues_from_
     assert [bm.blocks[x].block_hash for x in b.block_ids[:3]] == _chain(b.all_token_ids, 4)
     bm.free(b)
     assert b.num_hashed_blocks == 0  # a preempted request starts its count again
+
+
+def _decode(bm: BlockManager, r, tokens: list[int]) -> None:
+    for token in tokens:
+        r.append_token(token)
+        assert bm.allocate_slots(r, 1)
+        r.num_computed_tokens += 1
+        bm.cache_full_blocks(r)
+
+
+def test_keyed_by_role_a_prompt_misses_the_blocks_another_request_generated():
+    """Prompt tokens and generated ones run different GEMM schemes (QuantLinear's prompt rows): a block's KV depends on
+    which of its tokens were prompt tokens, so a later prompt holding a's output (the next turn of a chat) must not
+    take a's blocks past its prompt; a's own recompute after a preemption takes them all."""
+    for key_by_role, num_hits in ((False, 3), (True, 1)):
+        bm = BlockManager(num_blocks=16, block_size=4, key_by_role=key_by_role)
+        a = make_request("a", list(range(1, 7)))  # block 0: prompt; block 1: 2 prompt + 2 generated; block 2: generated
+        assert bm.allocate_slots(a, 6)
+        a.num_computed_tokens = 6
+        bm.cache_full_blocks(a)
+        _decode(bm, a, list(range(100, 107)))  # 13 tokens: 3 full blocks
+        next_turn = make_request("b", a.all_token_ids + [7, 8, 9])
+        assert bm.get_computed_blocks(next_turn) == a.block_ids[:num_hits], key_by_role
+        blocks = list(a.block_ids)
+        bm.free(a)
+        a.num_computed_tokens = 0  # preempted: recomputed with the same roles
+        assert bm.get_computed_blocks(a) == blocks[:3]

@@ -19,6 +19,7 @@ def test_scheduled_items_carry_tokens_positions_blocks_and_sampling_inputs():
     assert decode.sampling.history == a.all_token_ids and decode.sampling.num_prompt_tokens == 5
     assert (chunk.request_id, len(chunk.token_ids), chunk.start_pos, chunk.needs_sample) == ("b", 11, 0, False)
     assert len(chunk.block_ids) == 3 and chunk.sampling is None  # blocks for positions 0..10 only
+    assert (decode.num_scheduled_prompt_tokens, chunk.num_scheduled_prompt_tokens) == (0, 11)
     assert [item.request_id for item in out.samplers] == ["a"]
 
 
@@ -31,7 +32,8 @@ def test_wire_round_trip_gives_worker_ranks_the_same_items():
     out = s.schedule()
     kind, candidates, back = step.unpack(step.pack(out, step.KIND_SAMPLE, 40))
     assert (kind, candidates) == (step.KIND_SAMPLE, 40)
-    fields = lambda x: (x.token_ids, x.start_pos, x.needs_sample, x.block_ids)  # noqa: E731
+    fields = lambda x: (x.token_ids, x.start_pos, x.needs_sample, x.block_ids,  # noqa: E731
+                        x.num_scheduled_prompt_tokens)
     assert [fields(x) for x in back.scheduled] == [fields(x) for x in out.scheduled]
     assert all(isinstance(x, ScheduledRequest) and x.sampling is None for x in back.scheduled)
 

@@ -28,6 +28,11 @@ row's result depends neither on the batch nor on the tiling nor on the threads. 
 the kernel (int8_act_reference) computes the same products with exact integer sums; the tests compare the two.
 Where the kernel is not built (CPUSERVE_KERNELS=torch, a CPU without AVX-512 VNNI) build_linear keeps bf16
 activations instead (int4.py, int8.py).
+
+Prompt rows (QuantLinear.forward's prompt_rows) take another scheme where the CPU has AMX-BF16 (has_prompt_kernel):
+the same codes dequantized to bf16 weights (w = code * scale + zoff in fp32, rounded to bf16), bf16 activations, fp32
+sums (torch.ops.cpuserve.amx_bf16_gemm; prompt_reference is its plain-torch reference). Every other row (decodes, a
+preempted request's generated tokens recomputed) keeps the int8 scheme.
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ import math
 import torch
 from torch import Tensor
 
+from cpuserve.engine.layers import native
 from cpuserve.engine.layers.linear.base import PackedLinear
 from cpuserve.engine.layers.linear.int4 import quantize_int4
 from cpuserve.engine.layers.linear.int8 import quantize_int8
@@ -265,6 +271,20 @@ class Int8ActLinear(PackedLinear):
     def reference(self, x2: Tensor) -> Tensor:
         return int8_act_reference(x2, self.codes(), _unblocked(self.true_scales()), _unblocked(self.full_zoffs()),
                                   self.act_group)
+
+    def prompt_reference(self, x2: Tensor) -> Tensor:
+        """The prompt scheme in plain torch (reference of _prompt_gemm_into): x2 [M, K] bf16 times the weights, each
+        rounded to bf16 from its fp32 code * scale + zoff, products (exact in fp32) summed in fp32 -> [M, N] bf16,
+        without bias."""
+        w = self.dequantize().to(torch.bfloat16)  # w: [N, K]
+        return (x2.float() @ w.float().t()).to(torch.bfloat16)
+
+    def has_prompt_kernel(self) -> bool:
+        return self.in_features % 32 == 0 and native.amx_bf16_gemm_enabled()  # the kernel's steps: 32 inputs
+
+    def _prompt_gemm_into(self, x2: Tensor, y: Tensor) -> None:
+        torch.ops.cpuserve.amx_bf16_gemm.out(x2, self.packed, self.scales, self.zoffs, self.bits, self.act_group,
+                                             self.supers, out=y)
 
     def _own_kernel(self) -> bool:
         return True

@@ -1,17 +1,27 @@
-"""What every weight format's linear layer shares: activation dtype, bias, out= and input_buffer.
+"""What every weight format's linear layer shares: activation dtype, bias, out=, prompt rows and input_buffer.
 
-    QuantLinear                 forward(x, out=): dtype cast, out= checked, rows [M, K] handed to the format
+    QuantLinear                 forward(x, out=, prompt_rows=): dtype cast, out= checked, rows [M, K] handed to the
+                                format (prompt rows to its prompt kernel, if it has one)
     ├── DenseLinear (dense.py)  fp32 / bf16, and the fallback of int4 / int8 shapes the kernels refuse: F.linear
     └── PackedLinear            a packed weight through a C++ GEMM (ours, with out=, else torch's, without)
         ├── Int4Linear (int4.py)
         └── Int8Linear (int8.py)
 
 factory.py's build_linear picks the class for a weight format.
+
+Prompt rows: a layer may compute the rows that are prompt tokens in another scheme than the rest (Int8ActLinear on
+AMX-BF16: bf16 activations instead of int8 ones). The runner names those rows per step (AttentionMetadata.prompt_rows,
+from each row's role, never from the batch's size), so a row's bits depend on its role alone:
+
+    rows  | decode | decode | prompt chunk a | b's recompute: prompt | b: generated | prompt chunk c |
+    path  |      usual      |            prompt kernel               |    usual     | prompt kernel  |
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+RowRanges = tuple[tuple[int, int], ...]  # [start, stop) ranges of rows
 
 
 class QuantLinear(torch.nn.Module):
@@ -25,27 +35,39 @@ class QuantLinear(torch.nn.Module):
         self.is_fallback = False
         self.register_buffer("bias", None)
 
-    def forward(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, out: Tensor | None = None, prompt_rows: RowRanges = ()) -> Tensor:
         """x [..., K] -> [..., N] in act_dtype (bf16 for int4/int8/bf16, fp32 for fp32).
 
-        out: a contiguous [..., N] act_dtype tensor to write the result into (a replica group's shared-memory slot:
-        Communicator.next_buffer); returned. The same bits as without it.
+        Args:
+            out: a contiguous [..., N] act_dtype tensor to write the result into (a replica group's shared-memory
+                slot: Communicator.next_buffer); returned. The same bits as without it.
+            prompt_rows: sorted, disjoint [start, stop) ranges of the rows of x flattened to [M, K] that are prompt
+                tokens (AttentionMetadata.prompt_rows). Where the layer has a prompt kernel (has_prompt_kernel) they
+                are computed by it and the other rows by the usual path, each range a slice of x's rows and out's
+                (no copies); else ignored.
         """
         if x.dtype != self.act_dtype:
             x = x.to(self.act_dtype)
-        if out is None:
+        split = bool(prompt_rows) and self.has_prompt_kernel()
+        if out is None and not split:
             return self._forward(x)
         lead = x.shape[:-1]
-        if out.shape != (*lead, self.out_features) or out.dtype != self.act_dtype or not out.is_contiguous():
+        if out is None:
+            out = torch.empty((*lead, self.out_features), dtype=self.act_dtype)
+        elif out.shape != (*lead, self.out_features) or out.dtype != self.act_dtype or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous {self.act_dtype} tensor of shape {(*lead, self.out_features)}, "
                              f"got {out.dtype} {tuple(out.shape)}{'' if out.is_contiguous() else ' (not contiguous)'}")
         x2 = self._rows(x)  # x2: [M, K]
         y = out.view(-1, self.out_features)  # y: [M, N], out's memory
-        if self.can_write_into(x2.shape[0]):
-            self._forward_into(x2, y)
-        else:  # torch's kernel (ours are not built here): one copy
-            y.copy_(self._forward(x2))
+        if split:
+            self._forward_split_into(x2, y, prompt_rows)
+        else:
+            self._usual_into(x2, y)
         return out
+
+    def has_prompt_kernel(self) -> bool:
+        """The layer computes prompt rows in a scheme of their own (_prompt_gemm_into); False: one path for all."""
+        return False
 
     def input_buffer(self, rows: int, dtype: torch.dtype) -> torch.Tensor:
         """A tensor [rows, in_features] to build this layer's next input in (a replica group's sharded layers
@@ -69,6 +91,31 @@ class QuantLinear(torch.nn.Module):
     def _forward_into(self, x2: Tensor, y: Tensor) -> None:
         """x2 [M, K] contiguous -> y [M, N], in place (only where can_write_into)."""
         raise NotImplementedError
+
+    def _prompt_gemm_into(self, x2: Tensor, y: Tensor) -> None:
+        """The prompt kernel (only where has_prompt_kernel): x2 [M, K] contiguous -> y [M, N], without bias."""
+        raise NotImplementedError
+
+    def _usual_into(self, x2: Tensor, y: Tensor) -> None:
+        """x2 [M, K] -> y [M, N] by the usual path."""
+        if self.can_write_into(x2.shape[0]):
+            self._forward_into(x2, y)
+        else:  # torch's kernel (ours are not built here): one copy
+            y.copy_(self._forward(x2))
+
+    def _forward_split_into(self, x2: Tensor, y: Tensor, prompt_rows: RowRanges) -> None:
+        """The rows in prompt_rows through the prompt kernel, the rows before, between and after them the usual way."""
+        m = x2.shape[0]
+        row = 0
+        for start, stop in (*prompt_rows, (m, m)):
+            assert row <= start <= stop <= m, f"prompt_rows {prompt_rows} are not sorted disjoint ranges of {m} rows"
+            if start > row:
+                self._usual_into(x2[row:start], y[row:start])
+            if stop > start:
+                self._prompt_gemm_into(x2[start:stop], y[start:stop])
+                if self.bias is not None:
+                    y[start:stop] += self.bias
+            row = stop
 
     def _rows(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features)  # x2: [M, K]

@@ -38,11 +38,17 @@ class StackedLinear(QuantLinear):
     def can_write_into(self, rows: int) -> bool:
         return True  # Int8ActLinear: always our own kernel
 
+    def has_prompt_kernel(self) -> bool:
+        return all(p.has_prompt_kernel() for p in self.parts)
+
     def dequantize(self) -> Tensor:
         return torch.cat([p.dequantize() for p in self.parts])
 
     def reference(self, x2: Tensor) -> Tensor:
         return torch.cat([p.reference(x2) for p in self.parts], 1)
+
+    def prompt_reference(self, x2: Tensor) -> Tensor:
+        return torch.cat([p.prompt_reference(x2) for p in self.parts], 1)
 
     def _forward(self, x: Tensor) -> Tensor:
         x2 = self._rows(x)  # x2: [M, K]
@@ -55,6 +61,10 @@ class StackedLinear(QuantLinear):
             part._gemm_into(x2, y[:, start:start + n])  # the kernel writes rows of stride N
         if self.bias is not None:
             y += self.bias
+
+    def _prompt_gemm_into(self, x2: Tensor, y: Tensor) -> None:
+        for part, (start, n) in zip(self.parts, self.columns()):
+            part._prompt_gemm_into(x2, y[:, start:start + n])  # as _forward_into: rows of stride N
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, parts={[p.out_features for p in self.parts]}"
