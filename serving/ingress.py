@@ -48,6 +48,15 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     return JSONResponse({"error": body}, status_code=exc.status_code)
 
 
+def bearer_token(authorization: str) -> str | None:
+    """The key of an `Authorization: Bearer <key>` value (the scheme in any case, RFC 7235), else None: a bare key
+    without the scheme is refused, as OpenAI's API refuses it."""
+    scheme, _, token = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return token.strip() or None
+
+
 def _error_response(e: RequestError) -> JSONResponse:
     return JSONResponse({"error": e.to_dict()}, status_code=HTTP_STATUS[e.kind])
 
@@ -130,7 +139,7 @@ class IngressCore:
 
     # -- HTTP ------------------------------------------------------------------------------------------------
     def _authorize_http(self, request: Request) -> None:
-        if self.api_keys and request.headers.get("authorization", "").removeprefix("Bearer ") not in self.api_keys:
+        if self.api_keys and bearer_token(request.headers.get("authorization", "")) not in self.api_keys:
             raise RequestError("missing or unknown API key: send Authorization: Bearer <key>", None, UNAUTHENTICATED)
 
     async def _read_body(self, request: Request) -> bytes:
@@ -241,7 +250,7 @@ class IngressCore:
         if not self.api_keys:
             return
         metadata = dict(context.invocation_metadata())
-        if metadata.get("authorization", "").removeprefix("Bearer ") not in self.api_keys:
+        if bearer_token(metadata.get("authorization", "")) not in self.api_keys:
             raise RequestError("missing or unknown API key: send authorization: Bearer <key> metadata", None,
                                UNAUTHENTICATED)
 

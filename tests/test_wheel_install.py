@@ -1,8 +1,9 @@
 """What a cluster runs is what this installs: the wheel built from this checkout (as the Dockerfile builds it),
 installed into fresh virtual environments outside the checkout, used from there.
 
-    serve venv      cpuserve[serve,operator] + the embedded model (the image's): every module of the wheel imports, `cpuserve generate`
-                    answers as the checkout's engine does, `cpuserve serve` answers gRPC and HTTP
+    serve venv      cpuserve[serve,operator] + the embedded model (the image's): every module of the wheel imports,
+                    its kernels load prebuilt with no compiler, `cpuserve generate` answers as the checkout's engine
+                    does, `cpuserve serve` answers gRPC and HTTP
     operator venv   cpuserve[operator] alone (no torch, Ray or uvicorn): the operator starts against the fake API
                     server and makes an LLMService's pods
 
@@ -85,7 +86,8 @@ def test_the_wheel_holds_every_module_of_the_checkout(wheel):
     sources = {p.name for p in (ROOT / "engine" / "csrc").iterdir()}
     held = {Path(n).name for n in zipfile.ZipFile(wheel).namelist() if n.startswith("cpuserve/engine/csrc/")}
     assert sources <= held
-    libraries = {n.split("/")[-1] for n in zipfile.ZipFile(wheel).namelist() if n.startswith("cpuserve/engine/kernels/")}
+    libraries = {n.split("/")[-1] for n in zipfile.ZipFile(wheel).namelist()
+                 if n.startswith("cpuserve/engine/kernels/")}
     assert libraries == {kernel_build.library_name(level) for level in kernel_build.LEVELS}  # every level, current
     assert wheel.name.endswith("-py3-none-linux_x86_64.whl")  # it holds x86 libraries: not a pure wheel
 

@@ -292,7 +292,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"({', '.join(LEVEL_NAMES)}): the engine uses its plain-torch path", file=sys.stderr)
             return 0
     for each in levels:
-        build(each, args.out or cache_dir(), progress=print_progress)
+        out = args.out or cache_dir()
+        ready = (out / library_name(each)).is_file()
+        path = build(each, out, progress=print_progress)
+        if ready:
+            print_progress(f"cpuserve's kernels for {each.name} CPUs are built: {path}")
     return 0
 
 

@@ -80,7 +80,7 @@ def test_spec_hash_is_stable_and_sensitive():
     assert changed == {"chat-g0-r0", "chat-g1-r0"}  # weights change the rank pods' memory only
 
 
-@pytest.mark.parametrize("weights,group,bpp", [("int4", 32, 0.625), ("int4", 128, 0.53125), ("int8", 32, 1.0),
+@pytest.mark.parametrize("weights,group,bpp", [("int4", 32, 0.75), ("int4", 128, 0.5625), ("int8", 32, 1.0),
                                                ("bf16", 32, 2.0), ("fp32", 128, 4.0)])
 def test_memory_arithmetic(weights, group, bpp):
     body = make_body(model=PVC_MODEL, ranksPerReplica=2, quantization={"weights": weights, "groupSize": group},

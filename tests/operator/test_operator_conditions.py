@@ -101,8 +101,8 @@ def test_status_shows_arithmetic_endpoints_and_scale_fields():
     assert status["selector"] == "cpuserve.dev/llmservice=chat,app.kubernetes.io/component=rank"
     assert status["endpoints"] == {"grpc": "chat.ml.svc:9000", "http": "https://chat.ml.svc:8000",
                                    "metrics": "http://chat-metrics.ml.svc:8080/metrics"}
-    # 134515008 x 0.625 B = 80.18 MiB, + 1024 MiB KV + 1024 MiB overhead = 2128.18 -> 2129Mi
-    assert status["memoryPerRank"] == "2129Mi" and "134515008 params x 0.625 B int4/g32" in status["memoryArithmetic"]
+    # 134515008 x 0.75 B = 96.21 MiB, + 1024 MiB KV + 1024 MiB overhead = 2144.21 -> 2145Mi
+    assert status["memoryPerRank"] == "2145Mi" and "134515008 params x 0.75 B int4/g32" in status["memoryArithmetic"]
     assert status["model"] == "SmolLM2-135M-Instruct"
     assert not status_changed({**status, "extra": 1}, status)
     body["status"] = status

@@ -8,6 +8,7 @@ other test runs may share the machine.
 from __future__ import annotations
 
 import os
+import ssl
 import time
 
 import httpx
@@ -37,11 +38,14 @@ def serving(request):
             stop_serving()
             if "bind" not in str(e) or attempt == 2:
                 raise
+    scheme, verify = ("https", ssl.create_default_context(cafile=config.tls_cert_file)) if config.tls_cert_file \
+        else ("http", True)
     try:
         deadline = time.monotonic() + 180
         while True:  # serve.run(blocking=False) returns before the proxies route: wait for /health
             try:
-                if httpx.get(f"http://127.0.0.1:{config.http_port}/health", timeout=5).status_code == 200:
+                health = httpx.get(f"{scheme}://127.0.0.1:{config.http_port}/health", timeout=5, verify=verify)
+                if health.status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
@@ -62,7 +66,7 @@ def engine_alone():
 
 @pytest.fixture(scope="module")
 def http_url(serving) -> str:
-    return f"http://127.0.0.1:{serving.http_port}"
+    return f"{'https' if serving.tls_cert_file else 'http'}://127.0.0.1:{serving.http_port}"
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,183 @@
+"""The Kubernetes data path: Serve's own proxies carry the traffic (direct ports off, as the operator deploys the app),
+with TLS on HTTP and API keys from --api-key-file, two SmolLM2 replicas behind them.
+
+The official openai client, streaming and not, gets the engine's own greedy text; a bad request gets a 400 naming
+its field; a stream the client drops is aborted on its replica; a key must come as `Authorization: Bearer <key>`
+(HTTP and gRPC); and the one metrics endpoint sums the engine gauges of both replicas.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import ipaddress
+import ssl
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from cpuserve.engine.sampling_params import SamplingParams
+from cpuserve.v1 import inference_pb2 as pb
+from cpuserve.v1 import inference_pb2_grpc as pbg
+
+pytestmark = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct"
+M = f'model="{MODEL}"'
+KEYS = ("key-one", "key-two")
+PROMPT = "Write one sentence about the sea."
+
+
+def make_secrets(folder: Path) -> dict[str, str]:
+    """A self-signed certificate for 127.0.0.1 with its key, and a key file of two API keys (one a line)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .sign(key, hashes.SHA256()))
+    (folder / "tls.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (folder / "tls.key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                       serialization.PrivateFormat.PKCS8,
+                                                       serialization.NoEncryption()))
+    (folder / "api-keys").write_text("\n".join(KEYS) + "\n\n")
+    return {"tls_cert_file": str(folder / "tls.crt"), "tls_key_file": str(folder / "tls.key"),
+            "api_key_file": str(folder / "api-keys")}
+
+
+# two replicas of one sequence each: two requests running at once are one on each replica
+SERVE_CONFIG = dict(replicas=2, cpus_per_rank=1, max_num_seqs=1, max_queued_requests=8, direct_http=False,
+                    direct_grpc=False, **make_secrets(Path(tempfile.mkdtemp(prefix="cpuserve-proxies-"))))
+
+
+@pytest.fixture(scope="module")
+def tls(serving) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=serving.tls_cert_file)
+
+
+@pytest.fixture(scope="module")
+def client(http_url, tls) -> openai.OpenAI:
+    assert http_url.startswith("https://")
+    return openai.OpenAI(base_url=f"{http_url}/v1", api_key=KEYS[1], max_retries=0, timeout=120,
+                         http_client=httpx.Client(verify=tls))
+
+
+@pytest.fixture(scope="module")
+def reference(engine_alone) -> str:
+    """The engine's own greedy answer to PROMPT, as a chat."""
+    tok = engine_alone.tokenizer
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPT}]), add_special_tokens=False)
+    return engine_alone.generate([ids], SamplingParams(max_tokens=24, temperature=0))[0].text
+
+
+def chat(client: openai.OpenAI, **kwargs):
+    return client.chat.completions.create(**{"model": MODEL, "messages": [{"role": "user", "content": PROMPT}],
+                                             "max_tokens": 24, "temperature": 0, **kwargs})
+
+
+def test_the_openai_client_through_serves_https_proxy(client, reference):
+    reply = chat(client)
+    assert reply.choices[0].message.content == reference
+    assert 0 < reply.usage.completion_tokens <= 24 and reply.model == MODEL
+
+
+def test_a_stream_through_the_proxy_is_the_same_text(client, reference):
+    chunks = [c for c in chat(client, stream=True) if c.choices]
+    assert len(chunks) > 2 and "".join(c.choices[0].delta.content or "" for c in chunks) == reference
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+
+
+def test_a_bad_request_gets_400_naming_the_field(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(client, temperature=-1)
+    assert err.value.status_code == 400 and "temperature" in str(err.value)
+    assert chat(client).choices[0].message.content  # and the server keeps serving
+
+
+@pytest.mark.parametrize("header,status", [
+    (None, 401),
+    (KEYS[0], 401),  # a bare key without the scheme is refused
+    ("Bearer wrong-key", 401),
+    (f"Basic {KEYS[0]}", 401),
+    (f"Bearer {KEYS[0]}", 200),
+    (f"bearer {KEYS[1]}", 200),  # the scheme in any case (RFC 7235)
+])
+def test_api_keys_over_https(http_url, tls, header, status):
+    headers = {} if header is None else {"Authorization": header}
+    rsp = httpx.post(f"{http_url}/v1/completions", headers=headers, verify=tls, timeout=60,
+                     json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+    assert rsp.status_code == status, rsp.text
+    if status == 401:
+        assert rsp.json()["error"]["message"] == "missing or unknown API key: send Authorization: Bearer <key>"
+
+
+@pytest.mark.parametrize("metadata,code", [
+    ((), grpc.StatusCode.UNAUTHENTICATED),
+    ((("authorization", KEYS[0]),), grpc.StatusCode.UNAUTHENTICATED),
+    ((("authorization", f"Bearer {KEYS[0]}"),), grpc.StatusCode.OK),
+])
+def test_api_keys_over_serves_grpc_proxy(serving, metadata, code):
+    with grpc.insecure_channel(f"127.0.0.1:{serving.grpc_port}") as channel:
+        request = pb.GenerateRequest(text="Hi", sampling=pb.SamplingParameters(max_tokens=2))
+        try:
+            reply = pbg.InferenceStub(channel).Complete(request, metadata=metadata, timeout=60)
+            got = grpc.StatusCode.OK
+            assert len(reply.token_ids) == 2
+        except grpc.RpcError as e:
+            got = e.code()
+    assert got == code
+
+
+def value(metrics: dict[str, float], name: str, labels: str = M) -> float:
+    return metrics.get(f"{name}{{{labels}}}", 0.0)
+
+
+def wait_for(scrape, predicate, timeout: float = 60.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while not predicate(metrics := scrape()):
+        assert time.monotonic() < deadline, "; ".join(f"{k} {v:g}" for k, v in metrics.items()
+                                                      if k.startswith(("cpuserve_num_requests", "cpuserve_kv_")))
+        time.sleep(0.1)
+    return metrics
+
+
+def long_stream(http_url: str, tls: ssl.SSLContext, prompt: str = "Count:"):
+    return httpx.stream("POST", f"{http_url}/v1/completions", verify=tls, timeout=120,
+                        headers={"Authorization": f"Bearer {KEYS[0]}"},
+                        json={"model": MODEL, "prompt": prompt, "max_tokens": 3000, "ignore_eos": True,
+                              "stream": True})
+
+
+def test_a_dropped_stream_is_aborted_on_its_replica(http_url, tls, scrape):
+    before = scrape()
+    with long_stream(http_url, tls) as rsp:
+        lines = rsp.iter_lines()
+        assert [next(lines) for _ in range(4)]  # tokens are flowing
+    after = wait_for(scrape, lambda m: value(m, "cpuserve_requests_total", f'finish_reason="abort",{M}')
+                     - value(before, "cpuserve_requests_total", f'finish_reason="abort",{M}') == 1
+                     and value(m, "cpuserve_num_requests_running") == 0)
+    assert value(after, "cpuserve_kv_cache_usage_ratio") == 0
+
+
+def test_the_metrics_endpoint_sums_both_replicas(http_url, tls, scrape):
+    """One sequence per replica: requests running at once can only show as 2 if both replicas are summed. Four
+    streams, as Serve's router may put two on one replica (one then waits there)."""
+    prompts = ("Count to ten:", "Name ten rivers:", "List some colours:", "Spell a long word:")
+    with contextlib.ExitStack() as streams:
+        # the line iterators are kept: one dropped closes its stream (httpx), and the request is aborted
+        lines = [streams.enter_context(long_stream(http_url, tls, prompt)).iter_lines() for prompt in prompts]
+        firsts = [next(it) for it in lines]
+        assert all(line.startswith("data: {") for line in firsts), firsts  # each is generating
+        both = wait_for(scrape, lambda m: value(m, "cpuserve_num_requests_running") == 2)
+        assert value(both, "cpuserve_kv_cache_usage_ratio") > 0
+    wait_for(scrape, lambda m: value(m, "cpuserve_num_requests_running") == 0)
