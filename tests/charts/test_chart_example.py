@@ -9,7 +9,7 @@ import yaml
 from chart_tools import CHART, K8S_VERSION
 from cpuserve.operator.children import build_children
 from cpuserve.operator.crd import build_crd
-from cpuserve.operator.serve_api import build_serve_document
+from cpuserve.operator.serve_document import build_serve_document
 from cpuserve.operator.settings import OperatorSettings
 from cpuserve.operator.validation import validate
 
