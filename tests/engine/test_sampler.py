@@ -183,7 +183,7 @@ def test_sampling_from_the_gathered_candidates_is_exact(example):
     grammar = EvenTokens() if example.params.structured_output is not None else None
     greedy = SamplingParams(temperature=0)
     prompt = torch.randint(0, vocab, (20,), generator=gen).tolist()
-    scheduled = [ScheduledRequest(str(i), [1], 40, True, [0], SamplingInputs(
+    scheduled = [ScheduledRequest(str(i), [1], 40, True, [0], 0, SamplingInputs(
         p, torch.Generator().manual_seed(11 + i), prompt + [top[i % 2]] * 20, 20,
         grammar if p is example.params else None)) for i, p in enumerate([example.params] * 2 + [greedy] * 2)]
 

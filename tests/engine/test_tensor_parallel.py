@@ -185,12 +185,12 @@ class RoundedPartials(nn.Module):
     def input_buffer(self, rows: int, dtype: torch.dtype) -> torch.Tensor:
         return self.linear.input_buffer(rows, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, prompt_rows=()) -> torch.Tensor:
         total, start = None, 0
         for width in self.widths:
             own = torch.zeros_like(x)
             own[:, start:start + width] = x[:, start:start + width]
-            part = self.linear(own)  # [N, dim] bf16
+            part = self.linear(own, prompt_rows=prompt_rows)  # [N, dim] bf16
             total = part if total is None else total + part
             start += width
         return total
