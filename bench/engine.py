@@ -124,12 +124,12 @@ PEERS = {"llama.cpp": ("llama_cpp", "llama_cpp", {}), "hf": ("hf", "hf", {}),
          "openvino": ("openvino", "openvino", {}),
          # cpuserve itself with CPUSERVE_AMX=off: the AMX tiles' A/B, added by default where the CPU has AMX
          "amx-off": ("cpuserve_amx_off", "cpuserve", {"env": {"CPUSERVE_AMX": "off"}}),
-         # and with prompt rows on AMX-BF16 (opt-in: docs/engine.md), likewise
-         "prompt-bf16": ("cpuserve_prompt_bf16", "cpuserve", {"env": {"CPUSERVE_PROMPT_GEMM": "bf16"}})}
+         # and with every row on the int8 path (prompt rows off AMX-BF16: docs/engine.md), likewise
+         "prompt-int8": ("cpuserve_prompt_int8", "cpuserve", {"env": {"CPUSERVE_PROMPT_GEMM": "int8"}})}
 DEFAULT_PEERS = "llama.cpp,hf,vllm,openvino"
 LABELS = {"llama_cpp": "llama.cpp", "hf": "HF fp32", "vllm": "vLLM-CPU W8A8", "vllm_bf16": "vLLM-CPU bf16",
           "openvino": "OpenVINO GenAI", "cpuserve_amx_off": "cpuserve, AMX off",
-          "cpuserve_prompt_bf16": "cpuserve, CPUSERVE_PROMPT_GEMM=bf16"}
+          "cpuserve_prompt_int8": "cpuserve, CPUSERVE_PROMPT_GEMM=int8"}
 ROW_PEERS = ("llama_cpp", "hf", "vllm", "openvino")  # always in the table, "n/a (skipped)" when not selected
 
 
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
 
     peers = [p for p in a.peers.split(",") if p and not (a.skip_hf and p == "hf")]
     if machine.has_amx():
-        peers += [p for p in ("amx-off", "prompt-bf16") if p not in peers]
+        peers += [p for p in ("amx-off", "prompt-int8") if p not in peers]
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
         ap.error(f"unknown peers {unknown}: choose from {', '.join(PEERS)}")

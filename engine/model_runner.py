@@ -105,8 +105,8 @@ def prompt_row_ranges(scheduled: list[ScheduledRequest]) -> tuple[tuple[int, int
     """The rows of the flattened step that hold prompt tokens, as [start, stop) ranges, adjacent ones merged.
 
     Each item's prompt tokens are its first rows (num_scheduled_prompt_tokens of them): all of a prompt's chunk, the
-    prompt part of a preempted request's recompute (b), a one-token prompt or rest of one, which runs among the decodes
-    (one); never a decode.
+    prompt part of a preempted request's recompute (b), a one-token prompt or rest of one (one: a prefill chunk of one
+    row, see ScheduledRequest.is_decode); never a decode.
 
         rows    | d0 d1 | one | prompt chunk a | b: prompt | b: generated | prompt chunk c |
         ranges          [----------------------------------)              [----------------)

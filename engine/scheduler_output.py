@@ -54,7 +54,10 @@ class ScheduledRequest:
 
     @property
     def is_decode(self) -> bool:
-        return len(self.token_ids) == 1
+        """One generated token: runs decode attention. A prompt token always runs prefill attention, even alone (a
+        prompt's last token after a prefix-cache hit), so its KV and logits never depend on what the cache held: on
+        AMX CPUs the two attentions round differently (bf16 products against the int8 K decode reads)."""
+        return len(self.token_ids) == 1 and self.num_scheduled_prompt_tokens == 0
 
     @property
     def positions(self) -> range:

@@ -151,8 +151,7 @@ def amx_reproduces_registers(mode: str) -> bool:
 
 def amx_bf16_gemm_enabled() -> bool:
     """The prompt rows' GEMM (AMX-BF16 tiles over the int8-activation layers' codes: act_int8.py) is chosen and can
-    run: CPUSERVE_PROMPT_GEMM=bf16 (opt-in: with prefix caching, a prompt's greedy tokens measured different batched
-    than alone on SmolLM2, see docs/engine.md), the kernels built, the CPU with AMX-BF16 and CPUSERVE_AMX not off
+    run: CPUSERVE_PROMPT_GEMM=bf16 (the default), the kernels built, the CPU with AMX-BF16 and CPUSERVE_AMX not off
     (which the C++ side honours). Asked live, not cached: torch.ops.cpuserve.amx_bf16_gemm_mode switches it at run
     time (tests)."""
     if prompt_gemm() != "bf16":
@@ -165,9 +164,9 @@ PROMPT_GEMMS = ("int8", "bf16")
 
 
 def prompt_gemm() -> str:
-    """CPUSERVE_PROMPT_GEMM: the prompt rows' scheme, int8 (every row the same, the default) or bf16 (AMX-BF16 tiles
-    where the CPU has them)."""
-    value = os.environ.get("CPUSERVE_PROMPT_GEMM", "int8")
+    """CPUSERVE_PROMPT_GEMM: the prompt rows' scheme, bf16 (the default: AMX-BF16 tiles where the CPU has them, else
+    the int8 scheme) or int8 (every row the same scheme)."""
+    value = os.environ.get("CPUSERVE_PROMPT_GEMM", "bf16")
     if value not in PROMPT_GEMMS:
         raise ValueError(f"CPUSERVE_PROMPT_GEMM={value!r}: allowed values are {', '.join(PROMPT_GEMMS)}")
     return value

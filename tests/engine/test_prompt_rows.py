@@ -44,10 +44,10 @@ needs_prompt_kernel = pytest.mark.skipif(
 
 @pytest.fixture(autouse=True)
 def _choose_the_prompt_kernel(monkeypatch):
-    """The prompt scheme is opt-in (CPUSERVE_PROMPT_GEMM=bf16): these tests choose it."""
+    """These tests choose the prompt scheme (CPUSERVE_PROMPT_GEMM=bf16, the default) whatever the environment says."""
     monkeypatch.setenv("CPUSERVE_PROMPT_GEMM", "bf16")
 K = 576
-RANGES = [((0, 40),), ((1, 5), (16, 26)), ((3, 40),), ((0, 1), (39, 40))]
+RANGES = [((0, 40),), ((1, 4), (15, 26)), ((3, 40),), ((0, 1), (39, 40))]
 
 
 def make_x(m: int, k: int = K, seed: int = 1) -> torch.Tensor:
@@ -96,8 +96,8 @@ def stand_in_prompt_kernel(layer, calls: list) -> None:
 # -- the scheduler's counts and the runner's ranges -------------------------------------------------------------------
 
 def mixed_step():
-    """A decode, a one-token prompt (sorted among the decodes), a preempted request's recompute (3 prompt tokens then
-    11 generated ones) and a new prompt's chunk of 10, in one step."""
+    """A decode, a preempted request's recompute (3 prompt tokens then 11 generated ones), a new prompt's chunk of 10
+    and a one-token prompt (a prefill chunk: prompt tokens always run prefill attention), in one step."""
     s = make_scheduler(num_blocks=13, block_size=4, budget=32, prefix_caching=False)
     s.add(make_request("a", list(range(1, 7)), max_tokens=12, arrival=0))
     s.add(make_request("b", list(range(11, 18)), max_tokens=30, arrival=1))
@@ -129,8 +129,8 @@ def run_step_after(s, out) -> None:
 def test_chunks_count_their_prompt_tokens_from_the_prompt_length():
     out = mixed_step()
     items = [(x.request_id, len(x.token_ids), x.start_pos, x.num_scheduled_prompt_tokens) for x in out.scheduled]
-    assert items == [("b", 1, 18, 0), ("one", 1, 0, 1), ("f", 14, 0, 3), ("c", 10, 0, 10)]
-    assert out.scheduled[1].is_decode  # a prompt's one token runs among the decodes, still a prompt token
+    assert items == [("b", 1, 18, 0), ("f", 14, 0, 3), ("c", 10, 0, 10), ("one", 1, 0, 1)]
+    assert out.scheduled[0].is_decode and not out.scheduled[3].is_decode  # a prompt token: prefill attention, even alone
     s = make_scheduler(num_blocks=32, block_size=4, budget=8)
     s.add(make_request("long", list(range(1, 21)), max_tokens=2))
     assert [run_step(s).scheduled[0].num_scheduled_prompt_tokens for _ in range(4)] == [8, 8, 4, 0]
@@ -138,12 +138,12 @@ def test_chunks_count_their_prompt_tokens_from_the_prompt_length():
 
 def test_the_runner_marks_the_prompt_rows_of_a_mixed_step(llm_int4):
     out = mixed_step()
-    # rows: b's decode 0 | one 1 | f's prompt 2..4, its generated tokens 5..15 | c 16..25
-    assert prompt_row_ranges(out.scheduled) == ((1, 5), (16, 26))
+    # rows: b's decode 0 | f's prompt 1..3, its generated tokens 4..14 | c 15..24 | one 25
+    assert prompt_row_ranges(out.scheduled) == ((1, 4), (15, 26))
     _, meta, _ = llm_int4.engine.runner.prepare_inputs(out)
-    assert meta.prompt_rows == ((1, 5), (16, 26))
+    assert meta.prompt_rows == ((1, 4), (15, 26))
     _, _, back = step.unpack(step.pack(out, step.KIND_SAMPLE, 1))  # what a replica group's worker ranks rebuild
-    assert prompt_row_ranges(back.scheduled) == ((1, 5), (16, 26))
+    assert prompt_row_ranges(back.scheduled) == ((1, 4), (15, 26))
 
 
 def test_decode_only_steps_have_no_prompt_rows():
@@ -240,9 +240,12 @@ def test_cpuserve_amx_off_disables_the_prompt_kernel():
     assert run.stdout.split()[-1] == "False"
 
 
-def test_the_prompt_kernel_is_opt_in(monkeypatch):
-    """Without CPUSERVE_PROMPT_GEMM=bf16 every row takes the int8 path; a wrong value is refused by name."""
+def test_the_prompt_kernel_is_the_default_and_int8_opts_out(monkeypatch):
+    """Unset, the prompt kernel runs where it can; CPUSERVE_PROMPT_GEMM=int8 puts every row on the int8 path; a wrong
+    value is refused by name."""
     monkeypatch.delenv("CPUSERVE_PROMPT_GEMM")
+    assert native.amx_bf16_gemm_enabled() == _prompt_kernel_here()
+    monkeypatch.setenv("CPUSERVE_PROMPT_GEMM", "int8")
     assert not native.amx_bf16_gemm_enabled()
     assert not any(layer.has_prompt_kernel() for layer in layers())
     monkeypatch.setenv("CPUSERVE_PROMPT_GEMM", "fp8")
