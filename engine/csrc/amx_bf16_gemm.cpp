@@ -91,6 +91,7 @@ struct PromptGemm {
   int64_t K, S, N;
   bf16* out;
   int64_t ldo;
+  bool silu = false;    // the columns are [gate | up]: out [M, N / 2] gets silu(gate) * up (gate_up_silu)
 
   // Column block b's weights as B tiles: [K / 2][16 columns x a bf16 pair] at dst, pair p holding inputs 2p, 2p + 1
   void dequantize(int64_t b, uint16_t* dst) const {
@@ -130,6 +131,24 @@ struct PromptGemm {
                           cpuserve_simd::to_bf16_exact(_mm512_load_ps(scratch + r * 16)));
   }
 
+  // Sums tiles G (gate) and U (up) each rounded to bf16, as gate_up's output would hold them, then silu(g) * u to
+  // bf16 rows m.. of an output column block: decode_ops.cpp's silu_mul arithmetic, instruction for instruction
+  template <typename Tiles, int G, int U>
+  static void store_silu(float* scratch, bf16* dst, int64_t ldo, int64_t rows) {
+    Tiles::template store<G>(scratch, 64);
+    Tiles::template store<U>(scratch + 256, 64);
+    const auto rounded = [](__m512 v) {
+      const __m512i wide = _mm512_cvtepu16_epi32(cpuserve_simd::to_bf16_exact(v));
+      return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+    };
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 g = rounded(_mm512_load_ps(scratch + r * 16)), u = rounded(_mm512_load_ps(scratch + 256 + r * 16));
+      const __m512 e = cpuserve_simd::exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+      const __m512 act = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+      cpuserve_simd::store16(dst + r * ldo, _mm512_mul_ps(act, u));
+    }
+  }
+
   // Rows a (16) and, when two, a2 (16 more) through the tile's column blocks (n of them) from the B tiles at slab
   template <typename Tiles>
   void rows_block(const bf16* a, const bf16* a2, int64_t lda, const uint16_t* slab, int n, bf16* dst, bf16* dst2,
@@ -146,6 +165,11 @@ struct PromptGemm {
       Tiles::template dpbf16ps<2, 5, 6>();
       if (n == 2) Tiles::template dpbf16ps<3, 5, 7>();
     }
+    if (silu) {  // n == 2: gate and up
+      store_silu<Tiles, 0, 1>(scratch, dst, ldo, rows);
+      if (a2 != nullptr) store_silu<Tiles, 2, 3>(scratch, dst2, ldo, rows2);
+      return;
+    }
     store_sums<Tiles, 0>(scratch, dst, ldo, rows);
     if (n == 2) store_sums<Tiles, 1>(scratch, dst + 16, ldo, rows);
     if (a2 == nullptr) return;
@@ -156,7 +180,7 @@ struct PromptGemm {
   // Every row through column blocks b, b + 1 (n of them): 32 rows a block, then 16, then the rest zero-padded
   template <typename Tiles>
   void tile(int64_t M, int64_t b, int n, const uint16_t* slab, bf16* padded) const {
-    alignas(64) float scratch[16 * 16];  // one sums tile on its way to bf16
+    alignas(64) float scratch[2 * 16 * 16];  // sums tiles on their way to bf16
     int64_t m = 0;
     for (; m + 32 <= M; m += 32)
       rows_block<Tiles>(x + m * K, x + (m + 16) * K, K, slab, n, out + m * ldo + b * 16, out + (m + 16) * ldo + b * 16,
@@ -170,7 +194,8 @@ struct PromptGemm {
   }
 
   void run(int64_t M, int mode) const {
-    const int64_t tiles = (N / 16 + kTileCols - 1) / kTileCols;
+    // a task: kTileCols column blocks of 16, or with silu gate block t and its up block t + N / 32
+    const int64_t tiles = silu ? N / 32 : (N / 16 + kTileCols - 1) / kTileCols;
     cpuserve_tasks::share_tasks(tiles, [&](const auto& next) {
       // per thread, kept between calls: the tile's weights as bf16, a padded row block
       thread_local std::vector<uint16_t> slab;
@@ -183,6 +208,11 @@ struct PromptGemm {
         using Tiles = decltype(tiles_kind);
         Tiles::config(tile_config());
         for (int64_t t; (t = next()) >= 0;) {
+          if (silu) {
+            dequantize(t, aligned), dequantize(t + N / 32, aligned + K * 16);
+            tile<Tiles>(M, t, 2, aligned, padded.data());
+            continue;
+          }
           const int64_t b = t * kTileCols;
           const int n = static_cast<int>(std::min<int64_t>(kTileCols, N / 16 - b));
           for (int c = 0; c < n; ++c) dequantize(b + c, aligned + c * K * 16);
@@ -200,13 +230,23 @@ struct PromptGemm {
 bool amx_bf16_gemm_supported() { return bf16_mode() != 0; }
 
 // x [M, K] bf16 and the operands of vnni_gemm (vnni_layouts.h) -> out [M, N] bf16, rows of any stride
-at::Tensor& amx_bf16_gemm_out(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                              const at::Tensor& zoffs, int64_t bits, int64_t act_group,
-                              const c10::optional<at::Tensor>& supers, at::Tensor& out) {
+at::Tensor& prompt_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                        const at::Tensor& zoffs, int64_t bits, int64_t act_group,
+                        const c10::optional<at::Tensor>& supers, at::Tensor& out, bool silu) {
   const int mode = bf16_mode();
   TORCH_CHECK(mode != 0, "amx_bf16_gemm needs AMX-BF16 (this CPU or its build has none, or CPUSERVE_AMX=off)");
-  cpuserve_ops::check_gemm_operands(x, packed, scales, zoffs, bits, act_group, supers, out);
   const int64_t N = packed.size(0) * 16, K = packed.size(1) * 32 / bits, M = x.size(0);
+  if (silu) {  // the operands' checks against an output of the GEMM's shape (a meta tensor: no memory), then out's
+    TORCH_CHECK(N % 32 == 0, "amx_bf16_gemm_silu: N=", N, " must be [gate | up], each a multiple of 16 columns");
+    const auto full = at::empty({M, N}, x.options().device(at::kMeta));
+    cpuserve_ops::check_gemm_operands(x, packed, scales, zoffs, bits, act_group, supers, full);
+    TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.sizes() == at::IntArrayRef({M, N / 2}) &&
+                    out.stride(1) == 1 && out.stride(0) >= N / 2,
+                "out must be bf16 [", M, ", ", N / 2, "] with contiguous rows, got ", out.scalar_type(), " ",
+                out.sizes(), " strides ", out.strides());
+  } else {
+    cpuserve_ops::check_gemm_operands(x, packed, scales, zoffs, bits, act_group, supers, out);
+  }
   TORCH_CHECK(K % kStepInputs == 0, "amx_bf16_gemm: K=", K, " must be a multiple of ", kStepInputs);
 #if defined(CPUSERVE_AMX_BF16)
   const bool symmetric = zoffs.scalar_type() == at::kInt;
@@ -219,6 +259,7 @@ at::Tensor& amx_bf16_gemm_out(const at::Tensor& x, const at::Tensor& packed, con
       gemm.symmetric = symmetric, gemm.z = symmetric ? header[0] : 0;
       gemm.unscale = symmetric ? std::ldexp(1.f, -header[1]) : 1.f;
       gemm.K = K, gemm.S = S, gemm.N = N, gemm.out = out.data_ptr<bf16>(), gemm.ldo = out.stride(0);
+      gemm.silu = silu;
       gemm.run(M, mode);
     };
     if (bits == 4) return go(PromptGemm<4, Scales>{});
@@ -241,6 +282,21 @@ at::Tensor& amx_bf16_gemm_out(const at::Tensor& x, const at::Tensor& packed, con
   }
 #endif
   return out;
+}
+
+// x [M, K] bf16 and the operands of vnni_gemm (vnni_layouts.h) -> out [M, N] bf16, rows of any stride
+at::Tensor& amx_bf16_gemm_out(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                              const at::Tensor& zoffs, int64_t bits, int64_t act_group,
+                              const c10::optional<at::Tensor>& supers, at::Tensor& out) {
+  return prompt_gemm(x, packed, scales, zoffs, bits, act_group, supers, out, false);
+}
+
+// The same with the columns [gate | up] -> out [M, N / 2] = silu(gate) * up, the bits of silu_mul over
+// amx_bf16_gemm's output (a prompt's MLP without its [M, N] intermediate)
+at::Tensor& amx_bf16_gemm_silu_out(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                                   const at::Tensor& zoffs, int64_t bits, int64_t act_group,
+                                   const c10::optional<at::Tensor>& supers, at::Tensor& out) {
+  return prompt_gemm(x, packed, scales, zoffs, bits, act_group, supers, out, true);
 }
 
 at::Tensor amx_bf16_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
@@ -273,6 +329,8 @@ TORCH_LIBRARY_FRAGMENT(cpuserve, m) {
         "Tensor? supers=None) -> Tensor");
   m.def("amx_bf16_gemm.out(Tensor x, Tensor packed, Tensor scales, Tensor zoffs, int bits, int act_group, "
         "Tensor? supers=None, *, Tensor(a!) out) -> Tensor(a!)");
+  m.def("amx_bf16_gemm_silu.out(Tensor x, Tensor packed, Tensor scales, Tensor zoffs, int bits, int act_group, "
+        "Tensor? supers=None, *, Tensor(a!) out) -> Tensor(a!)");
   m.def("amx_bf16_gemm_supported() -> bool");
   m.def("amx_bf16_gemm_mode(str mode=\"\") -> str");
 }
@@ -280,6 +338,7 @@ TORCH_LIBRARY_FRAGMENT(cpuserve, m) {
 TORCH_LIBRARY_IMPL(cpuserve, CPU, m) {
   m.impl("amx_bf16_gemm", &amx_bf16_gemm);
   m.impl("amx_bf16_gemm.out", &amx_bf16_gemm_out);
+  m.impl("amx_bf16_gemm_silu.out", &amx_bf16_gemm_silu_out);
 }
 
 TORCH_LIBRARY_IMPL(cpuserve, CompositeExplicitAutograd, m) {

@@ -286,6 +286,13 @@ class Int8ActLinear(PackedLinear):
         torch.ops.cpuserve.amx_bf16_gemm.out(x2, self.packed, self.scales, self.zoffs, self.bits, self.act_group,
                                              self.supers, out=y)
 
+    def has_prompt_silu_kernel(self) -> bool:
+        return self.bias is None and self.out_features % 32 == 0 and self.has_prompt_kernel()
+
+    def _prompt_silu_into(self, x2: Tensor, act: Tensor) -> None:
+        torch.ops.cpuserve.amx_bf16_gemm_silu.out(x2, self.packed, self.scales, self.zoffs, self.bits, self.act_group,
+                                                  self.supers, out=act)
+
     def _own_kernel(self) -> bool:
         return True
 

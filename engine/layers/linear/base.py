@@ -69,6 +69,33 @@ class QuantLinear(torch.nn.Module):
         """The layer computes prompt rows in a scheme of their own (_prompt_gemm_into); False: one path for all."""
         return False
 
+    def has_prompt_silu_kernel(self) -> bool:
+        """The prompt kernel also computes silu(gate) * up of a [gate | up] layer (an MLP's gate_up), without the
+        [M, N] output in between (_prompt_silu_into); see silu_mul_into."""
+        return False
+
+    def silu_mul_into(self, x: Tensor, act: Tensor, prompt_rows: RowRanges) -> Tensor:
+        """silu(gate) * up of this [gate | up] layer's output into act [M, N / 2] (only where has_prompt_silu_kernel):
+        the bits of ops.silu_mul over forward(x, prompt_rows=). The prompt rows take the fused kernel, the others
+        forward then silu_mul. Returns act."""
+        x2 = self._rows(x if x.dtype == self.act_dtype else x.to(self.act_dtype))  # x2: [M, K]
+        m = x2.shape[0]
+        row = 0
+        for start, stop in (*prompt_rows, (m, m)):
+            assert row <= start <= stop <= m, f"prompt_rows {prompt_rows} are not sorted disjoint ranges of {m} rows"
+            if start > row:
+                gate_up = torch.empty((start - row, self.out_features), dtype=self.act_dtype)
+                self._usual_into(x2[row:start], gate_up)
+                torch.ops.cpuserve.silu_mul.out(gate_up, out=act[row:start])
+            if stop > start:
+                self._prompt_silu_into(x2[start:stop], act[start:stop])
+            row = stop
+        return act
+
+    def _prompt_silu_into(self, x2: Tensor, act: Tensor) -> None:
+        """The fused prompt kernel (only where has_prompt_silu_kernel): x2 [M, K] -> act [M, N / 2]."""
+        raise NotImplementedError
+
     def input_buffer(self, rows: int, dtype: torch.dtype) -> torch.Tensor:
         """A tensor [rows, in_features] to build this layer's next input in (a replica group's sharded layers
         hand out their collective's shared-memory slot instead)."""
