@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from control_plane import (OperatorProcess, RealControlPlane, assets_missing, free_port, kubectl, start_fake,
                            wait_for)
 from cpuserve.operator.serve_api import ServeApi, read_token
 from cpuserve.operator.validation import validate
 from cpuserve.operator.settings import OperatorSettings
+from cpuserve.operator.spec import PortsSpec
+from cpuserve.serving.config import DEFAULT_MODEL_NAME
 from cpuserve.v1 import inference_pb2 as pb
 from cpuserve.v1 import inference_pb2_grpc as pbg
 from fake_apiserver import CHART_CRDS
@@ -76,6 +80,28 @@ def generate(port: int, i: int, out: dict, done: dict | None = None) -> None:
         done[i] = time.monotonic()
 
 
+def engine_gauges(kubelet: LocalKubelet, pod: str) -> dict[str, float]:
+    """A rank pod's engine-metrics port (spec.ports.engineMetrics, mapped to this host) as {name: value}, samples
+    labelled with the served model."""
+    port = kubelet.procs[pod][1][PortsSpec().engine_metrics]
+    text = wait_for(f"{pod}'s engine metrics", lambda: _get(f"http://127.0.0.1:{port}/metrics"), timeout=60)
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == family.name and family.type == "gauge":
+                assert sample.labels["model_name"] == DEFAULT_MODEL_NAME, sample
+                out[sample.name] = sample.value
+    return out
+
+
+def _get(url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as rsp:
+            return rsp.read().decode()
+    except OSError:
+        return None
+
+
 def test_kubectl_apply_to_tokens_then_scale(cluster):
     server, kubelet = cluster
     ports = {"grpc": free_port(), "http": free_port(), "metrics": free_port()}
@@ -94,6 +120,7 @@ def test_kubectl_apply_to_tokens_then_scale(cluster):
     assert isinstance(out[0], list), out[0]
     assert sum(len(m.token_ids) for m in out[0]) == NUM_TOKENS and out[0][-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert "".join(m.text for m in out[0]).strip()
+    assert engine_gauges(kubelet, f"{NAME}-g0-r0")["vllm:num_requests_running"] == 0  # the rank pod's own endpoint
 
     done: dict[int, float] = {}
     streams = [threading.Thread(target=generate, args=(ports["grpc"], i, out, done)) for i in range(1, 5)]
@@ -124,4 +151,6 @@ def test_kubectl_apply_to_tokens_then_scale(cluster):
         assert sum(len(m.token_ids) for m in out[i]) == NUM_TOKENS, i
         assert done[i] > scaled_at, "the stream ran across the scale"
     wait_for("readyReplicas 2", lambda: server.kube.get("LLMService", NS, NAME)["status"]["readyReplicas"] == 2)
+    for pod in (f"{NAME}-g0-r0", f"{NAME}-g1-r0"):  # each model server (pod) has its own engine's gauges
+        assert set(engine_gauges(kubelet, pod)) >= {"vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"}
     assert not kubelet.exited, kubelet.exited
