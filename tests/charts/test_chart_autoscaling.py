@@ -8,6 +8,8 @@ gauges crossing the threshold under load) is tests/serving/test_engine_metrics_p
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import jsonschema
 import kubernetes_validate
 import pytest
@@ -88,21 +90,11 @@ def test_thresholds_are_llm_d_defaults_on_names_the_replicas_export():
                        "vllm:kv_cache_usage_perc": {"type": "AverageValue", "averageValue": "0.8"}}
     stats = EngineStats(num_running=1, num_waiting=2, kv_cache_usage=0.25, num_preemptions=0, last_step_seconds=0.0,
                         num_free_blocks=3, num_blocks=4)
-    exported = {m.name for m in EngineCollector(StatsOnly(stats), "m", 16).collect()}
+    exported = {m.name for m in EngineCollector(SimpleNamespace(stats=lambda: stats), "m", 16).collect()}
     assert set(targets) <= exported
     custom = render(*SERVICES, "--set", "autoscaling.queueDepthTarget=2", "--set", "autoscaling.kvCacheUsageTarget=0.5")
     (hpa, _) = kinds(custom, "HorizontalPodAutoscaler")
     assert [m["pods"]["target"]["averageValue"] for m in hpa["spec"]["metrics"]] == ["2", "0.5"]
-
-
-class StatsOnly:
-    """What EngineCollector reads of an engine: its stats."""
-
-    def __init__(self, stats: EngineStats):
-        self._stats = stats
-
-    def stats(self) -> EngineStats:
-        return self._stats
 
 
 def test_inference_pool_selects_the_rank_pods_the_operator_makes():
