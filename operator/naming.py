@@ -44,6 +44,10 @@ def metrics_name(name: str) -> str:
     return f"{name}-metrics"
 
 
+def engine_metrics_name(name: str) -> str:
+    return f"{name}-engine-metrics"
+
+
 def rank_selector(name: str) -> str:
     """Label selector string of the rank pods (the scale subresource's)."""
     return f"{LABEL_SERVICE}={name},{LABEL_COMPONENT}=rank"

@@ -18,6 +18,7 @@ from cpuserve.operator.memory import GIB, MIB, MemoryPlan, download_size_limit
 from cpuserve.operator.security import DASHBOARD_PORT, ray_auth_env
 from cpuserve.operator.settings import OperatorSettings
 from cpuserve.operator.spec import LLMServiceSpec
+from cpuserve.serving.names import ENGINE_METRICS_PORT_ENV
 from cpuserve.serving.ray_env import RAY_ENV
 
 UID = 10001
@@ -153,7 +154,9 @@ def build_rank_pod(name: str, group: int, rank: int, spec: LLMServiceSpec, setti
                     "--resources=" + json.dumps({naming.SOCKET_RESOURCE: 1}),
                     f"--object-store-memory={OBJECT_STORE_BYTES}", f"--dashboard-agent-listen-port={AGENT_PORT}",
                     "--disable-usage-stats", "--block"],
-        "ports": [{"name": "agent", "containerPort": AGENT_PORT}],
+        # the LLMServer replica that lands on this Ray node serves its engine's gauges there (serving/engine_metrics.py)
+        "ports": [{"name": "agent", "containerPort": AGENT_PORT},
+                  {"name": "engine-metrics", "containerPort": spec.ports.engine_metrics}],
         "resources": _resources(cpus, plan.quantity),
         "readinessProbe": {"httpGet": {"path": "/api/local_raylet_healthz", "port": "agent"},
                            "periodSeconds": 5, "failureThreshold": 3},
@@ -163,7 +166,8 @@ def build_rank_pod(name: str, group: int, rank: int, spec: LLMServiceSpec, setti
     labels = {**naming.base_labels(name), naming.LABEL_COMPONENT: "rank",
               naming.LABEL_GROUP: str(group), naming.LABEL_RANK: str(rank)}
     pod = _pod(name, naming.rank_name(name, group, rank), labels, spec, settings, container, head=False)
-    container["env"] += [{"name": "CPUSERVE_GROUP", "value": str(group)}, {"name": "CPUSERVE_RANK", "value": str(rank)}]
+    container["env"] += [{"name": "CPUSERVE_GROUP", "value": str(group)}, {"name": "CPUSERVE_RANK", "value": str(rank)},
+                         {"name": ENGINE_METRICS_PORT_ENV, "value": str(spec.ports.engine_metrics)}]
     pod["spec"]["nodeSelector"] = {settings.numa_node_label: "true", **spec.placement.node_selector}
     pod["spec"]["affinity"] = _rank_affinity(name, group, spec)
     return pod

@@ -5,7 +5,7 @@ serving ports. Pure functions of the CR, like the other children.
     who -> which pods of LLMService "chat"          ports
     chat's own pods (head, ranks)                   all (GCS, raylets, object managers, workers, dashboard)
     the operator's pods                             dashboard 8265 (Serve REST API)
-    anyone                                          gRPC, HTTP, metrics
+    anyone                                          gRPC, HTTP, metrics, engine metrics (rank pods)
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def build_network_policy(name: str, spec: LLMServiceSpec, settings: OperatorSett
             "ingress": [
                 {"from": [own]},
                 {"from": [operator_peer], "ports": [_tcp(DASHBOARD_PORT)]},
-                {"ports": [_tcp(p.grpc), _tcp(p.http), _tcp(p.metrics)]},
+                {"ports": [_tcp(p.grpc), _tcp(p.http), _tcp(p.metrics), _tcp(p.engine_metrics)]},
             ],
         },
     }

@@ -24,13 +24,19 @@ def _port(port_name: str, port: int, app_protocol: str | None = None) -> dict[st
 
 
 def build_services(name: str, spec: LLMServiceSpec) -> list[dict[str, Any]]:
-    """The serving Service (gRPC + HTTP), the metrics Service and the headless rendezvous Service."""
+    """The serving Service (gRPC + HTTP), the metrics Services (the head's service-wide `cpuserve_*`, and every rank
+    pod's own engine gauges: a ServiceMonitor scrapes each of its endpoints, i.e. each pod) and the headless rendezvous
+    Service."""
     head = {naming.LABEL_SERVICE: name, naming.LABEL_COMPONENT: "head"}
+    ranks = {naming.LABEL_SERVICE: name, naming.LABEL_COMPONENT: "rank"}
     everyone = {naming.LABEL_SERVICE: name}
     p = spec.ports
     return [
         _service(name, name, head, [_port("grpc", p.grpc, "grpc"), _port("http", p.http, "http")]),
         _service(name, naming.metrics_name(name), head, [_port("metrics", p.metrics, "http")],
+                 extra_labels={naming.LABEL_COMPONENT: "metrics"}),
+        _service(name, naming.engine_metrics_name(name), ranks,
+                 [_port("engine-metrics", p.engine_metrics, "http")],
                  extra_labels={naming.LABEL_COMPONENT: "metrics"}),
         _service(name, naming.headless_name(name), everyone, [_port("gcs", naming.RAY_GCS_PORT)], headless=True),
     ]
@@ -53,6 +59,8 @@ def build_service_monitor(name: str) -> dict[str, Any]:
         "metadata": {"name": name, "labels": naming.base_labels(name)},
         "spec": {
             "selector": {"matchLabels": {naming.LABEL_SERVICE: name, naming.LABEL_COMPONENT: "metrics"}},
-            "endpoints": [{"port": "metrics", "path": "/metrics", "interval": "15s"}],
+            # each endpoint scrapes the Services that have its port: the head's, and every rank pod's
+            "endpoints": [{"port": "metrics", "path": "/metrics", "interval": "15s"},
+                          {"port": "engine-metrics", "path": "/metrics", "interval": "15s"}],
         },
     }

@@ -97,6 +97,9 @@ class PortsSpec(Spec):
     """OpenAI-compatible HTTP port."""
     metrics: int = Field(8080, ge=1024, le=65535)
     """Prometheus metrics port."""
+    engine_metrics: int = Field(8081, ge=1024, le=65535)
+    """Port on which each rank pod that runs a replica group's engine serves that engine's gauges in vLLM's names
+    (the Gateway API Inference Extension's model-server protocol: what an endpoint picker and an HPA read)."""
 
 
 class PlacementSpec(Spec):

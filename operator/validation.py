@@ -75,9 +75,10 @@ def _check_shape(spec: LLMServiceSpec, settings: OperatorSettings) -> list[Findi
     if spec.placement.mode == "pack" and ranks > spec.placement.sockets_per_node:
         out.append(Finding("spec.ranksPerReplica", ranks, f"placement pack puts a group on one node of "
                            f"{spec.placement.sockets_per_node} sockets; use at most that or placement spread"))
-    ports = {"grpc": spec.ports.grpc, "http": spec.ports.http, "metrics": spec.ports.metrics}
-    if len(set(ports.values())) < 3 or RAY_GCS_PORT in ports.values():
-        out.append(Finding("spec.ports", ports, f"must be three distinct ports, none {RAY_GCS_PORT} (Ray GCS)"))
+    p = spec.ports
+    ports = {"grpc": p.grpc, "http": p.http, "metrics": p.metrics, "engineMetrics": p.engine_metrics}
+    if len(set(ports.values())) < len(ports) or RAY_GCS_PORT in ports.values():
+        out.append(Finding("spec.ports", ports, f"must be {len(ports)} distinct ports, none {RAY_GCS_PORT} (Ray GCS)"))
     b = spec.batching
     if b.max_num_batched_tokens < b.max_num_seqs:
         out.append(Finding("spec.batching.maxNumBatchedTokens", b.max_num_batched_tokens,

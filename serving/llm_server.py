@@ -17,6 +17,7 @@ from cpuserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from cpuserve.engine.sampling_params import SamplingParams
 from cpuserve.serving.affinity import engine_cores, on_cores
 from cpuserve.serving.config import ServeConfig
+from cpuserve.serving.engine_metrics import engine_metrics_port, serve_engine_metrics
 from cpuserve.serving.pacing import paced
 from cpuserve.serving.protocol import UNAVAILABLE, RequestError, chunk_from_step
 from cpuserve.serving.tools import MISTRAL, format_of, prepare_messages, template_knows_tools, tool_grammar
@@ -59,6 +60,10 @@ class LLMServer:
                                               self.config.socket_resource)
         with on_cores(cores):  # the engine's thread (and its OpenMP workers) on the cores kept for it, if any
             self.engine = engine_cls.from_config(**options)
+        self._engine_metrics = None
+        if (port := engine_metrics_port()) is not None:  # this replica's pod is a model server of its own
+            self._engine_metrics = serve_engine_metrics(self.engine, self.config.model_name, self.config.block_size,
+                                                        self.config.host, port)
         self.tokenizer = self.engine.tokenizer
         template = getattr(self.tokenizer, "chat_template", None)  # stand-in engines' tokenizers may have none
         self.tool_format = format_of(template)
@@ -227,6 +232,9 @@ class LLMServer:
             await asyncio.sleep(self.config.stats_interval_s)
 
     def __del__(self) -> None:  # Serve calls this when it stops the replica: stops the rank actors too
+        if getattr(self, "_engine_metrics", None) is not None:  # frees the port for the replica replacing this one
+            self._engine_metrics.shutdown()
+            self._engine_metrics.server_close()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

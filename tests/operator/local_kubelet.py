@@ -3,7 +3,8 @@ operator generates are what actually starts.
 
 For each pod in the API server it starts the container's command + args with the pod's env (secretKeyRef read
 from the API server, fieldRef metadata.name), every Service and pod DNS name resolved to 127.0.0.1, and each
-pod's Ray ports mapped to free host ports (all pods share 127.0.0.1, as they would not share an IP). It marks
+pod's Ray ports (and a rank pod's every declared port, in its flags and its *_PORT env) mapped to free host ports
+(all pods share 127.0.0.1, as they would not share an IP). It marks
 the pod Running, runs its readiness probe and reports Ready, and stops the process when the pod is deleted.
 No images, volumes, cgroups or init containers: the embedded model is in this venv.
 """
@@ -44,7 +45,7 @@ class LocalKubelet(threading.Thread):
         self.tmp = private_ray_tmpdir()
 
     # ---- what a container sees ----
-    def _env(self, pod: dict[str, Any], container: dict[str, Any]) -> dict[str, str]:
+    def _env(self, pod: dict[str, Any], container: dict[str, Any], ports: dict[int, int]) -> dict[str, str]:
         env = {"PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}", "LANG": "C.UTF-8",
                # the node's, not the pod's: a test's Ray stops at once instead of draining for 30 s, and keeps its
                # files (and its address file) out of the machine's shared /tmp/ray
@@ -58,6 +59,8 @@ class LocalKubelet(threading.Thread):
             elif "fieldRef" in source:
                 assert source["fieldRef"]["fieldPath"] == "metadata.name", source
                 env[item["name"]] = pod["metadata"]["name"]
+            elif item["name"].endswith("_PORT") and item["value"].isdigit():  # a port the pod declares: mapped
+                env[item["name"]] = str(ports.get(int(item["value"]), int(item["value"])))
             else:
                 env[item["name"]] = item["value"]
         return env
@@ -80,12 +83,16 @@ class LocalKubelet(threading.Thread):
     def _start(self, pod: dict[str, Any]) -> None:
         name = pod["metadata"]["name"]
         (container,) = pod["spec"]["containers"]
-        ports = self.head_ports if name.endswith("-head") else {p: free_port() for p in RAY_PORTS}
+        if name.endswith("-head"):  # its serving ports are the Serve app's (the test picks free ones)
+            ports = self.head_ports
+        else:  # Ray's and every other port the rank pod declares (its engine's metrics)
+            declared = {p["containerPort"] for p in container.get("ports") or []}
+            ports = {p: free_port() for p in sorted(declared | set(RAY_PORTS))}
         names = [s["metadata"]["name"] for s in self.kube.list("Service", self.ns, f"{LABEL_SERVICE}={self.service}")]
         names += [p["metadata"]["name"] for p in self.kube.list("Pod", self.ns, f"{LABEL_SERVICE}={self.service}")]
         cmd = self._localize(container["command"] + container.get("args", []), ports, names)
         log = open(self.log_dir / f"{name}.log", "w")
-        proc = subprocess.Popen(cmd, env=self._env(pod, container), stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, env=self._env(pod, container, ports), stdout=log, stderr=subprocess.STDOUT)
         self.procs[name] = (proc, ports, log)
         self.kube.merge_patch("Pod", self.ns, name, {"status": {"phase": "Running", "conditions": [
             {"type": "Ready", "status": "False"}]}}, sub="status")

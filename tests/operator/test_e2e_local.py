@@ -1,28 +1,44 @@
 """kubectl apply -> tokens: the example LLMService goes through the real operator and a fake API server, and the
 pods it creates run as local processes (local_kubelet.py): their own commands, env and ports make a Ray
 cluster, the operator applies the Serve app through the head's REST API, a gRPC Generate through the head's
-port streams tokens, and `kubectl scale` to 2 replicas is served without dropping a stream."""
+port streams tokens. Under 8 streams on a batch of 2, the rank pod's own queue gauge crosses the chart's HPA
+target, the HPA's rule asks for 2 replicas, and that scale (through the scale subresource, as the HPA writes it)
+is served without dropping a stream.
+
+No HPA controller or custom-metrics adapter runs here: the test reads the gauges the adapter would serve from the
+pod's endpoint and applies the HPA controller's documented rule (hpa_desired_replicas) to the HPA the chart renders
+for this LLMService. Everything after that decision is the real operator, Serve and engines."""
 from __future__ import annotations
 
+import math
+import sys
 import threading
 import time
+import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from control_plane import (OperatorProcess, RealControlPlane, assets_missing, free_port, kubectl, start_fake,
                            wait_for)
 from cpuserve.operator.serve_api import ServeApi, read_token
 from cpuserve.operator.validation import validate
 from cpuserve.operator.settings import OperatorSettings
+from cpuserve.operator.spec import PortsSpec
+from cpuserve.serving.config import DEFAULT_MODEL_NAME
 from cpuserve.v1 import inference_pb2 as pb
 from cpuserve.v1 import inference_pb2_grpc as pbg
 from fake_apiserver import CHART_CRDS
 from local_kubelet import LocalKubelet
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "charts"))
+from chart_tools import render  # noqa: E402
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-NS, NAME, NUM_TOKENS = "ml", "smollm2", 64
+NS, NAME, NUM_TOKENS, MAX_NUM_SEQS, NUM_STREAMS = "ml", "smollm2", 64, 2, 8
 EXAMPLE = CHART_CRDS.parent / "examples" / "llmservice-smollm2.yaml"
 
 
@@ -56,7 +72,29 @@ def the_example(ports: dict[str, int]) -> dict:
     body["metadata"]["namespace"] = NS
     body["spec"]["ports"] = ports
     body["spec"]["resources"].update(cpusPerRank=1, kvCacheGb=0.1)
+    body["spec"]["batching"]["maxNumSeqs"] = MAX_NUM_SEQS  # so that 8 streams queue past the HPA's target
     return body
+
+
+def chart_hpa() -> dict:
+    """The HPA the chart renders (real helm, default thresholds) for this LLMService."""
+    (hpa,) = [d for d in render("--set", "autoscaling.enabled=true", "--set", f"autoscaling.llmServices[0].name={NAME}",
+                                "--set", f"autoscaling.llmServices[0].namespace={NS}")
+              if d["kind"] == "HorizontalPodAutoscaler"]
+    return hpa
+
+
+def hpa_desired_replicas(hpa: dict, current: int, averages: dict[str, float]) -> int:
+    """The HPA controller's rule for Pods metrics with AverageValue targets (Kubernetes docs, "Horizontal Pod
+    Autoscaling", algorithm details): per metric ceil(current * average / target), unchanged within the 10%
+    tolerance; the largest wins; bounded by min/maxReplicas and by the scale-up policy (Pods: value per period)."""
+    wanted = []
+    for metric in hpa["spec"]["metrics"]:
+        ratio = averages[metric["pods"]["metric"]["name"]] / float(metric["pods"]["target"]["averageValue"])
+        wanted.append(current if abs(ratio - 1) <= 0.1 else math.ceil(current * ratio))
+    desired = max(hpa["spec"]["minReplicas"], min(hpa["spec"]["maxReplicas"], max(wanted)))
+    (policy,) = hpa["spec"]["behavior"]["scaleUp"]["policies"]
+    return min(desired, current + policy["value"])
 
 
 def condition(server, ctype: str) -> dict:
@@ -74,6 +112,28 @@ def generate(port: int, i: int, out: dict, done: dict | None = None) -> None:
             out[i] = f"{err.code()}: {err.details()}"
     if done is not None:
         done[i] = time.monotonic()
+
+
+def engine_gauges(kubelet: LocalKubelet, pod: str) -> dict[str, float]:
+    """A rank pod's engine-metrics port (spec.ports.engineMetrics, mapped to this host) as {name: value}, samples
+    labelled with the served model."""
+    port = kubelet.procs[pod][1][PortsSpec().engine_metrics]
+    text = wait_for(f"{pod}'s engine metrics", lambda: _get(f"http://127.0.0.1:{port}/metrics"), timeout=60)
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == family.name and family.type == "gauge":
+                assert sample.labels["model_name"] == DEFAULT_MODEL_NAME, sample
+                out[sample.name] = sample.value
+    return out
+
+
+def _get(url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as rsp:
+            return rsp.read().decode()
+    except OSError:
+        return None
 
 
 def test_kubectl_apply_to_tokens_then_scale(cluster):
@@ -94,17 +154,22 @@ def test_kubectl_apply_to_tokens_then_scale(cluster):
     assert isinstance(out[0], list), out[0]
     assert sum(len(m.token_ids) for m in out[0]) == NUM_TOKENS and out[0][-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert "".join(m.text for m in out[0]).strip()
+    assert engine_gauges(kubelet, f"{NAME}-g0-r0")["vllm:num_requests_running"] == 0  # the rank pod's own endpoint
 
     done: dict[int, float] = {}
-    streams = [threading.Thread(target=generate, args=(ports["grpc"], i, out, done)) for i in range(1, 5)]
+    streams = [threading.Thread(target=generate, args=(ports["grpc"], i, out, done)) for i in range(1, NUM_STREAMS + 1)]
     for t in streams:
         t.start()
+    hpa = chart_hpa()  # what the HPA controller would decide from the pod's gauges
+    desired = wait_for("the HPA's rule to ask for more", lambda: (
+        d := hpa_desired_replicas(hpa, 1, engine_gauges(kubelet, f"{NAME}-g0-r0"))) > 1 and d, timeout=60)
+    assert desired == 2, "one group more: the chart's scale-up policy adds one at a time"
     scaled_at = time.monotonic()
     if server.name == "real":
-        result = kubectl(server, "scale", "llmservice", NAME, "-n", NS, "--replicas=2")
+        result = kubectl(server, "scale", "llmservice", NAME, "-n", NS, f"--replicas={desired}")
         assert result.returncode == 0, result.stderr
-    else:
-        server.kube.merge_patch("LLMService", NS, NAME, {"spec": {"replicas": 2}}, sub="scale")  # kubectl scale
+    else:  # what the HPA writes (and `kubectl scale` sends): the scale subresource
+        server.kube.merge_patch("LLMService", NS, NAME, {"spec": {"replicas": desired}}, sub="scale")
     wait_for("the second group's pod", lambda: f"{NAME}-g1-r0" in kubelet.ready, timeout=120, interval=1)
     token = read_token(server.kube, NS, NAME, validate(server.kube.get("LLMService", NS, NAME), OperatorSettings())[0])
     api = ServeApi(f"http://127.0.0.1:{kubelet.head_ports[8265]}", token)
@@ -119,9 +184,11 @@ def test_kubectl_apply_to_tokens_then_scale(cluster):
     assert model.replicas == 2
     for t in streams:
         t.join(600)
-    for i in range(1, 5):
+    for i in range(1, NUM_STREAMS + 1):
         assert isinstance(out[i], list), out[i]
         assert sum(len(m.token_ids) for m in out[i]) == NUM_TOKENS, i
         assert done[i] > scaled_at, "the stream ran across the scale"
     wait_for("readyReplicas 2", lambda: server.kube.get("LLMService", NS, NAME)["status"]["readyReplicas"] == 2)
+    for pod in (f"{NAME}-g0-r0", f"{NAME}-g1-r0"):  # each model server (pod) has its own engine's gauges
+        assert set(engine_gauges(kubelet, pod)) >= {"vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"}
     assert not kubelet.exited, kubelet.exited

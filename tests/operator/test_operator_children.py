@@ -11,6 +11,7 @@ from cpuserve.operator.children import build_children
 from cpuserve.operator.memory import GIB, MIB, bytes_per_parameter, plan_memory
 from cpuserve.operator.settings import OperatorSettings
 from cpuserve.operator.validation import validate
+from cpuserve.serving.names import ENGINE_METRICS_PORT_ENV
 from llmservice_factory import K8S_VERSION, make_body
 
 SETTINGS = OperatorSettings()
@@ -50,7 +51,7 @@ def test_pods_per_replica_group_and_rank(spec, ranks):
         g, r = labels[naming.LABEL_GROUP], labels[naming.LABEL_RANK]
         assert pod["metadata"]["name"] == f"chat-g{g}-r{r}"
         assert labels[naming.LABEL_COMPONENT] == "rank" and labels[naming.LABEL_SERVICE] == "chat"
-    assert [m["kind"] for m in manifests] == ["Service"] * 3 + ["Pod"] * len(pods) + ["PodDisruptionBudget", "NetworkPolicy",
+    assert [m["kind"] for m in manifests] == ["Service"] * 4 + ["Pod"] * len(pods) + ["PodDisruptionBudget", "NetworkPolicy",
                                                                                      "ServiceMonitor"]
 
 
@@ -153,12 +154,24 @@ def test_only_pods_whose_own_spec_changed_restart(change, restarted):
 
 
 def test_services_and_pdb():
-    manifests = children(make_body(ports={"grpc": 9100, "http": 8100, "metrics": 8180}))
+    manifests = children(make_body(ports={"grpc": 9100, "http": 8100, "metrics": 8180, "engineMetrics": 8181}))
     svc = {m["metadata"]["name"]: m for m in by_kind(manifests, "Service")}
     assert [(p["name"], p["port"]) for p in svc["chat"]["spec"]["ports"]] == [("grpc", 9100), ("http", 8100)]
     assert svc["chat"]["spec"]["selector"] == {naming.LABEL_SERVICE: "chat", naming.LABEL_COMPONENT: "head"}
     assert svc["chat-headless"]["spec"]["clusterIP"] == "None"
     assert svc["chat-metrics"]["spec"]["ports"][0]["port"] == 8180
+    # every rank pod's own engine gauges, on the port its pods declare and name in their environment
+    engine = svc["chat-engine-metrics"]
+    assert engine["spec"]["selector"] == {naming.LABEL_SERVICE: "chat", naming.LABEL_COMPONENT: "rank"}
+    assert [(p["name"], p["port"], p["targetPort"]) for p in engine["spec"]["ports"]] == [
+        ("engine-metrics", 8181, "engine-metrics")]
+    assert engine["metadata"]["labels"][naming.LABEL_COMPONENT] == "metrics"  # the ServiceMonitor selects it
+    (sm,) = by_kind(manifests, "ServiceMonitor")
+    assert [e["port"] for e in sm["spec"]["endpoints"]] == ["metrics", "engine-metrics"]
+    for pod in by_kind(manifests, "Pod")[1:]:
+        (c,) = pod["spec"]["containers"]
+        assert {"name": "engine-metrics", "containerPort": 8181} in c["ports"]
+        assert {"name": ENGINE_METRICS_PORT_ENV, "value": "8181"} in c["env"]
     (pdb,) = by_kind(manifests, "PodDisruptionBudget")
     assert pdb["spec"]["maxUnavailable"] == 1
     assert by_kind(children(make_body(), with_sm=False), "ServiceMonitor") == []

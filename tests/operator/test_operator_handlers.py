@@ -83,7 +83,7 @@ def test_create_then_ready(cluster):
     cr = api.create(LLMS, NS, llmservice("alpha", replicas=1, ranksPerReplica=2))
     pods = ["alpha-g0-r0", "alpha-g0-r1", "alpha-head"]
     got = wait_for("children", lambda: (c := children(api, "alpha"))["pods"] == pods and c)
-    assert got == {"pods": pods, "services": ["alpha", "alpha-headless", "alpha-metrics"],
+    assert got == {"pods": pods, "services": ["alpha", "alpha-engine-metrics", "alpha-headless", "alpha-metrics"],
                    "poddisruptionbudgets": ["alpha"], "servicemonitors": ["alpha"]}
     for pod in pods:
         (owner,) = api.get("pods", NS, pod)["metadata"]["ownerReferences"]
@@ -213,7 +213,8 @@ def test_refused_children_show_in_the_status_with_one_event_and_backoff(cluster)
     progressing = condition(api, "eta", "Progressing", FRESH)
     assert (progressing["status"], progressing["reason"]) == ("True", "Forbidden")
     assert condition(api, "eta", "Ready", FRESH)["status"] == "False"
-    assert children(api, "eta", FRESH)["services"] == ["eta", "eta-headless", "eta-metrics"], "the rest goes on"
+    assert children(api, "eta", FRESH)["services"] == ["eta", "eta-engine-metrics", "eta-headless", "eta-metrics"], \
+        "the rest goes on"
     posts = lambda: [t for (m, p, _), t in zip(api.requests, api.request_times)  # noqa: E731
                      if m == "POST" and p.endswith(f"/namespaces/{FRESH}/pods")]
     def passes():  # the two pods' POSTs of one pass come together

@@ -27,6 +27,7 @@ CASES = [  # (name, spec, field, words in the message)
     ("chat", {"model": {"source": "url", "numParameters": 10**9}}, "spec.model.url", ["required"]),
     ("chat", {"ports": {"grpc": 8000, "http": 8000}}, "spec.ports", ["distinct"]),
     ("chat", {"ports": {"metrics": 6379}}, "spec.ports", ["6379"]),
+    ("chat", {"ports": {"engineMetrics": 8080}}, "spec.ports", ["4 distinct", "'engineMetrics': 8080"]),
     ("chat", {"batching": {"maxNumSeqs": 64, "maxNumBatchedTokens": 32}}, "spec.batching.maxNumBatchedTokens",
      ["at least spec.batching.maxNumSeqs (64)"]),
     ("9chat", {}, "metadata.name", ["DNS-1035"]),

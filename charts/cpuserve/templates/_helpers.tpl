@@ -41,3 +41,13 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "cpuserve.image" -}}
 {{- printf "%s:%s" .Values.operator.image.repository (default .Chart.AppVersion .Values.operator.image.tag) }}
 {{- end }}
+
+{{/* Labels of a per-LLMService object the chart makes (HPA, InferencePool): (list $ "component"). */}}
+{{- define "cpuserve.serviceObjectLabels" -}}
+{{- $root := index . 0 -}}
+app.kubernetes.io/name: {{ include "cpuserve.name" $root }}
+app.kubernetes.io/instance: {{ $root.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+helm.sh/chart: {{ printf "%s-%s" $root.Chart.Name $root.Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/managed-by: {{ $root.Release.Service }}
+{{- end }}

@@ -1,0 +1,122 @@
+"""A serving replica's own endpoint (serving/engine_metrics.py) against the Gateway API Inference Extension's
+model-server protocol: a real Serve app on 127.0.0.1 with the real SmolLM2, its LLMServer replica told its port the
+way a rank pod tells it (CPUSERVE_ENGINE_METRICS_PORT in the environment Ray's workers inherit), scraped while
+streams queue up behind a batch of 2.
+
+PROTOCOL is the protocol's "Metrics Reporting" table, written here from its document:
+kubernetes-sigs/gateway-api-inference-extension, docs/proposals/003-model-server-protocol/README.md
+(https://github.com/kubernetes-sigs/gateway-api-inference-extension/tree/main/docs/proposals/003-model-server-protocol).
+Its vLLM column gives the names an unmodified endpoint picker reads; "Labeled" rows are read from a label of
+`vllm:cache_config_info`. The protocol's first version named KV usage `vllm:gpu_cache_usage_perc` (older pickers
+read that), and vLLM labels every metric with `model_name`; vLLM's preemption counter completes the set.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from cpuserve.serving.engine_metrics import ENGINE_METRICS_PORT_ENV
+from cpuserve.serving.ports import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+# (protocol metric, type, vLLM name, the labels it carries): the document's table
+PROTOCOL = [
+    ("TotalQueuedRequests", "gauge", "vllm:num_requests_waiting", {"model_name"}),
+    ("TotalRunningRequests", "gauge", "vllm:num_requests_running", {"model_name"}),
+    ("KVCacheUtilization", "gauge", "vllm:kv_cache_usage_perc", {"model_name"}),
+    ("KVCacheUtilization (v1 of the doc)", "gauge", "vllm:gpu_cache_usage_perc", {"model_name"}),
+    ("BlockSize, NumGPUBlocks (labeled)", "gauge", "vllm:cache_config_info",
+     {"model_name", "block_size", "num_gpu_blocks"}),
+    ("preemptions (vLLM's counter)", "counter", "vllm:num_preemptions", {"model_name"}),
+]
+MAX_NUM_SEQS, NUM_STREAMS, NUM_TOKENS = 2, 9, 48
+SERVE_CONFIG = dict(max_num_seqs=MAX_NUM_SEQS, max_queued_requests=16, block_size=16)
+VALUES = Path(__file__).resolve().parents[2] / "charts" / "cpuserve" / "values.yaml"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def engine_port():
+    """The port a rank pod names, set before the module's app starts Ray (its workers inherit it)."""
+    port = free_port()
+    os.environ[ENGINE_METRICS_PORT_ENV] = str(port)
+    yield port
+    os.environ.pop(ENGINE_METRICS_PORT_ENV, None)
+
+
+def scrape(port: int) -> tuple[str, dict]:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    return text, {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def value(families: dict, name: str) -> float:
+    (sample,) = families[name].samples
+    return sample.value
+
+
+def test_every_protocol_metric_has_its_name_type_and_labels(serving, engine_port):
+    text, families = wait_for_endpoint(engine_port)
+    for metric, kind, name, labels in PROTOCOL:
+        assert name in families and families[name].type == kind, f"{metric}: {name} is not exposed as a {kind}"
+        (sample,) = [s for s in families[name].samples if not s.name.endswith("_created")]
+        assert set(sample.labels) == labels, (metric, sample.labels)
+        assert sample.labels["model_name"] == serving.model_name
+    assert "vllm:num_preemptions_total{" in text  # the counter's sample name, as vLLM exposes it
+    (info,) = families["vllm:cache_config_info"].samples
+    assert info.value == 1 and info.labels["block_size"] == str(serving.block_size)
+    assert int(info.labels["num_gpu_blocks"]) > 0
+
+
+def wait_for_endpoint(port: int, timeout: float = 120) -> tuple[str, dict]:
+    deadline = time.monotonic() + timeout
+    while True:  # the replica starts its endpoint while Serve reports the app healthy: at most moments apart
+        try:
+            return scrape(port)
+        except httpx.HTTPError:
+            assert time.monotonic() < deadline, f"nothing serves the engine's metrics on port {port}"
+            time.sleep(0.5)
+
+
+def test_gauges_follow_the_engine_and_cross_the_autoscaling_threshold(serving, engine_port, http_url):
+    """9 streams on a batch of 2: the running gauge reads the batch, the queue climbs past the chart's default HPA
+    threshold (values.yaml autoscaling.queueDepthTarget), KV usage rises, then everything returns to 0."""
+    threshold = yaml.safe_load(VALUES.read_text())["autoscaling"]["queueDepthTarget"]
+    assert NUM_STREAMS - MAX_NUM_SEQS > threshold, "the load must be able to cross the threshold"
+    wait_for_endpoint(engine_port)
+    client = openai.OpenAI(base_url=f"{http_url}/v1", api_key="none", max_retries=0, timeout=300)
+    finished: list[str] = []
+
+    def stream(i: int) -> None:
+        chunks = client.completions.create(model=serving.model_name, prompt=f"Story {i}: once upon a time",
+                                           max_tokens=NUM_TOKENS, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        finished.extend(c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(NUM_STREAMS)]
+    for t in threads:
+        t.start()
+    seen = {"running": 0.0, "waiting": 0.0, "usage": 0.0}
+    while any(t.is_alive() for t in threads):
+        _, f = scrape(engine_port)
+        seen = {"running": max(seen["running"], value(f, "vllm:num_requests_running")),
+                "waiting": max(seen["waiting"], value(f, "vllm:num_requests_waiting")),
+                "usage": max(seen["usage"], value(f, "vllm:kv_cache_usage_perc"))}
+        assert value(f, "vllm:gpu_cache_usage_perc") == value(f, "vllm:kv_cache_usage_perc")
+        assert value(f, "vllm:num_requests_running") <= MAX_NUM_SEQS
+        time.sleep(0.05)
+    for t in threads:
+        t.join()
+    assert finished == ["length"] * NUM_STREAMS
+    assert seen["running"] == MAX_NUM_SEQS
+    assert seen["waiting"] > threshold, seen
+    assert 0 < seen["usage"] <= 1
+    _, f = scrape(engine_port)
+    assert value(f, "vllm:num_requests_running") == value(f, "vllm:num_requests_waiting") == 0
