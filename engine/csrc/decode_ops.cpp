@@ -163,6 +163,37 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
+// The residual add and the next RMSNorm in one pass: h = x + delta (rounded to x's dtype element by element, as
+// torch's add), out = rms_norm(h, weight) (rms_norm's arithmetic above, read back from h)
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight,
+                                                double eps) {
+  check_cpu_contiguous(x, "x");
+  check_cpu_contiguous(delta, "delta");
+  check_cpu_contiguous(weight, "weight");
+  TORCH_CHECK(delta.sizes() == x.sizes() && delta.scalar_type() == x.scalar_type(),
+              "delta must have x's shape and dtype: x ", x.scalar_type(), " ", x.sizes(), ", delta ",
+              delta.scalar_type(), " ", delta.sizes());
+  const int64_t dim = x.size(-1), rows = x.numel() / dim;
+  TORCH_CHECK(weight.numel() == dim && weight.scalar_type() == x.scalar_type(), "weight must be [dim] in x's dtype");
+  auto h = at::empty_like(x), out = at::empty_like(x);
+  dispatch_act(x.scalar_type(), "add_rms_norm", [&](auto act) {
+    using scalar_t = decltype(act);
+    const scalar_t *xp = x.data_ptr<scalar_t>(), *dp = delta.data_ptr<scalar_t>(), *wp = weight.data_ptr<scalar_t>();
+    scalar_t *hp = h.data_ptr<scalar_t>(), *op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> r(dim), w(dim);
+      load_row(wp, w.data(), dim);
+      for (int64_t i = begin; i < end; ++i) {
+        for (int64_t d = 0; d < dim; ++d) hp[i * dim + d] = store<scalar_t>(load(xp[i * dim + d]) + load(dp[i * dim + d]));
+        load_row(hp + i * dim, r.data(), dim);
+        const float inv = 1.f / std::sqrt(dot(r.data(), r.data(), dim) / dim + static_cast<float>(eps));
+        for (int64_t d = 0; d < dim; ++d) op[i * dim + d] = store<scalar_t>(r[d] * inv * w[d]);
+      }
+    });
+  });
+  return {h, out};
+}
+
 // [.., 2 * inner] -> [.., inner]
 std::vector<int64_t> silu_mul_sizes(const at::Tensor& gate_up) {
   auto sizes = gate_up.sizes().vec();
@@ -223,6 +254,7 @@ TORCH_LIBRARY(cpuserve, m) {
   m.def("rope_write_kv(Tensor(a!) qkv, Tensor cos, Tensor sin, int n_heads, Tensor(b!) pool, Tensor(c!)? pool_scale, "
         "Tensor slot_mapping) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("silu_mul.out(Tensor gate_up, *, Tensor(a!) out) -> Tensor(a!)");
 }
@@ -230,6 +262,7 @@ TORCH_LIBRARY(cpuserve, m) {
 TORCH_LIBRARY_IMPL(cpuserve, CPU, m) {
   m.impl("rope_write_kv", &rope_write_kv);
   m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("silu_mul.out", &silu_mul_out);
 }

@@ -39,6 +39,14 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
+def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(h, rms_norm(h)) with h = x + delta: a residual add and the next norm in one pass, the bits of the two."""
+    if native.enabled():
+        return torch.ops.cpuserve.add_rms_norm(x.contiguous(), delta.contiguous(), weight, eps)
+    h = x + delta
+    return h, rms_norm(h, weight, eps)
+
+
 def silu_mul(gate_up: Tensor, make_out: Callable[[int, torch.dtype], Tensor]) -> Tensor:
     """silu(gate) * up of gate_up = [gate | up] [N, 2F] -> [N, F].
 

@@ -119,8 +119,17 @@ class TransformerBlock(nn.Module):
         self.mlp = mlp
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), meta)
-        return h + self.mlp(self.ffn_norm(h), meta)
+        return self.run(x, self.attention_norm(x), meta, None)[0]
+
+    def run(self, x: torch.Tensor, normed: torch.Tensor, meta: AttentionMetadata,
+            next_norm: RMSNorm | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """forward's arithmetic with each residual add fused to the norm after it: x and attention_norm(x) in;
+        out, and next_norm(out) where given (the next layer's attention_norm), out. The bits of forward."""
+        h, h_normed = ops.add_rms_norm(x, self.attention(normed, meta), self.ffn_norm.weight, self.ffn_norm.eps)
+        delta = self.mlp(h_normed, meta)
+        if next_norm is None:
+            return h + delta, None
+        return ops.add_rms_norm(h, delta, next_norm.weight, next_norm.eps)
 
 
 class LlamaModel(nn.Module):
@@ -146,8 +155,10 @@ class LlamaModel(nn.Module):
         if fused is not None:
             x = fused.run(x, meta)
         else:
-            for layer in self.layers:
-                x = layer(x, meta)
+            normed = self.layers[0].attention_norm(x) if len(self.layers) else None
+            for i, layer in enumerate(self.layers):
+                last = i + 1 == len(self.layers)
+                x, normed = layer.run(x, normed, meta, None if last else self.layers[i + 1].attention_norm)
         x = self.norm(x[logit_rows])  # only the rows that sample: prefill rows before the last need no logits
         return self.lm_head(x).float()  # no prompt_rows: the lm_head never takes the prompt scheme
 

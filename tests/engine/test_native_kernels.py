@@ -1,7 +1,7 @@
 """The fused C++ kernels (engine/csrc) against the plain-torch path they replace.
 
-Decode attention is checked against the reference in test_attention.py; here: RoPE + KV write, RMSNorm,
-SiLU * up, the out= variants, and the errors the kernels raise for inputs they cannot take.
+Decode attention is checked against the reference in test_attention.py; here: RoPE + KV write, RMSNorm (and the
+residual add fused to it), SiLU * up, the out= variants, and the errors the kernels raise for inputs they cannot take.
 """
 import re
 import shutil
@@ -69,6 +69,15 @@ def test_rms_norm_matches_torch(dtype, tol):
     got = ops.rms_norm(x, w, 1e-5)
     assert got.dtype == dtype
     assert ((got.float() - want).abs() <= tol * want.abs().clamp(min=1)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_gives_the_bits_of_torchs_add_then_rms_norm(dtype):
+    x, delta, w = rand(37, 576, dtype=dtype, seed=1), rand(37, 576, dtype=dtype, seed=2) * 3, rand(576, dtype=dtype)
+    h, normed = ops.add_rms_norm(x, delta, w, 1e-5)
+    assert torch.equal(h, x + delta) and torch.equal(normed, ops.rms_norm(x + delta, w, 1e-5))
+    with pytest.raises(RuntimeError, match="delta must have x's shape and dtype"):
+        ops.add_rms_norm(x, delta[:5], w, 1e-5)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
