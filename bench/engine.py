@@ -13,7 +13,8 @@ gets a Hugging Face folder made from it, W8A8 by default (peer_vllm.py). vLLM an
 of their own venvs (peer_envs.py: $CPUSERVE_BENCH_PEERS_DIR, default ~/.cache/cpuserve-bench/peers), installed
 on first use if `make bench-peers` did not. Numbers are medians of --reps repetitions after a warm-up,
 repetitions interleaved across engines (same prompts for each). The machine is shared and noisy, so only
-ratios taken in one run mean much: ratio = cpuserve / peer, higher is better for speed, lower for memory.
+ratios taken in one run mean much: ratio = cpuserve / peer, higher is better for speed, lower for memory; for
+speed, the median over repetitions of the ratio within each (the two engines ran back to back).
 A peer that cannot be installed or fails shows why in its rows.
 """
 from __future__ import annotations
@@ -170,19 +171,30 @@ def collect(cfg: dict, model: str, peers: list[str], skip_1b: bool, save=lambda 
     return raw
 
 
-def _median(answer: dict, *keys: str):
+def _entry(answer: dict, *keys: str) -> dict | None:
     for k in keys:
         if not isinstance(answer, dict) or k not in answer:
             return None
         answer = answer[k]
-    return answer["median"]
+    return answer
+
+
+def _paired_ratio(ours: dict | None, peer: dict | None) -> float | None:
+    """The median over repetitions of ours / peer within each repetition (the two ran one after the other, so a
+    phase of the machine's load hits both), or None when the runs do not pair up."""
+    a, b = (ours or {}).get("runs"), (peer or {}).get("runs")
+    if not a or not b or len(a) != len(b) or not all(a) or not all(b):
+        return None
+    return statistics.median(x / y for x, y in zip(a, b))
 
 
 def _row(measure: str, ours, peer, peer_answer: dict, unit: str, inverse: bool = False) -> dict:
-    """inverse: the peer's number over ours (times in ms: a speed ratio > 1 means cpuserve is faster)."""
+    """ours, peer: numbers, or {"median", "runs"} entries (the ratio then pairs their repetitions). inverse: the
+    peer's number over ours (times in ms: a speed ratio > 1 means cpuserve is faster)."""
     why = peer_answer.get("error") if isinstance(peer_answer, dict) else "not run"
-    ratio = None
-    if ours and peer:
+    ratio = _paired_ratio(ours, peer) if isinstance(ours, dict) and isinstance(peer, dict) else None
+    ours, peer = (x["median"] if isinstance(x, dict) else x for x in (ours, peer))
+    if ratio is None and ours and peer:
         ratio = peer / ours if inverse else ours / peer
     return {"measure": measure, "cpuserve": ours, "peer": peer if peer is not None else f"n/a ({why})",
             "unit": unit, "ratio": ratio}
@@ -192,10 +204,10 @@ def _peer_rows(raw: dict, ours: dict, key: str, batches, prefix: str = "") -> li
     peer, label = raw.get(key, {"error": "skipped"}), LABELS[key]
     rows = []
     if prefix == "":
-        rows.append(_row(f"prefill vs {label}", _median(ours, "prefill"), _median(peer, "prefill"), peer,
+        rows.append(_row(f"prefill vs {label}", _entry(ours, "prefill"), _entry(peer, "prefill"), peer,
                          f"tok/s, {raw['sizes']['prefill_len']}-token prompt"))
-    rows += [_row(f"{prefix}decode b{b} vs {label}", _median(ours, "decode", str(b)),
-                  _median(peer, "decode", str(b)), peer, "tok/s, aggregate") for b in batches]
+    rows += [_row(f"{prefix}decode b{b} vs {label}", _entry(ours, "decode", str(b)),
+                  _entry(peer, "decode", str(b)), peer, "tok/s, aggregate") for b in batches]
     rows.append(_row(f"{prefix}peak RSS vs {label}", ours.get("peak_rss_mb"), peer.get("peak_rss_mb"), peer,
                      "MB, lower is better"))
     return rows

@@ -98,6 +98,20 @@ def test_a_failing_peer_is_reported_not_hidden(bench):
     assert "could not load" in rows[0]["peer"] and rows[0]["ratio"] is None
 
 
+def test_a_speed_ratio_pairs_the_repetitions_that_ran_back_to_back(bench):
+    """A slow phase of the machine in repetition 2 hits both engines: the median of per-repetition ratios is 2, where
+    the ratio of the medians would say 1; runs that do not pair up fall back to that."""
+    ours, peer = {"median": 3000, "runs": [4000, 1000, 3000]}, {"median": 2000, "runs": [2000, 500, 3000]}
+    sizes = dict(SIZES, batches=[1])
+    rows = bench.build_rows({"sizes": sizes, "attention": {}, "kv_bytes": {}, "hf": {"error": "skipped"},
+                             "cpuserve": {"prefill": ours, "decode": {}}, "llama_cpp": {"prefill": peer}})
+    assert rows[0]["measure"] == "prefill vs llama.cpp" and rows[0]["ratio"] == 2.0 and rows[0]["cpuserve"] == 3000
+    unpaired = dict(peer, runs=[2000, 500])
+    rows = bench.build_rows({"sizes": sizes, "attention": {}, "kv_bytes": {}, "hf": {"error": "skipped"},
+                             "cpuserve": {"prefill": ours, "decode": {}}, "llama_cpp": {"prefill": unpaired}})
+    assert rows[0]["ratio"] == 1.5
+
+
 def test_linear_kernels_table_compares_ours_with_torchs_on_equal_bits():
     spec = importlib.util.spec_from_file_location("cpuserve_bench_linear", os.path.join(BENCH, "linear.py"))
     module = importlib.util.module_from_spec(spec)
