@@ -122,6 +122,14 @@ class BlockManager:
         request.block_ids.clear()
         request.num_hashed_blocks = 0
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds (benchmarks: runs that must not draft or reuse an earlier run's
+        text); returns how many were forgotten."""
+        dropped = [b.block_id for b in self.blocks if b.ref_count == 0 and b.block_hash is not None]
+        for block_id in dropped:
+            self._evict_hash(block_id)
+        return len(dropped)
+
     def trim(self, request: Request, num_tokens: int) -> None:
         """Release the blocks of the request's table past the first num_tokens tokens (a rejected draft's blocks).
 
