@@ -34,6 +34,7 @@ USER_TURNS = [
     f"Repeat this code exactly:\n{CODE}",
     "List three prime numbers.",
 ]
+STOP = " * (1 + tax_rate) * (1 + tax_rate) *"
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                            "age": {"type": "integer"}}, "required": ["name", "age"]}
 
@@ -47,8 +48,8 @@ def request_params(i: int) -> SamplingParams:
     if i == 1:  # a JSON schema: drafts from the prompt's JSON must pass the grammar too
         return SamplingParams(max_tokens=40, temperature=0, structured_output={"kind": "json_schema",
                                                                                "spec": json.dumps(SCHEMA)})
-    if i == 6:  # a stop string inside text the drafter proposes
-        return SamplingParams(max_tokens=64, temperature=0, stop=["in items"])
+    if i == 6:  # a stop string inside text the drafter proposes (this model repeats "(1 + tax_rate) *" here)
+        return SamplingParams(max_tokens=64, temperature=0, stop=[STOP])
     if i == 7:  # seeded sampling never drafts: a plain row in a drafting batch
         return SamplingParams(max_tokens=24, temperature=0.8, seed=7)
     return SamplingParams(max_tokens=40 + 4 * i, temperature=0, logprobs=1 if i == 2 else None)
@@ -84,7 +85,7 @@ def test_greedy_output_is_decodings_token_for_token(llm_spec, llm_int4):
     stats = llm_spec.engine.stats()
     assert stats.num_accepted_tokens - before > 100  # the copy prompts drafted and were accepted
     assert stats.num_free_blocks == stats.num_blocks
-    assert got["r6"][2] == "stop" and "in items" not in got["r6"][1]
+    assert got["r6"][2] == "stop" and STOP not in got["r6"][1]
 
 
 def test_every_request_in_one_batch_drafts_or_not_and_decodes_the_same(llm_spec, llm_int4):
