@@ -52,7 +52,7 @@ def request_params(i: int) -> SamplingParams:
         return SamplingParams(max_tokens=64, temperature=0, stop=[STOP])
     if i == 7:  # seeded sampling never drafts: a plain row in a drafting batch
         return SamplingParams(max_tokens=24, temperature=0.8, seed=7)
-    return SamplingParams(max_tokens=40 + 4 * i, temperature=0, logprobs=1 if i == 2 else None)
+    return SamplingParams(max_tokens=36 + 2 * i, temperature=0, logprobs=1 if i == 2 else None)
 
 
 def run_staggered(llm: LLM, prompts: list[list[int]]) -> dict[str, tuple[list[int], str, str]]:
@@ -75,24 +75,29 @@ def llm_spec():
                spec_max_batch=16)
 
 
-def test_greedy_output_is_decodings_token_for_token(llm_spec, llm_int4):
+@pytest.fixture(scope="module")
+def decoded(llm_int4):
+    """Every request run without speculation, in one batch (batching never changes a request's tokens:
+    test_batching.py)."""
     prompts = [chat_ids(llm_int4, t) for t in USER_TURNS]
-    want = run_staggered(llm_int4, prompts)
+    return prompts, llm_int4.generate(prompts, [request_params(i) for i in range(len(prompts))])
+
+
+def test_greedy_output_is_decodings_token_for_token_with_requests_arriving_mid_run(llm_spec, decoded):
+    prompts, want = decoded
     before = llm_spec.engine.scheduler.num_accepted_tokens
     got = run_staggered(llm_spec, prompts)
-    for rid in want:  # the seeded sampled one too: it never drafts, and draws only from its own generator
-        assert got[rid] == want[rid], rid
+    for i, w in enumerate(want):  # the seeded sampled one too: it never drafts, and draws only from its own generator
+        assert got[f"r{i}"] == (w.token_ids, w.text, w.finish_reason), i
     stats = llm_spec.engine.stats()
-    assert stats.num_accepted_tokens - before > 100  # the copy prompts drafted and were accepted
+    assert stats.num_accepted_tokens - before > 60  # the copy prompts drafted and were accepted
     assert stats.num_free_blocks == stats.num_blocks
     assert got["r6"][2] == "stop" and STOP not in got["r6"][1]
 
 
-def test_every_request_in_one_batch_drafts_or_not_and_decodes_the_same(llm_spec, llm_int4):
-    prompts = [chat_ids(llm_int4, t) for t in USER_TURNS]
-    params = [request_params(i) for i in range(len(prompts))]
-    want = llm_int4.generate(prompts, params)
-    got = llm_spec.generate(prompts, params)
+def test_every_request_in_one_batch_drafts_or_not_and_decodes_the_same(llm_spec, decoded):
+    prompts, want = decoded
+    got = llm_spec.generate(prompts, [request_params(i) for i in range(len(prompts))])
     drafted = [o.num_draft_tokens > 0 for o in got]
     assert any(drafted) and not all(drafted)  # drafting and plain requests shared the steps
     assert not drafted[7] and drafted[1]  # the seeded one never drafts; the JSON one did, under its grammar
@@ -100,7 +105,7 @@ def test_every_request_in_one_batch_drafts_or_not_and_decodes_the_same(llm_spec,
         assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason), i
     assert [lp.token_id for lp in got[2].logprobs] == got[2].token_ids
     assert [lp.logprob for lp in got[2].logprobs] == [lp.logprob for lp in want[2].logprobs]
-    assert got[0].num_accepted_tokens <= got[0].num_draft_tokens and got[0].num_accepted_tokens > 10
+    assert got[0].num_accepted_tokens <= got[0].num_draft_tokens and got[0].num_accepted_tokens > 5
 
 
 def test_cached_blocks_hold_decodings_kv_bits_and_nothing_of_rejected_drafts(llm_spec, llm_int4):
