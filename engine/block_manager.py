@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 from cpuserve.engine.request import Request
 
@@ -44,6 +45,9 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.num_hits = 0
         self.num_queries = 0
+        # told of each block this manager hashes, with the block before it in its request (the speculative
+        # drafter's n-gram index, engine/spec/block_index.py); None: nobody listens
+        self.on_cached: Callable[[Block, Block | None], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -118,6 +122,28 @@ class BlockManager:
         request.block_ids.clear()
         request.num_hashed_blocks = 0
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds (benchmarks: runs that must not draft or reuse an earlier run's
+        text); returns how many were forgotten."""
+        dropped = [b.block_id for b in self.blocks if b.ref_count == 0 and b.block_hash is not None]
+        for block_id in dropped:
+            self._evict_hash(block_id)
+        return len(dropped)
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Release the blocks of the request's table past the first num_tokens tokens (a rejected draft's blocks).
+
+        They hold no hashed block (only computed tokens are hashed) and go to the front of the free queue."""
+        keep = self.num_blocks_for(num_tokens)
+        for block_id in reversed(request.block_ids[keep:]):
+            block = self.blocks[block_id]
+            assert block.block_hash is None, f"block {block_id} past {num_tokens} tokens is hashed"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+                self.free_queue.move_to_end(block_id, last=False)
+        del request.block_ids[keep:]
+
     def cache_full_blocks(self, request: Request) -> None:
         """Register the hashes of blocks that became full with computed tokens since the last call.
 
@@ -137,6 +163,8 @@ class BlockManager:
                 block.block_hash = self._hash(parent, tokens, num_prompt)
                 block.token_ids, block.num_prompt_tokens = tokens, num_prompt
                 self.hash_to_block.setdefault(block.block_hash, block.block_id)
+                if self.on_cached is not None:
+                    self.on_cached(block, self.blocks[request.block_ids[i - 1]] if i else None)
             parent = block.block_hash
         request.num_hashed_blocks = num_full
 

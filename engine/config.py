@@ -12,6 +12,7 @@ KV_CACHE_DTYPES = ("int8", "bf16", "fp32")
 # int8 codes with one scale per token (vLLM's W8A8 scheme; per-channel int8 weights only), or bf16
 ACTIVATION_FORMATS = ("int8", "int8-token", "bf16")
 GROUP_SIZES = (32, 64, 128, 256)  # int4 groups along K: the ones torch's int4 CPU kernel (and ours) accept
+SPECULATIVE_METHODS = ("ngram",)  # drafters (engine/spec/); None = no speculation
 
 
 @dataclass(slots=True)
@@ -38,6 +39,15 @@ class EngineConfig:
     launcher: Any = None  # starts ranks 1..k-1 (distributed/group.py); None = processes on this host
     seed: int = 0
     show_progress: bool = True
+    # speculative decoding (engine/spec/): "ngram" drafts from each request's own tokens and the prefix cache's blocks.
+    # The thresholds below are conservative guesses, not yet measured on these CPUs.
+    speculative: str | None = None  # None: off; see SPECULATIVE_METHODS
+    spec_tokens: int = 4  # k: draft tokens proposed per request and step, at most
+    spec_ngram_min: int = 2  # n: the shortest suffix matched (the longest, spec_ngram_max, is tried first)
+    spec_ngram_max: int = 4
+    spec_max_batch: int = 4  # no drafting in a step that runs more requests than this (the step is compute-bound)
+    spec_pause_after: int = 3  # a request whose drafts were wholly rejected this many steps in a row pauses ...
+    spec_pause_steps: int = 16  # ... drafting for this many steps
     # derived at startup
     num_blocks: int = field(default=0, init=False)
 
@@ -74,8 +84,24 @@ class EngineConfig:
             raise ValueError(f"transport={self.transport!r} is not supported; use 'shm' or 'torch'")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads={self.num_threads} must be >= 1")
+        self._check_speculative()
         if self.model is not None and not os.path.exists(self.model):
             raise ValueError(f"model={self.model!r}: no such file or folder; give a .gguf file or a Hugging Face folder")
+
+    def _check_speculative(self) -> None:
+        if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative={self.speculative!r} is not supported; use None (off) or one of "
+                             f"{', '.join(SPECULATIVE_METHODS)}")
+        for name in ("spec_tokens", "spec_ngram_min", "spec_max_batch", "spec_pause_after"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.spec_ngram_max < self.spec_ngram_min:
+            raise ValueError(f"spec_ngram_max={self.spec_ngram_max} must be >= spec_ngram_min={self.spec_ngram_min}")
+        if self.spec_pause_steps < 0:
+            raise ValueError(f"spec_pause_steps={self.spec_pause_steps} must be >= 0")
+        if self.spec_tokens >= self.max_num_batched_tokens:
+            raise ValueError(f"spec_tokens={self.spec_tokens} must be below max_num_batched_tokens="
+                             f"{self.max_num_batched_tokens}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

@@ -22,6 +22,8 @@ from cpuserve.engine.runner import build_runner
 from cpuserve.engine.sampling_params import SamplingParams
 from cpuserve.engine.scheduler import Scheduler
 from cpuserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from cpuserve.engine.spec.drafter import build_drafter
+from cpuserve.engine.spec.policy import SpecPolicy
 from cpuserve.engine.threads import (allocator_for_loading, configure_threads, release_free_memory,
                                      slow_openmp_warning, tune_allocator)
 
@@ -37,6 +39,8 @@ class EngineStats:
     last_step_seconds: float
     num_free_blocks: int
     num_blocks: int
+    num_draft_tokens: int = 0  # since start: speculative draft tokens verified ...
+    num_accepted_tokens: int = 0  # ... and of those accepted
 
 
 class LLMEngine:
@@ -67,7 +71,9 @@ class LLMEngine:
         tune_allocator()  # from here on keep freed activations for the next step
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
                                           key_by_role=self.runner.has_prompt_scheme)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        drafter = build_drafter(config, self.block_manager)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, drafter,
+                                   SpecPolicy.from_config(config) if drafter is not None else None)
         self.outputs = OutputProcessor(self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.args.vocab_size,
                                         self.tokenizer.eos_token_ids)
@@ -143,7 +149,10 @@ class LLMEngine:
             text, status = self.outputs.decode(request, token_id)
             if status is not None:
                 self.scheduler.finish(request, status)
-            outputs.append(self.outputs.token_output(request, token_id, text, logprob))
+            chunk = self.outputs.token_output(request, token_id, text, logprob)
+            if outputs and outputs[-1].request_id == request.request_id:  # accepted draft tokens: one chunk a step
+                chunk = outputs.pop().merge(chunk)
+            outputs.append(chunk)
         return outputs
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
@@ -175,5 +184,6 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
-        return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, bm.usage,
-                           self.scheduler.num_preemptions, self.last_step_seconds, bm.num_free_blocks, bm.num_blocks)
+        s = self.scheduler
+        return EngineStats(s.num_running, s.num_waiting, bm.usage, s.num_preemptions, self.last_step_seconds,
+                           bm.num_free_blocks, bm.num_blocks, s.num_draft_tokens, s.num_accepted_tokens)

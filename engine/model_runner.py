@@ -61,7 +61,8 @@ class ModelRunner:
         pass
 
     def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """(token ids [N], attention metadata, logit rows [S]: the last row of each item that samples)."""
+        """(token ids [N], attention metadata, logit rows [R]: the last row of each item that samples, and the rows of
+        its draft before it)."""
         bs = self.block_size
         tokens: list[int] = []
         positions: list[int] = []
@@ -76,13 +77,13 @@ class ModelRunner:
             tokens.extend(item.token_ids)
             positions.extend(item.positions)
             slots.extend(blocks[p // bs] * bs + p % bs for p in item.positions)
-            if item.is_decode:
-                decode_tables.append(blocks)
-                decode_lens.append(start + 1)
+            if item.is_decode:  # a decode, or the last token and a draft: one decode row per position, each
+                # attending to the keys up to its own (written by the same step first), as a one-token decode would
+                decode_tables.extend([blocks] * n)
+                decode_lens.extend(p + 1 for p in item.positions)
             else:  # a prefill chunk: its blocks cover exactly positions [0, start + n)
                 prefills.append(PrefillChunk(row, n, start, torch.tensor(blocks, dtype=torch.long)))
-            if item.needs_sample:
-                logit_rows.append(row + n - 1)
+            logit_rows.extend(range(row + n - item.num_logit_rows, row + n))
         pos = torch.tensor(positions, dtype=torch.long)
         lens = torch.tensor(decode_lens, dtype=torch.int32) if decode_lens else None
         meta = AttentionMetadata(

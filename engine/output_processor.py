@@ -68,4 +68,5 @@ class OutputProcessor:
             logprobs=[logprob] if logprob is not None else None, finished=finished,
             finish_reason=request.status.finish_reason if finished else None,
             num_prompt_tokens=request.num_prompt_tokens, num_generated_tokens=request.num_output_tokens,
-            num_cached_tokens=request.num_cached_tokens, queue_time=queue_time)
+            num_cached_tokens=request.num_cached_tokens, queue_time=queue_time,
+            num_draft_tokens=request.num_draft_tokens, num_accepted_tokens=request.num_accepted_tokens)

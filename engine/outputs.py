@@ -30,6 +30,9 @@ class StepOutput:
     num_generated_tokens: int
     num_cached_tokens: int = 0
     queue_time: float | None = None  # seconds from arrival to first scheduling, on the first chunk only
+    # speculative decoding, so far: draft tokens verified, and of those accepted (part of new_token_ids' counts)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def merge(self, later: "StepOutput") -> "StepOutput":
         """This chunk followed by a later one of the same request, as one chunk."""
@@ -38,7 +41,8 @@ class StepOutput:
         return StepOutput(
             self.request_id, self.new_token_ids + later.new_token_ids, self.new_text + later.new_text, logprobs,
             later.finished, later.finish_reason, later.num_prompt_tokens, later.num_generated_tokens,
-            later.num_cached_tokens, self.queue_time if self.queue_time is not None else later.queue_time)
+            later.num_cached_tokens, self.queue_time if self.queue_time is not None else later.queue_time,
+            later.num_draft_tokens, later.num_accepted_tokens)
 
 
 @dataclass(slots=True)
@@ -52,6 +56,8 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     num_cached_tokens: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens verified
+    num_accepted_tokens: int = 0  # of those, accepted
 
     def add(self, chunk: StepOutput) -> None:
         self.text += chunk.new_text
@@ -60,20 +66,28 @@ class RequestOutput:
             self.logprobs = (self.logprobs or []) + chunk.logprobs
         self.finish_reason = chunk.finish_reason
         self.num_cached_tokens = chunk.num_cached_tokens
+        self.num_draft_tokens, self.num_accepted_tokens = chunk.num_draft_tokens, chunk.num_accepted_tokens
 
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    """What a runner hands back for one step: per scheduled item, in order, its new token or None (a prefill
-    chunk that samples nothing), and that token's logprob when the request asked for them."""
+    """What a runner hands back for one step: per scheduled item, in order, its new tokens (none for a prefill chunk
+    that samples nothing; one for a decode; the accepted draft tokens and the token after them for a draft, see
+    engine/spec/verify.py) and each token's logprob when the request asked for them (else None)."""
 
-    token_ids: list[int | None]
-    logprobs: list[TokenLogprob | None]
+    token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprob | None]]
 
     @classmethod
     def place(cls, scheduled: list, token_ids: list[int], logprobs: list[TokenLogprob | None]) -> "ModelRunnerOutput":
-        """Spread one value per sampling item (the step's logit rows) over every scheduled item."""
-        out = cls([None] * len(scheduled), [None] * len(scheduled))
+        """Spread one token per sampling item over every scheduled item (a step without drafts)."""
+        return cls.place_lists(scheduled, [[t] for t in token_ids], [[lp] for lp in logprobs])
+
+    @classmethod
+    def place_lists(cls, scheduled: list, token_ids: list[list[int]], logprobs: list[list[TokenLogprob | None]]
+                    ) -> "ModelRunnerOutput":
+        """Spread one list of new tokens per sampling item over every scheduled item."""
+        out = cls([[] for _ in scheduled], [[] for _ in scheduled])
         row = 0
         for i, item in enumerate(scheduled):
             if item.needs_sample:

@@ -54,6 +54,11 @@ class Request:
     first_scheduled_time: float | None = None
     generator: object = None  # the runner's per-request RNG (a torch.Generator); opaque here
     grammar: object = None  # an llguidance matcher when params.structured_output is set (engine/grammar.py)
+    # speculative decoding (engine/spec/): draft tokens verified and accepted so far, and the drafting pause
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_rejected_drafts: int = 0  # verifications in a row that accepted no draft token
+    drafts_paused_until: int = 0  # the scheduler's step number from which this request may draft again
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

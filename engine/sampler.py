@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import MISSING, dataclass, fields
 
 import torch
@@ -11,6 +12,7 @@ from cpuserve.engine.layers import ops
 from cpuserve.engine.outputs import ModelRunnerOutput, TokenLogprob
 from cpuserve.engine.sampling_params import SamplingParams
 from cpuserve.engine.scheduler_output import SamplingInputs, ScheduledRequest
+from cpuserve.engine.spec.verify import accept_or_resample, accepted_prefix, greedy_tokens
 
 # Which of a row's logits decide its pick, by SamplingParams field (a replica group gathers only those at rank 0,
 # engine/distributed/step.py):
@@ -72,7 +74,10 @@ def sample(
 
 
 def sample_scheduled(logits: torch.Tensor, scheduled: list[ScheduledRequest]) -> ModelRunnerOutput:
-    """The one sampling path of every runner: logits [S, V] hold one row per item of `scheduled` that samples."""
+    """The one sampling path of every runner: logits [R, V] hold each item of `scheduled` that samples its
+    num_logit_rows rows (one, or one per draft token and one more: engine/spec/verify.py)."""
+    if any(item.num_draft_tokens for item in scheduled):
+        return _sample_with_drafts(logits, scheduled)
     inputs = [item.sampling for item in scheduled if item.needs_sample]
     result = sample(logits, [i.params for i in inputs], [i.generator for i in inputs], [i.history for i in inputs],
                     [i.num_prompt_tokens for i in inputs], [i.grammar for i in inputs])
@@ -82,19 +87,97 @@ def sample_scheduled(logits: torch.Tensor, scheduled: list[ScheduledRequest]) ->
 def sample_candidates(values: torch.Tensor, ids: torch.Tensor, vocab_size: int,
                       scheduled: list[ScheduledRequest]) -> ModelRunnerOutput:
     """sample_scheduled for a step whose logits came as candidates (a replica group's reduction): values and token
-    ids [S, C], holding at least each row's num_top_logits largest logits; every other logit is -inf.
+    ids [R, C], holding at least each row's num_top_logits largest logits; every other logit is -inf.
 
     When every row is greedy and needs only its largest logit, the pick is that logit's id, the lowest among equals
-    (what sample's argmax takes of the full row), without building the [S, V] row: ~1 ms a step at 32 rows of 49k.
+    (what sample's argmax takes of the full row), without building the [R, V] row: ~1 ms a step at 32 rows of 49k.
     """
-    inputs = [item.sampling for item in scheduled if item.needs_sample]
-    if all(i.params.is_greedy and num_top_logits(i) == 1 for i in inputs):
-        best = values.max(dim=1, keepdim=True).values  # [S, 1]
+    samplers = [item for item in scheduled if item.needs_sample]
+    if all(item.sampling.params.is_greedy and num_top_logits(item.sampling) == 1 for item in samplers):
+        best = values.max(dim=1, keepdim=True).values  # [R, 1]
         is_best = (values == best) | values.isnan()  # a NaN counts as the largest, as in ops.argmax_rows
-        token_ids = ids.masked_fill(~is_best, vocab_size).min(dim=1).values.tolist()
-        return ModelRunnerOutput.place(scheduled, token_ids, [None] * len(inputs))
-    logits = torch.full((values.shape[0], vocab_size), float("-inf")).scatter_(1, ids, values)  # [S, V]
+        targets = ids.masked_fill(~is_best, vocab_size).min(dim=1).values.tolist()
+        tokens = greedy_tokens(targets, samplers)
+        return ModelRunnerOutput.place_lists(scheduled, tokens, [[None] * len(t) for t in tokens])
+    logits = torch.full((values.shape[0], vocab_size), float("-inf")).scatter_(1, ids, values)  # [R, V]
     return sample_scheduled(logits, scheduled)
+
+
+def _sample_with_drafts(logits: torch.Tensor, scheduled: list[ScheduledRequest]) -> ModelRunnerOutput:
+    """sample_scheduled for a step with drafts: the plain items' rows through one sample() call, each draft's rows
+    through sample_draft."""
+    samplers = [item for item in scheduled if item.needs_sample]
+    starts = list(itertools.accumulate((item.num_logit_rows for item in samplers), initial=0))
+    tokens: list[list[int]] = [[] for _ in samplers]
+    logprobs: list[list[TokenLogprob | None]] = [[] for _ in samplers]
+    plain = [k for k, item in enumerate(samplers) if not item.num_draft_tokens]
+    if plain:
+        inputs = [samplers[k].sampling for k in plain]
+        result = sample(logits[torch.tensor([starts[k] for k in plain])], [i.params for i in inputs],
+                        [i.generator for i in inputs], [i.history for i in inputs],
+                        [i.num_prompt_tokens for i in inputs], [i.grammar for i in inputs])
+        for k, token_id, logprob in zip(plain, result.token_ids, result.logprobs):
+            tokens[k], logprobs[k] = [token_id], [logprob]
+    for k, item in enumerate(samplers):
+        if item.num_draft_tokens:
+            tokens[k], logprobs[k] = sample_draft(logits[starts[k]:starts[k + 1]], item.sampling, item.draft)
+    return ModelRunnerOutput.place_lists(scheduled, tokens, logprobs)
+
+
+def sample_draft(rows: torch.Tensor, inputs: SamplingInputs, draft: list[int]
+                 ) -> tuple[list[int], list[TokenLogprob | None]]:
+    """The new tokens of one drafted sequence and their logprobs (engine/spec/verify.py's rule).
+
+    rows [k + 1, V]: row j holds the logits after the sequence's tokens and draft[:j]. A plain greedy row is argmax
+    at once; any other runs row by row, the history and the grammar taking each accepted draft token first (the
+    grammar is rolled back after: the output processor feeds it the tokens that are kept).
+    """
+    p = inputs.params
+    raw = torch.log_softmax(rows, dim=-1) if p.logprobs is not None else None  # before any in-place mask
+    if p.is_greedy and not _has_penalty(p) and not p.logit_bias and inputs.grammar is None:
+        targets = ops.argmax_rows(rows.contiguous()).tolist()
+        tokens = targets[:accepted_prefix(targets, draft) + 1]
+    else:
+        tokens = _sample_draft_rows(rows, inputs, draft)
+    return tokens, [_logprob_of(raw[j], t, p.logprobs) if raw is not None else None for j, t in enumerate(tokens)]
+
+
+def _sample_draft_rows(rows: torch.Tensor, inputs: SamplingInputs, draft: list[int]) -> list[int]:
+    p, grammar = inputs.params, inputs.grammar
+    history = list(inputs.history)  # the request's own list is read, never written, during the step
+    tokens: list[int] = []
+    try:
+        for j in range(len(draft) + 1):
+            row = rows[j:j + 1].clone()  # [1, V]
+            proposed = draft[j] if j < len(draft) else None
+            if p.is_greedy:
+                token_id = sample(row, [p], [inputs.generator], [history], [inputs.num_prompt_tokens],
+                                  [grammar]).token_ids[0]
+            else:
+                token_id = accept_or_resample(_row_probs(row, p, history, inputs.num_prompt_tokens, grammar),
+                                              proposed, inputs.generator)
+            tokens.append(token_id)
+            if token_id != proposed:
+                break
+            history.append(token_id)
+            if grammar is not None:
+                grammar.consume_token(token_id)
+    finally:
+        if grammar is not None and len(history) > len(inputs.history):
+            grammar.rollback(len(history) - len(inputs.history))
+    return tokens
+
+
+def _row_probs(row: torch.Tensor, p: SamplingParams, history: list[int], num_prompt: int, grammar) -> torch.Tensor:
+    """The distribution a sampled row draws from (sample's and _sample_row's steps): [1, V] logits -> [V]."""
+    if p.logit_bias:
+        row = add_logit_bias(row, [p])
+    if grammar is not None:
+        row = mask_constrained(row, [grammar])
+    logits = row[0]
+    if _has_penalty(p):
+        logits = apply_penalties(logits, p, history, num_prompt)
+    return logits_to_probs(logits, p)
 
 
 def num_top_logits(inputs: SamplingInputs) -> int:

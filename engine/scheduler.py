@@ -1,7 +1,9 @@
 """Iteration-level continuous batching with a token budget, chunked prefill, preemption and prefix caching.
 
 One step: `out = scheduler.schedule()`, the runner computes `out` (scheduler_output.py) into a ModelRunnerOutput,
-`scheduler.postprocess(out, result)` appends the new tokens. Whether a request ends is decided once, by the
+`scheduler.postprocess(out, result)` appends the new tokens. With a drafter (engine/spec/), a running request may
+run its last token with a few draft tokens after it; postprocess then appends the accepted ones and the token after
+them, and hands back the blocks the rejected ones took. Whether a request ends is decided once, by the
 engine's OutputProcessor, which then calls `finish`. The scheduler never imports torch and reaches the KV pool
 only through the BlockManager.
 """
@@ -11,16 +13,23 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
+from typing import Iterator
 
 from cpuserve.engine.block_manager import BlockManager
 from cpuserve.engine.outputs import ModelRunnerOutput, TokenLogprob
 from cpuserve.engine.request import Request, RequestStatus
 from cpuserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from cpuserve.engine.spec.drafter import Drafter
+from cpuserve.engine.spec.policy import SpecPolicy
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 drafter: Drafter | None = None, spec_policy: SpecPolicy | None = None):
+        assert (drafter is None) == (spec_policy is None), "a drafter goes with its policy"
         self.block_manager = block_manager
+        self.drafter = drafter
+        self.spec_policy = spec_policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # a prompt is not cut to leave a sliver of this many tokens or fewer for the next step: that sliver would cost
@@ -31,6 +40,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_steps = 0
+        self.num_draft_tokens = 0  # since start: draft tokens verified, and of those accepted
+        self.num_accepted_tokens = 0
         self._seq = itertools.count()
 
     @property
@@ -65,28 +77,52 @@ class Scheduler:
         self.block_manager.free(request)
         request.status = status
         self.requests.pop(request.request_id, None)
+        if self.drafter is not None:
+            self.drafter.forget(request.request_id)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        self.num_steps += 1
+        drafting = self.drafter is not None and self.spec_policy.is_on(len(self.running))
         i = 0
         while i < len(self.running) and budget > 0:  # running first: decodes and unfinished prefills
             request = self.running[i]
             num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.block_manager.allocate_slots(request, num_new):
-                victim = max(self.running[i:], key=lambda r: (r.priority, r.arrival_time))
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is request:
-                    break
-            else:
-                out.scheduled.append(self._item(request, num_new))
-                budget -= num_new
+            draft = self._draft(request, budget, i) if drafting else []
+            if draft and not self.block_manager.allocate_slots(request, num_new + len(draft)):
+                draft = []  # no room for the draft: the request runs its token alone
+            if draft or self._allocate_or_preempt(request, num_new, i, out):
+                out.scheduled.append(self._item(request, num_new, draft))
+                budget -= num_new + len(draft)
                 i += 1
         if not out.preempted:
             budget = self._admit_waiting(out, budget)
         out.scheduled.sort(key=lambda s: not s.is_decode)
         return out
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, i: int, out: SchedulerOutput) -> bool:
+        """Make room for running[i]'s next tokens, preempting the latest-arrived lowest-priority requests from i on
+        until they fit; False when running[i] itself was preempted."""
+        while not self.block_manager.allocate_slots(request, num_new):
+            victim = max(self.running[i:], key=lambda r: (r.priority, r.arrival_time))
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _draft(self, request: Request, budget: int, i: int) -> list[int]:
+        """running[i]'s draft, from what the budget and the pool leave after one token for each request after it: a
+        draft never takes another request's step, nor makes the scheduler preempt one."""
+        num_after = len(self.running) - i - 1
+        num_draft = self.spec_policy.max_draft(request, self.num_steps, budget - num_after)
+        if not num_draft:
+            return []
+        draft = self.drafter.propose(request, num_draft)
+        bm = self.block_manager
+        num_needed = bm.num_blocks_for(request.num_tokens + len(draft)) - len(request.block_ids)
+        return draft if num_needed + num_after <= bm.num_free_blocks else []
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -121,26 +157,46 @@ class Scheduler:
         return self.block_manager.num_blocks_for(request.num_tokens) > self.block_manager.num_blocks
 
     def postprocess(self, out: SchedulerOutput, result: ModelRunnerOutput
-                    ) -> list[tuple[Request, int, TokenLogprob | None]]:
-        """Advance counters and append the sampled tokens; returns (request, token, logprob) per new token.
+                    ) -> Iterator[tuple[Request, int, TokenLogprob | None]]:
+        """Advance counters and append the new tokens, yielding (request, token, logprob) for each.
 
-        Requests that ended while the step ran (aborted) are skipped. Nothing here decides a stop.
+        A generator: iterate it to the end. Each token is appended just before it is yielded, so a consumer that
+        finishes the request on it (a stop) drops the rest of the request's accepted draft. Requests that ended
+        while the step ran (aborted) are skipped. Nothing here decides a stop.
         """
-        advanced = []
-        for item, token_id, logprob in zip(out.scheduled, result.token_ids, result.logprobs):
+        for item, token_ids, logprobs in zip(out.scheduled, result.token_ids, result.logprobs):
             request = self.requests.get(item.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
-            request.num_computed_tokens += len(item.token_ids)
+            request.num_computed_tokens += len(item.token_ids) - item.num_draft_tokens
             self.block_manager.cache_full_blocks(request)
             if item.needs_sample:
-                assert token_id is not None, f"request {item.request_id} sampled no token"
-                request.append_token(token_id)
-                advanced.append((request, token_id, logprob))
-        return advanced
+                assert token_ids, f"request {item.request_id} sampled no token"
+                yield from self._append(request, item, token_ids, logprobs)
 
-    def _item(self, request: Request, num_tokens: int) -> ScheduledRequest:
-        return ScheduledRequest.of(request, num_tokens, self.block_manager.block_size)
+    def _append(self, request: Request, item: ScheduledRequest, token_ids: list[int],
+                logprobs: list[TokenLogprob | None]) -> Iterator[tuple[Request, int, TokenLogprob | None]]:
+        """The new tokens of one request: the accepted draft tokens (their KV is this step's) and the one after."""
+        if item.num_draft_tokens:
+            request.num_draft_tokens += item.num_draft_tokens
+            self.num_draft_tokens += item.num_draft_tokens
+        for j, (token_id, logprob) in enumerate(zip(token_ids, logprobs)):
+            if j:  # the token before this one was an accepted draft token, whose KV this step computed
+                request.num_computed_tokens += 1
+                self.block_manager.cache_full_blocks(request)
+            if j < len(token_ids) - 1:  # an accepted draft token
+                request.num_accepted_tokens += 1
+                self.num_accepted_tokens += 1
+            request.append_token(token_id)
+            yield request, token_id, logprob
+            if request.status != RequestStatus.RUNNING:  # finished on that token
+                return
+        if item.num_draft_tokens:
+            self.spec_policy.record(request, len(token_ids) - 1, self.num_steps)
+            self.block_manager.trim(request, request.num_tokens)  # the rejected draft tokens' blocks
+
+    def _item(self, request: Request, num_tokens: int, draft: list[int] = ()) -> ScheduledRequest:
+        return ScheduledRequest.of(request, num_tokens, self.block_manager.block_size, draft)
 
     def _preempt(self, request: Request) -> None:
         """Recompute-style preemption: drop the KV, keep the tokens, queue again at the front of its class."""

@@ -65,6 +65,13 @@ class ServeConfig(BaseSettings):
     """Reuse the KV blocks of a prompt prefix seen before."""
     seed: int = _ENGINE.seed
     """Seed of the engine's generator for unseeded requests."""
+    speculative: Literal["ngram"] | None = _ENGINE.speculative
+    """Speculative decoding: "ngram" drafts tokens from each request's own text and from the prefix cache's blocks
+    (no draft model), verified in the batched step; greedy output is unchanged. None = off."""
+    spec_tokens: int = Field(_ENGINE.spec_tokens, ge=1)
+    """Draft tokens a request may verify per step, at most."""
+    spec_max_batch: int = Field(_ENGINE.spec_max_batch, ge=1)
+    """No drafting in a step that runs more requests than this (a large batch is compute-bound: rows cost)."""
 
     # -- replicas and placement ---------------------------------------------------------------------------
     replicas: int = Field(1, ge=1)
@@ -171,7 +178,9 @@ class ServeConfig(BaseSettings):
                     max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
                     arrival_window_ms=self.arrival_window_ms,
                     enable_prefix_caching=self.enable_prefix_caching, num_threads=self.cpus_per_rank,
-                    ranks=self.ranks_per_replica, transport=self.transport, seed=self.seed, show_progress=False)
+                    ranks=self.ranks_per_replica, transport=self.transport, seed=self.seed,
+                    speculative=self.speculative, spec_tokens=self.spec_tokens, spec_max_batch=self.spec_max_batch,
+                    show_progress=False)
 
     def check_model(self) -> None:
         """Checks that need the model's header (not its weights): run before deploying, so a bad value fails

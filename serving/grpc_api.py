@@ -141,7 +141,8 @@ def _structured(so: Any) -> tuple[str, str, Any]:
 
 def _usage(chunk: dict[str, Any]) -> Any:
     return pb.Usage(prompt_tokens=chunk["prompt_tokens"], completion_tokens=chunk["completion_tokens"],
-                    cached_tokens=chunk["cached_tokens"])
+                    cached_tokens=chunk["cached_tokens"], draft_tokens=chunk.get("draft_tokens", 0),
+                    accepted_draft_tokens=chunk.get("accepted_tokens", 0))
 
 
 def _logprobs(chunk: dict[str, Any]) -> list[Any]:

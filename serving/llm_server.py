@@ -211,7 +211,8 @@ class LLMServer:
         s = self.engine.stats()
         return {"replica_id": self.replica_id, "num_running": s.num_running, "num_waiting": s.num_waiting,
                 "num_used_blocks": s.num_blocks - s.num_free_blocks, "num_blocks": s.num_blocks,
-                "num_preemptions": s.num_preemptions, "step_times": self.engine.pop_step_times()}
+                "num_preemptions": s.num_preemptions, "num_draft_tokens": s.num_draft_tokens,
+                "num_accepted_tokens": s.num_accepted_tokens, "step_times": self.engine.pop_step_times()}
 
     # -- Ray Serve hooks ----------------------------------------------------------------------------------
     async def check_health(self) -> None:

@@ -42,6 +42,8 @@ class ServingMetrics:
     kv_cache_usage_ratio: Gauge
     preemptions: Counter
     engine_step: Histogram
+    spec_draft_tokens: Counter
+    spec_accepted_tokens: Counter
 
 
 def build_serving_metrics(registry: CollectorRegistry) -> ServingMetrics:
@@ -80,6 +82,12 @@ def build_serving_metrics(registry: CollectorRegistry) -> ServingMetrics:
         engine_step=Histogram(
             f"{PREFIX}_engine_step_seconds", "Wall time of one engine step on one rank.",
             ("model", "rank"), buckets=STEP_BUCKETS, registry=registry),
+        spec_draft_tokens=Counter(
+            f"{PREFIX}_spec_draft_tokens", "Speculative draft tokens verified (proposed and run through the model).",
+            model, registry=registry),
+        spec_accepted_tokens=Counter(
+            f"{PREFIX}_spec_accepted_tokens", "Speculative draft tokens accepted (kept in the output).", model,
+            registry=registry),
     )
 
 
@@ -91,6 +99,6 @@ def initialize_serving_metrics(metrics: ServingMetrics, model: str) -> None:
     for metric in (metrics.prompt_tokens, metrics.generation_tokens, metrics.time_to_first_token,
                    metrics.inter_token_latency, metrics.e2e_request_latency, metrics.request_queue_time,
                    metrics.num_requests_running, metrics.num_requests_waiting, metrics.kv_cache_usage_ratio,
-                   metrics.preemptions):
+                   metrics.preemptions, metrics.spec_draft_tokens, metrics.spec_accepted_tokens):
         metric.labels(model=model)
     metrics.engine_step.labels(model=model, rank="0")  # rank 0 reports the step time (serving/telemetry.py)

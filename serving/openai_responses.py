@@ -11,9 +11,17 @@ from typing import Any
 
 
 def usage(chunk: dict[str, Any]) -> dict[str, Any]:
-    return {"prompt_tokens": chunk["prompt_tokens"], "completion_tokens": chunk["completion_tokens"],
+    """OpenAI's usage. With speculative decoding, completion_tokens_details counts the draft tokens verified:
+    accepted_prediction_tokens were kept (they are among completion_tokens), rejected_prediction_tokens were not
+    (and, unlike OpenAI's predicted outputs, are not billed as completion tokens); absent when nothing drafted."""
+    body = {"prompt_tokens": chunk["prompt_tokens"], "completion_tokens": chunk["completion_tokens"],
             "total_tokens": chunk["prompt_tokens"] + chunk["completion_tokens"],
             "prompt_tokens_details": {"cached_tokens": chunk["cached_tokens"]}}
+    drafted, accepted = chunk.get("draft_tokens", 0), chunk.get("accepted_tokens", 0)
+    if drafted:
+        body["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                             "rejected_prediction_tokens": drafted - accepted}
+    return body
 
 
 def completion_logprobs(chunk: dict[str, Any], text_offset: int = 0) -> dict[str, Any] | None:

@@ -109,7 +109,8 @@ def chunk_from_step(step: StepOutput, token_text: Callable[[int], str]) -> dict[
     chunk: dict[str, Any] = {"ids": step.new_token_ids, "text": step.new_text,
                              "finish_reason": step.finish_reason if step.finished else None,
                              "prompt_tokens": step.num_prompt_tokens, "completion_tokens": step.num_generated_tokens,
-                             "cached_tokens": step.num_cached_tokens}
+                             "cached_tokens": step.num_cached_tokens, "draft_tokens": step.num_draft_tokens,
+                             "accepted_tokens": step.num_accepted_tokens}
     if step.logprobs is not None:
         chunk["logprobs"] = [(lp.token_id, token_text(lp.token_id), lp.logprob,
                               [(t, token_text(t), p) for t, p in lp.top]) for lp in step.logprobs]
@@ -140,7 +141,9 @@ def merge_samples(chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def total(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    """Token counts of n samples: the prompt once, completions and cache hits summed over the samples."""
+    """Token counts of n samples: the prompt once; completions, cache hits and speculative drafts summed."""
     return {"prompt_tokens": samples[0]["prompt_tokens"],
             "completion_tokens": sum(s["completion_tokens"] for s in samples),
-            "cached_tokens": sum(s["cached_tokens"] for s in samples)}
+            "cached_tokens": sum(s["cached_tokens"] for s in samples),
+            "draft_tokens": sum(s.get("draft_tokens", 0) for s in samples),
+            "accepted_tokens": sum(s.get("accepted_tokens", 0) for s in samples)}

@@ -73,9 +73,11 @@ class EngineStatsAggregator:
         step = m.engine_step.labels(model=model, rank="0")
         for seconds in stats["step_times"]:
             step.observe(seconds)
-        delta = stats["num_preemptions"] - (previous[1]["num_preemptions"] if previous else 0)
-        if delta > 0:
-            m.preemptions.labels(model=model).inc(delta)
+        for key, counter in (("num_preemptions", m.preemptions), ("num_draft_tokens", m.spec_draft_tokens),
+                             ("num_accepted_tokens", m.spec_accepted_tokens)):  # replica totals -> increments
+            delta = stats.get(key, 0) - (previous[1].get(key, 0) if previous else 0)
+            if delta > 0:
+                counter.labels(model=model).inc(delta)
         self._latest[replica] = (time.monotonic(), stats)
         self._set_gauges()
 

@@ -4,7 +4,7 @@ Wire (one int64 vector, so a step costs one broadcast):
 
     [kind, num_candidates, num_items,
      then per scheduled item: num_tokens, start_pos, needs_sample, num_blocks, num_scheduled_prompt_tokens,
-     *token_ids, *block_ids]
+     num_draft_tokens, *token_ids, *block_ids]
 
 Every rank (rank 0 included) rebuilds the step from the wire and runs the runner's own prepare_inputs on it,
 so all ranks feed their shard exactly the same positions, slots, block tables and logit rows.
@@ -42,7 +42,7 @@ def pack(out: SchedulerOutput, kind: int, candidates: int) -> torch.Tensor:
     wire = [kind, candidates, len(out.scheduled)]
     for item in out.scheduled:
         wire += [len(item.token_ids), item.start_pos, int(item.needs_sample), len(item.block_ids),
-                 item.num_scheduled_prompt_tokens]
+                 item.num_scheduled_prompt_tokens, item.num_draft_tokens]
         wire += item.token_ids
         wire += item.block_ids
     return torch.tensor(wire, dtype=torch.int64)
@@ -54,11 +54,12 @@ def unpack(wire: torch.Tensor) -> tuple[int, int, SchedulerOutput]:
     kind, candidates, num_items = w[0], w[1], w[2]
     scheduled, i = [], 3
     for _ in range(num_items):
-        n, start, needs_sample, nb, num_prompt = w[i: i + 5]
-        i += 5
+        n, start, needs_sample, nb, num_prompt, num_draft = w[i: i + 6]
+        i += 6
         tokens, blocks = w[i: i + n], w[i + n: i + n + nb]
         i += n + nb
-        scheduled.append(ScheduledRequest("", tokens, start, bool(needs_sample), blocks, num_prompt))
+        scheduled.append(ScheduledRequest("", tokens, start, bool(needs_sample), blocks, num_prompt,
+                                          num_draft_tokens=num_draft))
     return kind, candidates, SchedulerOutput(scheduled)
 
 

@@ -34,9 +34,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [N] int64: block_id * block_size + offset of every token
     cos: torch.Tensor  # [N, 1, D] at each token's position
     sin: torch.Tensor  # [N, 1, D]
-    num_decode: int  # rows [0, num_decode) are single-token decodes, one per sequence
+    # rows [0, num_decode) are decode rows: one per sequence, or one per position of a sequence's last token and draft
+    num_decode: int
     decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks] int32
-    decode_context_lens: torch.Tensor | None  # [num_decode] int32, including the new token
+    decode_context_lens: torch.Tensor | None  # [num_decode] int32, up to and including the row's own token
     # decode_mask(decode_context_lens, B) for every layer; None: fused kernels (= ops.prepare_decode_mask)
     decode_invalid: torch.Tensor | None
     prefills: list[PrefillChunk]

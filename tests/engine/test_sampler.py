@@ -201,7 +201,7 @@ def test_sampling_from_the_gathered_candidates_is_exact(example):
         gathered = torch.stack([step.local_candidates(shards[r], k, r * per_rank) for r in range(ranks)])
         got = sample_candidates(*step.split_candidates(gathered), vocab, fresh())
     assert (got.token_ids, got.logprobs) == (want.token_ids, want.logprobs)
-    assert want.token_ids[3] == 100
+    assert want.token_ids[3] == [100]
 
 
 class EvenTokens:

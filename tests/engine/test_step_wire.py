@@ -33,7 +33,7 @@ def test_wire_round_trip_gives_worker_ranks_the_same_items():
     kind, candidates, back = step.unpack(step.pack(out, step.KIND_SAMPLE, 40))
     assert (kind, candidates) == (step.KIND_SAMPLE, 40)
     fields = lambda x: (x.token_ids, x.start_pos, x.needs_sample, x.block_ids,  # noqa: E731
-                        x.num_scheduled_prompt_tokens)
+                        x.num_scheduled_prompt_tokens, x.num_draft_tokens)
     assert [fields(x) for x in back.scheduled] == [fields(x) for x in out.scheduled]
     assert all(isinstance(x, ScheduledRequest) and x.sampling is None for x in back.scheduled)
 
@@ -44,5 +44,5 @@ def test_runner_output_places_one_token_per_sampling_item():
     s.add(make_request("b", list(range(1, 10)), max_tokens=3))
     out = s.schedule()  # a samples, b's first chunk does not
     placed = ModelRunnerOutput.place(out.scheduled, [42], [None])
-    assert placed.token_ids == [42, None]
+    assert placed.token_ids == [[42], []]
     assert [(r.request_id, t) for r, t, _ in s.postprocess(out, placed)] == [("a", 42)]

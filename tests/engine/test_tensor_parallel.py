@@ -78,6 +78,27 @@ def test_greedy_tokens_identical_to_one_rank(llm_tp, llm_int4):
 
 
 @pytest.mark.slow
+def test_speculative_greedy_tokens_identical_to_one_rank(llm_tp, llm_int4):
+    """Drafts verified on the group (each draft row a decode row on every rank, top-1 candidates reduced per row):
+    the tokens of one rank without speculation."""
+    from cpuserve.engine.spec.ngram import NgramDrafter
+    from cpuserve.engine.spec.policy import SpecPolicy
+
+    scheduler = llm_tp.engine.scheduler
+    texts = ["Repeat exactly: alpha beta gamma delta, alpha beta gamma delta, alpha beta gamma delta, alpha",
+             "def add(a, b):\n    return a + b\n\n\ndef add3(a, b, c):\n    return a + b + c\n\n\ndef add4(a, b, c, d):"]
+    ids = [_ids(llm_int4, t) for t in texts] + [_ids(llm_int4, PROMPTS[0])]
+    params = SamplingParams(max_tokens=32, temperature=0)
+    scheduler.drafter, scheduler.spec_policy = NgramDrafter(2, 4), SpecPolicy(4, 8, 3, 16)
+    try:
+        two = llm_tp.generate(ids, params)
+    finally:
+        scheduler.drafter = scheduler.spec_policy = None
+    assert [o.token_ids for o in two] == [o.token_ids for o in llm_int4.generate(ids, params)]
+    assert sum(o.num_accepted_tokens for o in two) > 10
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt,tiled", [
     ("Write a long and detailed story about a lighthouse keeper who finds a map in a bottle, then sails north to "
      "the islands the map shows.", True),  # a prefill of > kInt4FewRowsMax (16) rows: the tiled int4 GEMM

@@ -1,0 +1,149 @@
+"""What n-gram speculative decoding buys: decode speed with and without it, same run, same prompts (the engine alone).
+
+    flock /tmp/cpuserve-bench.lock .venv/bin/python bench/speculative.py [--streams 1 8 32] [--reps 3]
+        [--max-tokens 160] [--spec-tokens K] [--spec-max-batch B] [--prompts N]
+
+Two prompt sets: copy-heavy (edit this code, fix this JSON, answer quoting a passage, summarise a tool result: the
+output repeats the prompt) and open chat (it does not). For each set and each number of streams, the same greedy
+requests run on two engines loaded side by side, speculative=None and speculative="ngram", alternating within each
+repetition so drift hits both alike. Timed: from the step where every request has its first token (prefill done)
+to the last token; speed = tokens generated in that span / seconds. The table shows medians over the repetitions
+and the same-run ratio ngram / off, with the acceptance (accepted / drafted draft tokens). Greedy outputs must be
+identical in both modes: the script checks it. Between runs the prefix cache is emptied, so no run drafts an
+earlier run's output; within a run, streams that share a prompt may draft from each other's cached blocks (the
+prompts are cycled over the streams), as tenants sending the same document would.
+
+--spec-max-batch defaults to the number of streams measured, so drafting is on at every size (the question the
+table answers is where it stops paying); --spec-max-batch 0 keeps the engine's default.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+CODE = '''def load_orders(path):
+    orders = []
+    with open(path) as f:
+        for line in f:
+            fields = line.strip().split(",")
+            orders.append({"id": int(fields[0]), "customer": fields[1], "total": float(fields[2])})
+    return orders
+
+
+def total_by_customer(orders):
+    totals = {}
+    for order in orders:
+        totals[order["customer"]] = totals.get(order["customer"], 0.0) + order["total"]
+    return totals
+'''
+BROKEN_JSON = ('{"service": "billing", "replicas": 3, "ports": [8080, 9090,], "env": {"LOG_LEVEL": "info", '
+               '"REGION": "eu-west-1",}, "owners": ["ana", "li", "sam"], "limits": {"cpu": "2", "memory": "4Gi"}}')
+PASSAGE = ("The Skerry Point lighthouse was built in 1871 from granite quarried on the island itself. Its first lamp "
+           "burned colza oil; paraffin replaced it in 1882, and in 1934 the station was converted to electricity, "
+           "with a diesel generator kept as a reserve. The last resident keeper, Margaret Dunn, left in 1989, when the "
+           "light was automated and its range reduced from 22 to 18 nautical miles.")
+TOOL_RESULT = ('{"query": "open incidents", "results": [{"id": "INC-4411", "service": "checkout", "severity": "high", '
+               '"opened": "2026-03-02T09:14Z", "summary": "payment timeouts above 2 s for 4% of requests"}, '
+               '{"id": "INC-4415", "service": "search", "severity": "low", "opened": "2026-03-02T11:40Z", '
+               '"summary": "stale results for queries with accents"}]}')
+COPY_HEAVY = [
+    f"Rename the function load_orders to read_orders and the variable totals to sums in this code. Return the "
+    f"whole file:\n{CODE}",
+    f"This JSON does not parse. Fix it and return the corrected JSON only:\n{BROKEN_JSON}",
+    f"Answer by quoting the passage word for word: what happened in 1934 and when did the last keeper leave?\n"
+    f"{PASSAGE}",
+    f"A tool returned this result:\n{TOOL_RESULT}\nSummarise each incident, repeating its id, service, severity and "
+    f"summary exactly.",
+    f"Add a docstring to each function in this code and return the whole file:\n{CODE}",
+    f"Reformat this JSON with one key per line, keeping every value:\n{BROKEN_JSON.replace(',]', ']').replace(',}', '}')}",
+]
+OPEN_CHAT = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a CPU cache works to a high-school student.",
+    "What are three good habits for learning a new language? Explain each.",
+    "Describe the water cycle in a few paragraphs.",
+    "Give me ideas for a weekend trip in the mountains, with a packing list.",
+    "Why is the sky blue? Answer in detail.",
+]
+SETS = {"copy-heavy": COPY_HEAVY, "open chat": OPEN_CHAT}
+
+
+def run(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, int, list[list[int]], int, int]:
+    """(decode seconds, tokens decoded in them, each request's output, drafted, accepted) of one batch."""
+    from cpuserve.engine.sampling_params import SamplingParams
+
+    engine = llm.engine
+    engine.block_manager.reset_prefix_cache()
+    drafted0, accepted0 = engine.scheduler.num_draft_tokens, engine.scheduler.num_accepted_tokens
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    requests = [engine.make_request(p, params) for p in prompts]
+    outputs = {r.request_id: [] for r in requests}
+    for r in requests:
+        engine.add(r)
+    t0 = None
+    while engine.has_unfinished_requests():
+        if t0 is None and all(outputs[r.request_id] for r in requests):
+            t0, before = time.perf_counter(), sum(len(o) for o in outputs.values())
+        for chunk in engine.step():
+            outputs[chunk.request_id].extend(chunk.new_token_ids)
+    seconds = time.perf_counter() - (t0 if t0 is not None else time.perf_counter())
+    decoded = sum(len(o) for o in outputs.values()) - (before if t0 is not None else 0)
+    return (seconds, decoded, [outputs[r.request_id] for r in requests],
+            engine.scheduler.num_draft_tokens - drafted0, engine.scheduler.num_accepted_tokens - accepted0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--prompts", type=int, default=0, help="use only the first N prompts of each set (0: all)")
+    ap.add_argument("--spec-tokens", type=int, default=None, help="k (default: the engine's)")
+    ap.add_argument("--spec-max-batch", type=int, default=None,
+                    help="drafting off above this many running requests (default: the streams measured; 0: the "
+                         "engine's default)")
+    args = ap.parse_args()
+    from cpuserve.engine.threads import reexec_with_intel_openmp
+
+    reexec_with_intel_openmp()  # what `cpuserve serve` runs
+    from machine import describe
+
+    from cpuserve.engine.llm import LLM
+
+    spec = {"speculative": "ngram", "spec_max_batch": args.spec_max_batch or max(args.streams)}
+    if args.spec_max_batch == 0:
+        del spec["spec_max_batch"]
+    if args.spec_tokens is not None:
+        spec["spec_tokens"] = args.spec_tokens
+    common = dict(weights="int4", kv_cache="int8", kv_cache_gb=1.0, max_num_seqs=max(args.streams), show_progress=False)
+    engines = {"off": LLM(**common), "ngram": LLM(**common, **spec)}
+    tok = engines["off"].tokenizer
+    print(describe())
+    print(f"{engines['off'].engine.num_threads} threads; greedy, max_tokens {args.max_tokens}; ngram settings "
+          f"{ {k: getattr(engines['ngram'].engine.config, k) for k in ('spec_tokens', 'spec_ngram_min', 'spec_ngram_max', 'spec_max_batch', 'spec_pause_after', 'spec_pause_steps')} }")
+    print(f"{'set':12s} {'streams':>7s} {'off tok/s':>10s} {'ngram tok/s':>12s} {'ratio':>6s} {'accepted':>9s}")
+    for set_name, texts in SETS.items():
+        texts = texts[:args.prompts] if args.prompts else texts
+        ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]), add_special_tokens=False)
+               for t in texts]
+        for streams in args.streams:
+            prompts = [ids[i % len(ids)] for i in range(streams)]
+            speed = {"off": [], "ngram": []}
+            ratios, drafted, accepted = [], 0, 0
+            for _ in range(args.reps):
+                results = {mode: run(llm, prompts, args.max_tokens) for mode, llm in engines.items()}
+                if results["off"][2] != results["ngram"][2]:
+                    raise SystemExit(f"{set_name}, {streams} streams: greedy outputs differ with speculation")
+                for mode, (seconds, decoded, *_rest) in results.items():
+                    speed[mode].append(decoded / seconds if seconds > 0 else float("nan"))
+                ratios.append(speed["ngram"][-1] / speed["off"][-1])
+                drafted += results["ngram"][3]
+                accepted += results["ngram"][4]
+            rate = f"{100 * accepted / drafted:.0f}%" if drafted else "-"
+            print(f"{set_name:12s} {streams:7d} {statistics.median(speed['off']):10.1f} "
+                  f"{statistics.median(speed['ngram']):12.1f} {statistics.median(ratios):6.2f} {rate:>9s}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

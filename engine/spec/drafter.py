@@ -1,0 +1,39 @@
+"""The drafter interface: what the scheduler asks of whatever proposes draft tokens.
+
+    propose(request, max_tokens) -> list[int]   up to max_tokens tokens to follow the request's tokens ([] = none)
+    forget(request_id)                          the request ended: drop what was kept for it
+
+The n-gram drafter (ngram.py) is the one built today; a draft model with the same tokenizer would be a second
+implementation behind this interface. Drafters never import torch and never touch the KV pool.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from cpuserve.engine.block_manager import BlockManager
+from cpuserve.engine.config import EngineConfig
+from cpuserve.engine.request import Request
+from cpuserve.engine.spec.block_index import BlockIndex
+from cpuserve.engine.spec.ngram import NgramDrafter
+
+
+class Drafter(Protocol):
+    def propose(self, request: Request, max_tokens: int) -> list[int]: ...
+
+    def forget(self, request_id: str) -> None: ...
+
+
+def build_drafter(config: EngineConfig, block_manager: BlockManager) -> Drafter | None:
+    """The drafter config.speculative names (None when speculation is off); the n-gram drafter indexes the blocks
+    the block manager caches (when prefix caching is on)."""
+    if config.speculative is None:
+        return None
+    assert config.speculative == "ngram", config.speculative  # EngineConfig checked the name
+    index = None
+    if block_manager.enable_prefix_caching:
+        n_range = config.spec_ngram_max - config.spec_ngram_min + 1
+        index = BlockIndex(block_manager.blocks, block_manager.block_size, config.spec_ngram_min,
+                           config.spec_ngram_max, max_entries=2 * block_manager.num_blocks * config.block_size * n_range)
+        block_manager.on_cached = index.add
+    return NgramDrafter(config.spec_ngram_min, config.spec_ngram_max, index)

@@ -1,0 +1,133 @@
+"""Speculative decoding on the real model: greedy output is decoding's, token for token (batches mixing drafting and
+plain requests, prompts arriving mid-run, the int8 KV cache, structured outputs, stop strings), and the blocks a
+request leaves in the prefix cache hold the same KV bits as without speculation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cpuserve.engine.llm import LLM
+from cpuserve.engine.request import Request
+from cpuserve.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+CODE = '''def total_price(items, tax_rate):
+    subtotal = 0
+    for item in items:
+        subtotal += item["price"] * item["quantity"]
+    return subtotal * (1 + tax_rate)
+'''
+PASSAGE = ("The lighthouse on Skerry Point was built in 1871 from granite quarried on the island itself. Its lamp "
+           "burned paraffin until 1934, when it was converted to electricity, and the last keeper left in 1989.")
+TOOL = '{"city": "Oslo", "forecast": [{"day": "Mon", "high": 4, "low": -2}, {"day": "Tue", "high": 6, "low": 0}]}'
+USER_TURNS = [
+    f"Rename subtotal to running_total in this code and return the whole function:\n{CODE}",
+    'Fix this JSON and return it: {"name": "Ann", "age": 31, "tags": ["a", "b",], "city": "Paris",}',
+    f"Quoting the passage exactly, when was the lamp converted to electricity?\n{PASSAGE}",
+    f"The weather tool returned:\n{TOOL}\nSummarise the forecast, repeating the numbers.",
+    "Write a short poem about autumn leaves.",
+    "What is the capital of Japan? Answer in one sentence.",
+    f"Repeat this code exactly:\n{CODE}",
+    "List three prime numbers.",
+]
+STOP = " * (1 + tax_rate) * (1 + tax_rate) *"
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer"}}, "required": ["name", "age"]}
+
+
+def chat_ids(llm: LLM, text: str) -> list[int]:
+    tok = llm.tokenizer
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
+
+
+def request_params(i: int) -> SamplingParams:
+    if i == 1:  # a JSON schema: drafts from the prompt's JSON must pass the grammar too
+        return SamplingParams(max_tokens=40, temperature=0, structured_output={"kind": "json_schema",
+                                                                               "spec": json.dumps(SCHEMA)})
+    if i == 6:  # a stop string inside text the drafter proposes (this model repeats "(1 + tax_rate) *" here)
+        return SamplingParams(max_tokens=64, temperature=0, stop=[STOP])
+    if i == 7:  # seeded sampling never drafts: a plain row in a drafting batch
+        return SamplingParams(max_tokens=24, temperature=0.8, seed=7)
+    return SamplingParams(max_tokens=36 + 2 * i, temperature=0, logprobs=1 if i == 2 else None)
+
+
+def run_staggered(llm: LLM, prompts: list[list[int]]) -> dict[str, tuple[list[int], str, str]]:
+    """A new request every step while the others run: prefill chunks and drafts share steps."""
+    engine, results, pending = llm.engine, {}, list(enumerate(prompts))
+    while pending or engine.has_unfinished_requests():
+        if pending:
+            i, ids = pending.pop(0)
+            engine.add_request(ids, request_params(i), request_id=f"r{i}")
+            results[f"r{i}"] = ([], "", None)
+        for chunk in engine.step():
+            ids, text, _ = results[chunk.request_id]
+            results[chunk.request_id] = (ids + chunk.new_token_ids, text + chunk.new_text, chunk.finish_reason)
+    return results
+
+
+@pytest.fixture(scope="module")
+def llm_spec():
+    return LLM(weights="int4", kv_cache="int8", kv_cache_gb=0.25, show_progress=False, speculative="ngram",
+               spec_max_batch=16)
+
+
+@pytest.fixture(scope="module")
+def decoded(llm_int4):
+    """Every request run without speculation, in one batch (batching never changes a request's tokens:
+    test_batching.py)."""
+    prompts = [chat_ids(llm_int4, t) for t in USER_TURNS]
+    return prompts, llm_int4.generate(prompts, [request_params(i) for i in range(len(prompts))])
+
+
+def test_greedy_output_is_decodings_token_for_token_with_requests_arriving_mid_run(llm_spec, decoded):
+    prompts, want = decoded
+    before = llm_spec.engine.scheduler.num_accepted_tokens
+    got = run_staggered(llm_spec, prompts)
+    for i, w in enumerate(want):  # the seeded sampled one too: it never drafts, and draws only from its own generator
+        assert got[f"r{i}"] == (w.token_ids, w.text, w.finish_reason), i
+    stats = llm_spec.engine.stats()
+    assert stats.num_accepted_tokens - before > 60  # the copy prompts drafted and were accepted
+    assert stats.num_free_blocks == stats.num_blocks
+    assert got["r6"][2] == "stop" and STOP not in got["r6"][1]
+
+
+def test_every_request_in_one_batch_drafts_or_not_and_decodes_the_same(llm_spec, decoded):
+    prompts, want = decoded
+    got = llm_spec.generate(prompts, [request_params(i) for i in range(len(prompts))])
+    drafted = [o.num_draft_tokens > 0 for o in got]
+    assert any(drafted) and not all(drafted)  # drafting and plain requests shared the steps
+    assert not drafted[7] and drafted[1]  # the seeded one never drafts; the JSON one did, under its grammar
+    for i, (w, g) in enumerate(zip(want, got)):
+        assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason), i
+    assert [lp.token_id for lp in got[2].logprobs] == got[2].token_ids
+    assert [lp.logprob for lp in got[2].logprobs] == [lp.logprob for lp in want[2].logprobs]
+    assert got[0].num_accepted_tokens <= got[0].num_draft_tokens and got[0].num_accepted_tokens > 5
+
+
+def test_cached_blocks_hold_decodings_kv_bits_and_nothing_of_rejected_drafts(llm_spec, llm_int4):
+    """After the same greedy request in both engines, every full block of its sequence is in each prefix cache;
+    the K/V bytes (codes and scales, every layer) of each are equal: drafted positions were written as decode
+    rows, and rejected ones left nothing behind that the cache kept."""
+    prompt = chat_ids(llm_int4, USER_TURNS[6])
+    params = SamplingParams(max_tokens=72, temperature=0)
+    want = llm_int4.generate([prompt], params)[0]
+    got = llm_spec.generate([prompt], params)[0]
+    assert got.token_ids == want.token_ids and got.num_draft_tokens > got.num_accepted_tokens > 0
+    sequence = prompt + got.token_ids[:-1]  # the last token's KV is never computed
+    blocks = []
+    for llm in (llm_int4, llm_spec):
+        bm = llm.engine.block_manager
+        probe = Request("probe", prompt, SamplingParams())
+        probe.all_token_ids += got.token_ids  # keyed as the request was: prompt tokens, then generated ones
+        found = bm.get_computed_blocks(probe)
+        assert len(found) == len(sequence) // bm.block_size
+        blocks.append(found)
+    pools = [[layer.attention.kv for layer in llm.engine.runner.model.layers] for llm in (llm_int4, llm_spec)]
+    for kv_a, kv_b in zip(*pools):
+        ids_a, ids_b = (torch.tensor(b) for b in blocks)
+        assert torch.equal(kv_a.kv[ids_a], kv_b.kv[ids_b])
+        assert torch.equal(kv_a.scale[ids_a], kv_b.scale[ids_b])
