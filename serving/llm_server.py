@@ -8,6 +8,7 @@ are separate processes, and the ingress holds the one Prometheus registry of the
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import logging
 import os
@@ -216,13 +217,19 @@ class LLMServer:
 
     def _ensure_stats_task(self) -> None:
         if self._ingress is not None and self._stats_task is None:
-            self._stats_task = asyncio.get_running_loop().create_task(self._report_stats())
+            # in a context of its own: started from a request, it would inherit that request's Serve context, and
+            # Serve cancels a cancelled request's calls still in flight (the report of that moment)
+            self._stats_task = asyncio.get_running_loop().create_task(self._report_stats(),
+                                                                      context=contextvars.Context())
 
     async def _report_stats(self) -> None:
+        timeout = max(5.0, 4 * self.config.stats_interval_s)  # a report stuck in flight must not stop the next ones
         while True:
             try:
-                await self._ingress.report_stats.remote(self.stats())
-            except Exception as e:  # the ingress may be starting or restarting: report again next time
+                await asyncio.wait_for(self._ingress.report_stats.remote(self.stats()), timeout)
+            except (Exception, asyncio.CancelledError) as e:  # the ingress may be restarting: report again next time
+                if asyncio.current_task().cancelling():  # this task itself is being stopped
+                    raise
                 log.debug("stats report failed: %r", e)
             await asyncio.sleep(self.config.stats_interval_s)
 
