@@ -23,6 +23,11 @@ PATH_FIELDS = ("model", "api_key_file", "tls_cert_file", "tls_key_file")  # file
 # served, a replica's engine waits this long at most after an idle spell for requests sent together (the
 # engine's own default is 0: an offline batch arrives at once); docs/serving.md has the measurement
 ARRIVAL_WINDOW_MS = 20.0
+# max_queued_tokens' default: the prompt tokens one replica prefills in QUEUED_PREFILL_S, at the engine's prefill
+# rate measured per core (docs/engine.md's speed table: 1955 tok/s on the Xeon, 2039 on Zen 4, 512-token prompts
+# on 2 threads: about 975 a core). A request admitted behind a full queue waits about that long for its first token.
+PREFILL_TOKENS_PER_S_PER_CORE = 975
+QUEUED_PREFILL_S = 10.0
 _ENGINE = EngineConfig()  # the engine's defaults are the engine fields' defaults here: one value each
 
 
@@ -91,7 +96,12 @@ class ServeConfig(BaseSettings):
 
     # -- admission ----------------------------------------------------------------------------------------
     max_queued_requests: int = Field(64, ge=0)
-    """Requests allowed to wait beyond the running batches (replicas x max_num_seqs); more get 429."""
+    """Requests allowed to wait beyond the running batches (replicas x max_num_seqs); more get 503 (gRPC
+    RESOURCE_EXHAUSTED) with Retry-After."""
+    max_queued_tokens: int | None = Field(None, ge=1)
+    """Prompt tokens one replica holds admitted but not yet prefilled; a request that would pass it gets 503 (gRPC
+    RESOURCE_EXHAUSTED) with Retry-After (one is always admitted into an empty queue). It bounds the time to first
+    token: None = 10 s of prefill at the measured rate, 975 tokens/s per core x cpus_per_rank x ranks_per_replica."""
     max_request_bytes: int = Field(1 << 20, ge=1024)
     """Largest HTTP body or gRPC prompt accepted."""
     stream_interval_ms: float = Field(0.0, ge=0, le=1000)
@@ -169,6 +179,18 @@ class ServeConfig(BaseSettings):
     @property
     def cpus_per_replica(self) -> int:
         return self.cpus_per_rank * self.ranks_per_replica
+
+    @property
+    def queued_tokens_limit(self) -> int:
+        """max_queued_tokens, or its default for this replica size."""
+        if self.max_queued_tokens is not None:
+            return self.max_queued_tokens
+        return int(QUEUED_PREFILL_S * PREFILL_TOKENS_PER_S_PER_CORE * self.cpus_per_replica)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """One replica's prefill rate as measured (PREFILL_TOKENS_PER_S_PER_CORE), for Retry-After estimates."""
+        return float(PREFILL_TOKENS_PER_S_PER_CORE * self.cpus_per_replica)
 
     def engine_options(self) -> dict[str, Any]:
         """Keyword arguments of AsyncLLMEngine.from_config for one replica."""

@@ -1,7 +1,8 @@
 """Ingress deployment: OpenAI-compatible HTTP and gRPC in one replica, routing to LLMServer replicas.
 
-Per request: authorize -> parse and validate (errors name the field) -> admission (RESOURCE_EXHAUSTED / 429
-past replicas x max_num_seqs running + max_queued_requests waiting) -> stream from an LLMServer through a
+Per request: authorize -> parse and validate (errors name the field) -> admission (503 with Retry-After /
+RESOURCE_EXHAUSTED past replicas x max_num_seqs running + max_queued_requests waiting; each replica refuses a prompt
+that would pass its max_queued_tokens) -> stream from an LLMServer through a
 DeploymentHandle (Ray's router picks the replica with fewer ongoing requests) -> record metrics.
 Leaving a stream early (client gone, gRPC deadline) cancels the handle's response, which closes the
 replica's generator and aborts the request in its engine.
@@ -58,7 +59,8 @@ def bearer_token(authorization: str) -> str | None:
 
 
 def _error_response(e: RequestError) -> JSONResponse:
-    return JSONResponse({"error": e.to_dict()}, status_code=HTTP_STATUS[e.kind])
+    headers = {"Retry-After": str(e.retry_after)} if e.retry_after is not None else None
+    return JSONResponse({"error": e.to_dict()}, status_code=HTTP_STATUS[e.kind], headers=headers)
 
 
 class IngressCore:
@@ -95,8 +97,9 @@ class IngressCore:
         if model and model != self.model:
             raise RequestError(f"model={model!r} is not served here; available: [{self.model!r}]", "model", NOT_FOUND)
         if self.num_in_flight >= self.max_in_flight:
-            raise RequestError(f"{self.num_in_flight} requests are running or waiting, the limit: retry later",
-                               None, RESOURCE_EXHAUSTED)
+            self.metrics.refused.labels(model=self.model, limit="requests").inc()
+            raise RequestError(f"{self.num_in_flight} requests are running or waiting, the limit (replicas x "
+                               "max_num_seqs + max_queued_requests): retry in 1 s", None, RESOURCE_EXHAUSTED, 1)
         self.num_in_flight += 1
         timer = RequestTimer(self.metrics, self.model)
         responses = self.llm.options(stream=True).generate.remote(internal)
@@ -104,8 +107,10 @@ class IngressCore:
         try:
             async for chunk in responses:
                 if "error" in chunk:
-                    error = RequestError.from_dict(chunk["error"])
+                    error = RequestError.from_dict(chunk["error"], chunk.get("retry_after"))
                     timer.finished = error.kind != UNAVAILABLE  # refused requests are not served requests
+                    if error.kind == RESOURCE_EXHAUSTED:  # the replica's queue of prompt tokens is full
+                        self.metrics.refused.labels(model=self.model, limit="tokens").inc()
                     reason = "error"
                     raise error
                 timer.on_chunk(chunk)
@@ -113,7 +118,8 @@ class IngressCore:
                 yield chunk
         except BackPressureError as e:
             timer.finished = True
-            raise RequestError(f"overloaded: {e}", None, RESOURCE_EXHAUSTED) from None
+            self.metrics.refused.labels(model=self.model, limit="requests").inc()
+            raise RequestError(f"overloaded: {e}", None, RESOURCE_EXHAUSTED, 1) from None
         except (RayActorError, DeploymentUnavailableError) as e:
             reason = "error"
             raise RequestError(f"no replica could serve the request: {e}", None, UNAVAILABLE) from None
@@ -244,6 +250,8 @@ class IngressCore:
     def _grpc_fail(self, context: Any, e: RequestError) -> None:
         context.set_code(getattr(grpc.StatusCode, GRPC_CODE[e.kind]))
         context.set_details(e.message)
+        if e.retry_after is not None:
+            context.set_trailing_metadata((("retry-after", str(e.retry_after)),))
         raise e
 
     def _authorize_grpc(self, context: Any) -> None:

@@ -8,8 +8,10 @@ are separate processes, and the ingress holds the one Prometheus registry of the
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import logging
+import math
 import os
 from typing import Any, AsyncIterator
 
@@ -19,7 +21,7 @@ from cpuserve.serving.affinity import engine_cores, on_cores
 from cpuserve.serving.config import ServeConfig
 from cpuserve.serving.engine_metrics import engine_metrics_port, serve_engine_metrics
 from cpuserve.serving.pacing import paced
-from cpuserve.serving.protocol import UNAVAILABLE, RequestError, chunk_from_step
+from cpuserve.serving.protocol import RESOURCE_EXHAUSTED, UNAVAILABLE, RequestError, chunk_from_step
 from cpuserve.serving.tools import MISTRAL, format_of, prepare_messages, template_knows_tools, tool_grammar
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,7 @@ class LLMServer:
         self.config = config if isinstance(config, ServeConfig) else ServeConfig(**config)
         self.replica_id = f"{os.getpid()}"
         self._ids = itertools.count()
+        self.num_queued_tokens = 0  # prompt tokens of admitted requests still waiting for their first token
         self._stats_task: asyncio.Task | None = None
         self._ingress = None
         options = self.config.engine_options()
@@ -127,16 +130,21 @@ class LLMServer:
             sampling = dict(request["sampling"])
             if request.get("tools"):
                 self._tool_sampling(request, sampling)
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt  # as the engine would
+            num_tokens = len(ids)
             if "max_tokens" not in sampling:  # OpenAI chat's default: fill the rest of the context
-                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-                sampling["max_tokens"] = max(1, self.engine.max_model_len - len(ids))
-            # tokens that pile up while Ray sends the previous message (or within the stream interval) go out as
-            # one message
-            stream = paced(self.engine.generate(prompt, SamplingParams(**sampling), request_id,
-                                                priority=request.get("priority", 0)), self._stream_interval)
-            first = await anext(stream)
+                sampling["max_tokens"] = max(1, self.engine.max_model_len - num_tokens)
+            self._admit(num_tokens)
+            try:
+                # tokens that pile up while Ray sends the previous message (or within the stream interval) go out
+                # as one message
+                stream = paced(self.engine.generate(ids, SamplingParams(**sampling), request_id,
+                                                    priority=request.get("priority", 0)), self._stream_interval)
+                first = await anext(stream)
+            finally:  # prefilled (or refused, or gone): no longer queued
+                self.num_queued_tokens -= num_tokens
         except RequestError as e:
-            yield {"error": e.to_dict()}
+            yield e.to_chunk()
             return
         except ValueError as e:  # InvalidRequest names the field: empty prompt, too long, bad token id, ...
             chat = "messages" in request
@@ -157,6 +165,16 @@ class LLMServer:
                 yield chunk_from_step(step, self._token_text)
         except EngineDeadError as e:  # mid-stream (a rank died): end this stream with the error, not an exception
             yield _unavailable(e)
+
+    def _admit(self, num_tokens: int) -> None:
+        """Queue a prompt of num_tokens, or refuse it when the replica's queue would pass max_queued_tokens."""
+        limit, queued = self.config.queued_tokens_limit, self.num_queued_tokens
+        if queued and queued + num_tokens > limit:
+            retry_after = max(1, math.ceil(queued / self.config.prefill_tokens_per_s))
+            raise RequestError(f"{queued} prompt tokens wait on this replica and this request has {num_tokens}: past "
+                               f"max_queued_tokens={limit}; retry in {retry_after} s", None, RESOURCE_EXHAUSTED,
+                               retry_after)
+        self.num_queued_tokens += num_tokens
 
     def _stream_interval(self) -> float:
         """Seconds between two messages of a stream now: the config's floor, or the message budget shared out."""
@@ -222,13 +240,19 @@ class LLMServer:
 
     def _ensure_stats_task(self) -> None:
         if self._ingress is not None and self._stats_task is None:
-            self._stats_task = asyncio.get_running_loop().create_task(self._report_stats())
+            # in a context of its own: started from a request, it would inherit that request's Serve context, and
+            # Serve cancels a cancelled request's calls still in flight (the report of that moment)
+            self._stats_task = asyncio.get_running_loop().create_task(self._report_stats(),
+                                                                      context=contextvars.Context())
 
     async def _report_stats(self) -> None:
+        timeout = max(5.0, 4 * self.config.stats_interval_s)  # a report stuck in flight must not stop the next ones
         while True:
             try:
-                await self._ingress.report_stats.remote(self.stats())
-            except Exception as e:  # the ingress may be starting or restarting: report again next time
+                await asyncio.wait_for(self._ingress.report_stats.remote(self.stats()), timeout)
+            except (Exception, asyncio.CancelledError) as e:  # the ingress may be restarting: report again next time
+                if asyncio.current_task().cancelling():  # this task itself is being stopped
+                    raise
                 log.debug("stats report failed: %r", e)
             await asyncio.sleep(self.config.stats_interval_s)
 

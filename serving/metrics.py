@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 PREFIX = "cpuserve"
 FINISH_REASONS = ("stop", "length", "abort", "error")  # the finish_reason label's values
+REFUSAL_LIMITS = ("requests", "tokens")  # the limit label's values of requests refused at admission
 
 # Latency buckets in seconds: CPU serving spans ~5 ms (one decode step of a tiny model) to minutes.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -31,6 +32,7 @@ class ServingMetrics:
     """Handles to every serving metric; see build_serving_metrics."""
 
     requests: Counter
+    refused: Counter
     prompt_tokens: Counter
     generation_tokens: Counter
     time_to_first_token: Histogram
@@ -53,6 +55,10 @@ def build_serving_metrics(registry: CollectorRegistry) -> ServingMetrics:
         requests=Counter(
             f"{PREFIX}_requests", "Finished requests by finish reason (stop, length, abort, error).",
             ("model", "finish_reason"), registry=registry),
+        refused=Counter(
+            f"{PREFIX}_requests_refused", "Requests refused at admission (503 / RESOURCE_EXHAUSTED) by the limit "
+            "they met: requests (max_queued_requests) or tokens (max_queued_tokens).", ("model", "limit"),
+            registry=registry),
         prompt_tokens=Counter(
             f"{PREFIX}_prompt_tokens", "Prompt tokens processed (prefill).", model, registry=registry),
         generation_tokens=Counter(
@@ -96,6 +102,8 @@ def initialize_serving_metrics(metrics: ServingMetrics, model: str) -> None:
     before the first request, preemption or step (a labelled metric has no sample until its labels are used)."""
     for reason in FINISH_REASONS:
         metrics.requests.labels(model=model, finish_reason=reason)
+    for limit in REFUSAL_LIMITS:
+        metrics.refused.labels(model=model, limit=limit)
     for metric in (metrics.prompt_tokens, metrics.generation_tokens, metrics.time_to_first_token,
                    metrics.inter_token_latency, metrics.e2e_request_latency, metrics.request_queue_time,
                    metrics.num_requests_running, metrics.num_requests_waiting, metrics.kv_cache_usage_ratio,

@@ -22,11 +22,11 @@ from cpuserve.engine.sampling_params import SamplingParams
 # Error kinds, with their HTTP status and gRPC status-code name.
 INVALID_ARGUMENT = "invalid_request_error"
 NOT_FOUND = "not_found_error"
-RESOURCE_EXHAUSTED = "rate_limit_error"
+RESOURCE_EXHAUSTED = "overloaded_error"  # refused at admission: 503 with Retry-After, as vLLM's queue bounds
 UNAUTHENTICATED = "authentication_error"
 TOO_LARGE = "request_too_large"
 UNAVAILABLE = "server_error"
-HTTP_STATUS = {INVALID_ARGUMENT: 400, NOT_FOUND: 404, RESOURCE_EXHAUSTED: 429, UNAUTHENTICATED: 401,
+HTTP_STATUS = {INVALID_ARGUMENT: 400, NOT_FOUND: 404, RESOURCE_EXHAUSTED: 503, UNAUTHENTICATED: 401,
                TOO_LARGE: 413, UNAVAILABLE: 503}
 GRPC_CODE = {INVALID_ARGUMENT: "INVALID_ARGUMENT", NOT_FOUND: "NOT_FOUND", RESOURCE_EXHAUSTED: "RESOURCE_EXHAUSTED",
              UNAUTHENTICATED: "UNAUTHENTICATED", TOO_LARGE: "INVALID_ARGUMENT", UNAVAILABLE: "UNAVAILABLE"}
@@ -44,6 +44,7 @@ class RequestError(Exception):
     message: str
     param: str | None = None
     kind: str = INVALID_ARGUMENT
+    retry_after: int | None = None  # seconds, for a refusal at admission (HTTP Retry-After, gRPC trailing metadata)
 
     def __str__(self) -> str:
         return self.message
@@ -51,9 +52,13 @@ class RequestError(Exception):
     def to_dict(self) -> dict[str, Any]:
         return {"message": self.message, "type": self.kind, "param": self.param, "code": None}
 
+    def to_chunk(self) -> dict[str, Any]:
+        """The replica's error chunk: the OpenAI-style body, and when to retry apart from it."""
+        return {"error": self.to_dict(), "retry_after": self.retry_after}
+
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "RequestError":
-        return cls(d["message"], d.get("param"), d.get("type", INVALID_ARGUMENT))
+    def from_dict(cls, d: dict[str, Any], retry_after: int | None = None) -> "RequestError":
+        return cls(d["message"], d.get("param"), d.get("type", INVALID_ARGUMENT), retry_after)
 
     @classmethod
     def from_value_error(cls, e: ValueError, default_param: str | None = None,

@@ -9,7 +9,7 @@ counters and latency histograms are recorded there as chunks stream by. Engine g
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 from cpuserve.serving.metrics import ServingMetrics
 
@@ -59,39 +59,53 @@ class RequestTimer:
 
 
 class EngineStatsAggregator:
-    """Sums the replicas' engine gauges; turns their step times and preemption totals into increments."""
+    """Sums the replicas' engine gauges; turns their step times and preemption and draft totals into increments.
 
-    def __init__(self, metrics: ServingMetrics, model: str):
+    The gauges are computed when they are scraped, over the replicas heard from in the last STALE_AFTER_S: a
+    replica that stops reporting (gone, or its reports lost) drops out even when no other replica reports.
+    """
+
+    def __init__(self, metrics: ServingMetrics, model: str, clock: Callable[[], float] = time.monotonic):
         self.metrics = metrics
         self.model = model
-        self._latest: dict[str, tuple[float, dict[str, Any]]] = {}  # replica_id -> (monotonic time, stats)
+        self.clock = clock
+        self._latest: dict[str, tuple[float, dict[str, Any]]] = {}  # replica_id -> (clock time, stats)
+        self._totals: dict[tuple[str, str], int] = {}  # (replica_id, counter) -> its total so far (kept while silent)
+        m = metrics
+        # called by the Prometheus endpoint's thread at each scrape
+        m.num_requests_running.labels(model=model).set_function(lambda: self._sum("num_running"))
+        m.num_requests_waiting.labels(model=model).set_function(lambda: self._sum("num_waiting"))
+        m.kv_cache_usage_ratio.labels(model=model).set_function(self._kv_usage)
 
     def update(self, stats: dict[str, Any]) -> None:
         m, model = self.metrics, self.model
         replica = stats["replica_id"]
-        previous = self._latest.get(replica)
         step = m.engine_step.labels(model=model, rank="0")
         for seconds in stats["step_times"]:
             step.observe(seconds)
         for key, counter in (("num_preemptions", m.preemptions), ("num_draft_tokens", m.spec_draft_tokens),
                              ("num_accepted_tokens", m.spec_accepted_tokens)):  # replica totals -> increments
-            delta = stats.get(key, 0) - (previous[1].get(key, 0) if previous else 0)
+            delta = stats.get(key, 0) - self._totals.get((replica, key), 0)
+            self._totals[(replica, key)] = stats.get(key, 0)
             if delta > 0:
                 counter.labels(model=model).inc(delta)
-        self._latest[replica] = (time.monotonic(), stats)
-        self._set_gauges()
+        now = self.clock()
+        live = {r: v for r, v in self._latest.items() if now - v[0] < STALE_AFTER_S}
+        live[replica] = (now, stats)
+        self._latest = live  # one assignment: the scrape thread reads either dict whole
 
-    def _set_gauges(self) -> None:
-        now = time.monotonic()
-        self._latest = {r: v for r, v in self._latest.items() if now - v[0] < STALE_AFTER_S}
-        live = [s for _, s in self._latest.values()]
-        m, model = self.metrics, self.model
-        m.num_requests_running.labels(model=model).set(sum(s["num_running"] for s in live))
-        m.num_requests_waiting.labels(model=model).set(sum(s["num_waiting"] for s in live))
+    def _live(self) -> list[dict[str, Any]]:
+        now = self.clock()
+        return [s for t, s in self._latest.values() if now - t < STALE_AFTER_S]
+
+    def _sum(self, key: str) -> float:
+        return float(sum(s[key] for s in self._live()))
+
+    def _kv_usage(self) -> float:
+        live = self._live()
         blocks = sum(s["num_blocks"] for s in live)
-        used = sum(s["num_used_blocks"] for s in live)
-        m.kv_cache_usage_ratio.labels(model=model).set(used / blocks if blocks else 0.0)
+        return sum(s["num_used_blocks"] for s in live) / blocks if blocks else 0.0
 
     @property
     def num_replicas(self) -> int:
-        return len(self._latest)
+        return len(self._live())

@@ -7,9 +7,10 @@ its field; a stream the client drops is aborted on its replica; a key must come 
 """
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import datetime
 import ipaddress
+import itertools
 import ssl
 import tempfile
 import time
@@ -170,14 +171,43 @@ def test_a_dropped_stream_is_aborted_on_its_replica(http_url, tls, scrape):
 
 
 def test_the_metrics_endpoint_sums_both_replicas(http_url, tls, scrape):
-    """One sequence per replica: requests running at once can only show as 2 if both replicas are summed. Four
-    streams, as Serve's router may put two on one replica (one then waits there)."""
+    """One sequence per replica, four long streams sent at once: two run, one on each replica, and two wait. The
+    endpoint shows 2 running and 2 waiting only if it sums both replicas' reports.
+
+    The streams go out together: a stream's headers come with its first token, so streams opened one after another
+    wait for the ones before them to finish, and the last could then run alone (seen in CI: the fourth queued
+    behind the third on one replica, the other replica idle, and by the end of the wait every stream was done)."""
     prompts = ("Count to ten:", "Name ten rivers:", "List some colours:", "Spell a long word:")
-    with contextlib.ExitStack() as streams:
-        # the line iterators are kept: one dropped closes its stream (httpx), and the request is aborted
-        lines = [streams.enter_context(long_stream(http_url, tls, prompt)).iter_lines() for prompt in prompts]
-        firsts = [next(it) for it in lines]
-        assert all(line.startswith("data: {") for line in firsts), firsts  # each is generating
-        both = wait_for(scrape, lambda m: value(m, "cpuserve_num_requests_running") == 2)
-        assert value(both, "cpuserve_kv_cache_usage_ratio") > 0
-    wait_for(scrape, lambda m: value(m, "cpuserve_num_requests_running") == 0)
+
+    async def scenario() -> tuple[list[str], dict[str, float]]:
+        async with httpx.AsyncClient(verify=tls, timeout=120) as http:
+            async def first_line(prompt: str):
+                rsp = await http.send(http.build_request("POST", f"{http_url}/v1/completions", json=dict(
+                    model=MODEL, prompt=prompt, max_tokens=3000, ignore_eos=True, stream=True),
+                    headers={"Authorization": f"Bearer {KEYS[0]}"}), stream=True)
+                lines = rsp.aiter_lines()  # kept open, unread: the request runs on
+                return rsp, lines, await anext(lines)
+
+            streams = [asyncio.create_task(first_line(p)) for p in prompts]
+            try:
+                # the first two streams to get a token are running on different replicas: a replica's second
+                # stream starts only when its first has written 3000 tokens
+                running = [await done for done in itertools.islice(asyncio.as_completed(streams), 2)]
+                assert all(line.startswith("data: {") for _, _, line in running), running
+                replicas = [rsp.headers["x-cpuserve-replica"] for rsp, _, _ in running]
+                both = await asyncio.to_thread(wait_for, scrape, lambda m: value(
+                    m, "cpuserve_num_requests_running") == 2 and value(m, "cpuserve_num_requests_waiting") == 2)
+                return replicas, both
+            finally:  # closing a stream aborts its request on its replica
+                for task in streams:
+                    task.cancel()
+                for result in await asyncio.gather(*streams, return_exceptions=True):
+                    if isinstance(result, tuple):
+                        await result[0].aclose()
+
+    replicas, both = asyncio.run(scenario())
+    assert len(set(replicas)) == 2, replicas
+    assert value(both, "cpuserve_kv_cache_usage_ratio") > 0
+    done = wait_for(scrape, lambda m: value(m, "cpuserve_num_requests_running") == 0
+                    and value(m, "cpuserve_num_requests_waiting") == 0)
+    assert value(done, "cpuserve_kv_cache_usage_ratio") == 0

@@ -1,5 +1,6 @@
 """Metrics match real traffic; cancelled streams, gone clients and gRPC deadlines free the KV pool;
-past the waiting limit new requests get RESOURCE_EXHAUSTED / 429 at once. One replica, real SmolLM2."""
+past the waiting limit (requests, or queued prompt tokens) new requests get 503 with Retry-After / RESOURCE_EXHAUSTED
+at once, counted by the limit they met, and admitted ones are served. One replica, real SmolLM2."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from cpuserve.v1 import inference_pb2_grpc as pbg
 
 pytestmark = pytest.mark.slow
 
-# admission: 4 running + 4 waiting in flight, the 9th is refused
-SERVE_CONFIG = dict(max_num_seqs=4, max_queued_requests=4)
+# admission: 4 running + 4 waiting in flight, the 9th is refused; 1000 prompt tokens waiting at most
+SERVE_CONFIG = dict(max_num_seqs=4, max_queued_requests=4, max_queued_tokens=1000)
 M = 'model="SmolLM2-135M-Instruct"'
 LONG = pb.SamplingParameters(max_tokens=4000, temperature=0, ignore_eos=True)
 
@@ -123,6 +124,8 @@ def test_grpc_deadline_is_honoured_and_frees_the_pool(grpc_stub, scrape):
 
 
 def test_backpressure_rejects_at_once_then_recovers(serving, http_url, scrape):
+    before = scrape()
+
     async def scenario():
         async with grpc.aio.insecure_channel(f"127.0.0.1:{serving.grpc_port}") as channel:
             stub = pbg.InferenceStub(channel)
@@ -147,8 +150,49 @@ def test_backpressure_rejects_at_once_then_recovers(serving, http_url, scrape):
     rejected, took, http_response, busy = asyncio.run(scenario())
     assert set(rejected) == {grpc.StatusCode.RESOURCE_EXHAUSTED}
     assert max(took) < 0.5, took
-    assert http_response.status_code == 429 and http_response.json()["error"]["type"] == "rate_limit_error"
+    assert http_response.status_code == 503 and http_response.json()["error"]["type"] == "overloaded_error"
+    assert http_response.headers["retry-after"] == "1"
+    limit = 'limit="requests",' + M
+    assert value(scrape(), "cpuserve_requests_refused_total", limit) - value(
+        before, "cpuserve_requests_refused_total", limit) == 21
     assert value(busy, "cpuserve_num_requests_running") == 4 and value(busy, "cpuserve_num_requests_waiting") == 4
     assert pool_is_free(wait_for(scrape, pool_is_free)), scrape()
     r = httpx.post(f"{http_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2, "temperature": 0}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_queued_prompt_tokens_are_bounded_and_admitted_requests_served(serving, http_url, scrape):
+    """4 long streams fill the batch; a 700-token prompt then waits (admitted), a second would make 1400 queued
+    tokens, past max_queued_tokens=1000: refused at once over HTTP (503, Retry-After) and gRPC; the waiting one is
+    served in full once the batch frees."""
+    before = scrape()
+    prompt = "one two three four five six seven " * 100  # 701 tokens with BOS
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{serving.grpc_port}") as channel:
+            stub = pbg.InferenceStub(channel)
+            calls = [stub.Generate(pb.GenerateRequest(text=f"Story {i}:", sampling=LONG)) for i in range(4)]
+            for call in calls:
+                await call.read()  # running
+            waiting = asyncio.ensure_future(stub.Complete(pb.GenerateRequest(
+                text=prompt, sampling=pb.SamplingParameters(max_tokens=3, temperature=0))))
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, lambda: wait_for(scrape, lambda m: value(
+                m, "cpuserve_num_requests_waiting") == 1, 20))
+            async with httpx.AsyncClient(timeout=30) as client:
+                refused = await client.post(f"{http_url}/v1/completions", json={"prompt": prompt, "max_tokens": 3})
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Complete(pb.GenerateRequest(text=prompt, sampling=pb.SamplingParameters(max_tokens=3)))
+            for call in calls:
+                call.cancel()
+            return refused, info.value, await waiting
+
+    refused, error, served = asyncio.run(scenario())
+    assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1, refused.text
+    assert "max_queued_tokens=1000" in refused.json()["error"]["message"]
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_queued_tokens" in error.details()
+    assert served.usage.completion_tokens == 3 and served.usage.prompt_tokens > 500
+    limit = 'limit="tokens",' + M
+    assert value(scrape(), "cpuserve_requests_refused_total", limit) - value(
+        before, "cpuserve_requests_refused_total", limit) == 2
+    assert pool_is_free(wait_for(scrape, pool_is_free)), scrape()

@@ -41,10 +41,11 @@ class FakeTokenizer:
 
 class FakeEngine:
     """AsyncLLMEngine's interface: validates like the engine (InvalidRequest), then streams "x" per token. With
-    `hold` set, streams wait on `release` after their first token (requests in flight, for the admission test);
-    `dead` fails every request."""
+    `hold` set, streams wait on `release` after their first token (requests in flight, for the admission test),
+    with `hold_first` before it (requests queued); `dead` fails every request."""
 
     hold = False
+    hold_first = False
     dead = False
 
     def __init__(self) -> None:
@@ -70,7 +71,7 @@ class FakeEngine:
         self.num_streams += 1
         try:
             for n in range(1, params.max_tokens + 1):
-                if self.hold and n > 1:
+                if (self.hold and n > 1) or self.hold_first:
                     await self.release.wait()
                 last = n == params.max_tokens
                 yield StepOutput(request_id, [120], "x", None, last, "length" if last else None, len(ids), n)
@@ -110,6 +111,7 @@ class FakeHandle:
     """What the ingress uses of its DeploymentHandle to LLMServer, calling the server in this process."""
 
     def __init__(self, server: LLMServer) -> None:
+        self.server = server
         self.generate = Remote(lambda request: Responses(server.generate(request)))
         self.info = Remote(server.info)
         self.tokenize = Remote(server.tokenize)
@@ -122,9 +124,13 @@ class FakeContext:
     """A gRPC servicer context: records the status code and details."""
 
     code = details = None
+    trailing_metadata = ()
 
     def set_code(self, code) -> None:
         self.code = code
+
+    def set_trailing_metadata(self, metadata) -> None:
+        self.trailing_metadata = tuple(metadata)
 
     def set_details(self, details: str) -> None:
         self.details = details
@@ -134,7 +140,8 @@ class FakeContext:
 
 
 def make_ingress(**fields: Any) -> tuple[IngressCore, FakeEngine]:
-    config = ServeConfig(metrics_port=0, max_num_seqs=2, max_queued_requests=1, max_request_bytes=4096, **fields)
+    config = ServeConfig(**{"metrics_port": 0, "max_num_seqs": 2, "max_queued_requests": 1, "max_request_bytes": 4096,
+                            **fields})
     server = LLMServer(config, engine_cls=FakeEngine)
     return IngressCore(config.model_dump(), FakeHandle(server)), server.engine
 
@@ -226,7 +233,9 @@ def test_admission_refuses_past_the_queue_limit():
 
     async def scenario():
         starts = [await ingress._start(None, {"prompt": "hi", "sampling": {"max_tokens": 2}}) for _ in range(3)]
-        status, body = await post(ingress, "completions", {"prompt": "hi"})
+        response = await ingress.completions(http_request({"prompt": "hi"}))
+        status, body = response.status_code, json.loads(response.body)
+        assert response.headers["retry-after"] == "1"
         context = FakeContext()
         with pytest.raises(RequestError):
             await ingress.Complete(pb.GenerateRequest(text="hi").SerializeToString(), context)
@@ -237,9 +246,46 @@ def test_admission_refuses_past_the_queue_limit():
         return status, body, context.code, status_after
 
     status, body, code, status_after = asyncio.run(scenario())
-    assert status == 429 and body["error"]["type"] == "rate_limit_error"
+    assert status == 503 and body["error"]["type"] == "overloaded_error"
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert status_after == 200 and ingress.num_in_flight == 0
+    assert refused(ingress, "requests") == 2 and refused(ingress, "tokens") == 0
+
+
+def refused(ingress: IngressCore, limit: str) -> float:
+    return ingress.metrics.refused.labels(model=ingress.model, limit=limit)._value.get()
+
+
+def test_admission_refuses_a_prompt_past_the_replicas_queued_tokens():
+    """max_queued_tokens=10: a 6-token prompt waits, a second would make 12 and is refused; one prompt longer than
+    the bound is still admitted into an empty queue; the admitted request is served."""
+    ingress, engine = make_ingress(max_num_seqs=4, max_queued_requests=4, max_queued_tokens=10)
+    engine.hold_first = True
+
+    async def scenario():
+        waiting = asyncio.create_task(ingress._start(None, {"prompt": "6 toks", "sampling": {"max_tokens": 2}}))
+        await asyncio.sleep(0.01)
+        response = await ingress.completions(http_request({"prompt": "6 more"}))
+        context = FakeContext()
+        with pytest.raises(RequestError):
+            await ingress.Complete(pb.GenerateRequest(text="6 more").SerializeToString(), context)
+        engine.release.set()
+        _, first, stream = await waiting
+        chunks = [first] + [c async for c in stream]
+        engine.release.clear()
+        engine.hold_first = False
+        status_long, _ = await post(ingress, "completions", {"prompt": "w" * 30})
+        return response, context, chunks, status_long
+
+    response, context, chunks, status_long = asyncio.run(scenario())
+    body = json.loads(response.body)
+    assert response.status_code == 503 and response.headers["retry-after"] == "1", body
+    assert body["error"]["message"] == ("6 prompt tokens wait on this replica and this request has 6: past "
+                                        "max_queued_tokens=10; retry in 1 s")
+    assert context.code == grpc.StatusCode.RESOURCE_EXHAUSTED and context.trailing_metadata == (("retry-after", "1"),)
+    assert chunks[-1]["finish_reason"] == "length" and sum(len(c["ids"]) for c in chunks) == 2
+    assert status_long == 200 and refused(ingress, "tokens") == 2 and refused(ingress, "requests") == 0
+    assert ingress.llm.server.num_queued_tokens == 0
 
 
 def test_dead_engine_is_unavailable_and_fails_the_health_check():

@@ -1,0 +1,48 @@
+"""The engine gauges the ingress exports: summed over the replicas that reported lately, computed at each scrape."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from cpuserve.serving.metrics import build_serving_metrics, initialize_serving_metrics
+from cpuserve.serving.telemetry import STALE_AFTER_S, EngineStatsAggregator
+
+MODEL = "m"
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def report(replica: str, running: int, waiting: int, used: int, blocks: int = 100, preemptions: int = 0):
+    return {"replica_id": replica, "num_running": running, "num_waiting": waiting, "num_used_blocks": used,
+            "num_blocks": blocks, "num_preemptions": preemptions, "step_times": [0.01, 0.02]}
+
+
+def gauges(registry: CollectorRegistry) -> tuple[float, float, float]:
+    return tuple(registry.get_sample_value(f"cpuserve_{name}", {"model": MODEL})
+                 for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio"))
+
+
+def test_gauges_sum_the_replicas_heard_from_lately_even_when_none_reports_again():
+    registry, clock = CollectorRegistry(), Clock()
+    metrics = build_serving_metrics(registry)
+    initialize_serving_metrics(metrics, MODEL)
+    stats = EngineStatsAggregator(metrics, MODEL, clock=clock)
+    assert gauges(registry) == (0, 0, 0)
+    stats.update(report("a", 1, 2, 30, preemptions=2))
+    clock.now += 1
+    stats.update(report("b", 1, 0, 10))
+    assert gauges(registry) == (2, 2, 40 / 200)
+    clock.now += STALE_AFTER_S - 0.5  # a is silent past the bound, b not yet: read at the scrape, no update needed
+    assert gauges(registry) == (1, 0, 10 / 100)
+    clock.now += 1  # both silent: nothing is running that anyone knows of
+    assert gauges(registry) == (0, 0, 0)
+    stats.update(report("a", 0, 1, 5, preemptions=3))
+    assert gauges(registry) == (0, 1, 5 / 100) and stats.num_replicas == 1
+    assert registry.get_sample_value("cpuserve_engine_step_seconds_count", {"model": MODEL, "rank": "0"}) == 6
+    # a's total went 2 -> 3 across its silence: one more preemption, not three
+    assert registry.get_sample_value("cpuserve_preemptions_total", {"model": MODEL}) == 3
