@@ -32,7 +32,8 @@ PROXY_FIELDS = frozenset({"grpc_port", "http_port", "tls_cert_file", "tls_key_fi
 def serve_fields(spec: LLMServiceSpec) -> dict[str, Any]:
     """The ServeConfig fields the head serves with (snake_case, only those set; the paths are the pod's)."""
     q, r, b, p = spec.quantization, spec.resources, spec.batching, spec.ports
-    fields = dict(weights=q.weights, group_size=q.group_size, kv_cache=q.kv_cache, kv_cache_gb=r.kv_cache_gb,
+    fields = dict(weights=q.weights, group_size=q.group_size, activations=q.activations, kv_cache=q.kv_cache,
+                  kv_cache_gb=r.kv_cache_gb,
                   # at replicas 0 there are no rank pods: the app's one LLMServer replica waits for a rank pod
                   # (cpuserve serve refuses --replicas 0)
                   replicas=max(spec.replicas, 1), ranks_per_replica=spec.ranks_per_replica,

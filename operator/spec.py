@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from cpuserve.engine.config import KV_CACHE_DTYPES, WEIGHT_FORMATS
+from cpuserve.engine.config import ACTIVATION_FORMATS, KV_CACHE_DTYPES, WEIGHT_FORMATS
 
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 SECRET_KEY = r"^[-._a-zA-Z0-9]+$"
@@ -47,14 +47,32 @@ class ModelSpec(Spec):
     """Expected SHA-256 of the downloaded file (source url); the init container fails on a mismatch."""
 
 
+# A cross-field rule the API server itself enforces (a CEL validation rule, GA in Kubernetes 1.29): one scale per
+# token needs per-channel weights. validation.py says the same for a CRD installed before the rule was.
+TOKEN_SCALES_NEED_INT8 = {
+    "rule": "!has(self.activations) || self.activations != 'int8-token' || "
+            "(has(self.weights) && self.weights == 'int8')",
+    "message": "activations int8-token (one scale per token) needs weights int8 (per-channel): "
+               "set weights: int8, or activations: int8",
+    "fieldPath": ".activations",
+}
+_CEL_BOUND = {"maxLength": 16}  # a string a CEL rule reads needs a bound for the API server's cost estimate
+
+
 class QuantizationSpec(Spec):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [TOKEN_SCALES_NEED_INT8]})
+
     # The formats are the engine's (engine/config.py). The group sizes are a subset of the engine's GROUP_SIZES: the
     # API offers the two INT4 recipes of DESIGN.md (32, 128); the engine also takes 64 (`cpuserve serve --group-size
     # 64`). Adding 64 here stays possible; removing a value from a CRD enum is not, as stored objects may hold it.
-    weights: Literal[WEIGHT_FORMATS] = "int4"  # type: ignore[valid-type]
-    """Runtime weight format (weight-only quantization; activations stay bf16/fp32)."""
+    weights: Literal[WEIGHT_FORMATS] = Field("int4", json_schema_extra=_CEL_BOUND)  # type: ignore[valid-type]
+    """Runtime weight format: int4 codes in groups, int8 per output channel, bf16 or fp32."""
     group_size: Literal[32, 128] = 32
     """INT4 group size (weights int4 only)."""
+    activations: Literal[ACTIVATION_FORMATS] = Field("int8", json_schema_extra=_CEL_BOUND)  # type: ignore[valid-type]
+    """What int4 / int8 weights multiply: int8 (one scale per 32 inputs: the default, within 1% of fp32's
+    perplexity), int8-token (one scale per token, weights int8 only: vLLM's W8A8 scheme, the throughput mode for
+    long prompts at a few % of perplexity; docs/engine.md) or bf16 (exact)."""
     kv_cache: Literal[KV_CACHE_DTYPES] = "int8"  # type: ignore[valid-type]
     """KV cache element type; int8 keeps one fp32 scale per token and head."""
 

@@ -67,6 +67,15 @@ def _check_model(spec: LLMServiceSpec) -> list[Finding]:
     return out
 
 
+def _check_quantization(spec: LLMServiceSpec) -> list[Finding]:
+    q = spec.quantization
+    if q.activations == "int8-token" and q.weights != "int8":
+        return [Finding("spec.quantization.activations", q.activations,
+                        f"one scale per token needs per-channel weights: set spec.quantization.weights int8 "
+                        f"(it is {q.weights}), or activations int8")]
+    return []
+
+
 def _check_shape(spec: LLMServiceSpec, settings: OperatorSettings) -> list[Finding]:
     out, ranks = [], spec.ranks_per_replica
     if ranks > settings.max_ranks_per_replica:
@@ -97,5 +106,5 @@ def validate(body: dict[str, Any], settings: OperatorSettings) -> tuple[LLMServi
     spec, parse_findings = parse_spec(body)
     if spec is None:
         return None, findings + parse_findings
-    findings += _check_model(spec) + _check_shape(spec, settings)
+    findings += _check_model(spec) + _check_quantization(spec) + _check_shape(spec, settings)
     return spec, findings

@@ -49,7 +49,8 @@ class ServeConfig(BaseSettings):
     group_size: Literal[GROUP_SIZES] = _ENGINE.group_size  # type: ignore[valid-type]
     """int4 quantization group along the input dimension."""
     activations: Literal[ACTIVATION_FORMATS] = _ENGINE.activations  # type: ignore[valid-type]
-    """What int4 / int8 weights multiply: int8 (dynamic per token, VNNI dot products) or bf16 (exact)."""
+    """What int4 / int8 weights multiply: int8 (one scale per 32 inputs, VNNI dot products), int8-token (one scale
+    per token, weights int8 only: the throughput mode, docs/engine.md) or bf16 (exact)."""
     kv_cache: Literal[KV_CACHE_DTYPES] = _ENGINE.kv_cache  # type: ignore[valid-type]
     """KV cache element type; int8 keeps one fp32 scale per token and KV head."""
     kv_cache_gb: float = Field(_ENGINE.kv_cache_gb, gt=0)

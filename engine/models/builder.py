@@ -8,9 +8,10 @@ from collections import defaultdict
 import torch
 from tqdm import tqdm
 
+from cpuserve.engine.layers import native
 from cpuserve.engine.layers.linear import QuantLinear, build_linear
 from cpuserve.engine.layers.embedding import CodedEmbedding
-from cpuserve.engine.layers.linear.act_int8 import Int8ActLinear
+from cpuserve.engine.layers.linear.act_int8 import Int8ActLinear, W8A8Linear
 from cpuserve.engine.layers.linear.factory import INT8_ACTIVATIONS
 from cpuserve.engine.layers.linear.coded import CodedWeight, coded_misfit, concat_rows, to_linear
 from cpuserve.engine.models import gemma3
@@ -58,6 +59,7 @@ def build_model(checkpoint, weights: str, group_size: int, show_progress: bool =
         # with the layers' (a 1B model's embedding and lm_head are 262 MB each in fp32)
         if name == "lm_head.weight" or (name == "model.embed_tokens.weight" and args.tie_embeddings):
             lm_head = build_linear(tensor, None, lm_head_format(weights, tensor), group_size, activations=activations)
+            check_token_scales(lm_head, args.arch, "lm_head", activations)
         if name == "model.embed_tokens.weight":  # the lookup table, in the activation dtype or packed codes
             tensor = _embedding_table(tensor, lm_head if args.tie_embeddings else None, dtype)
         elif name == "lm_head.weight":
@@ -87,6 +89,20 @@ def build_model(checkpoint, weights: str, group_size: int, show_progress: bool =
     model = model_class(args, embedding, [layers[i] for i in range(args.n_layers)], lm_head, dtype)
     model.norm.weight.data = top.pop("model.norm.weight").to(dtype)
     return model.eval()
+
+
+def check_token_scales(layer: QuantLinear, arch: str, name: str, activations: str) -> QuantLinear:
+    """activations "int8-token" is one scheme for the whole model (vLLM's W8A8): a layer whose shape the per-token
+    kernel cannot take is refused by name rather than run in another scheme. Where the CPU lacks the VNNI kernels every
+    layer falls back to bf16 activations with a warning (factory.py), as the default int8 scheme does there."""
+    if activations != "int8-token" or not native.vnni_gemm_enabled():
+        return layer
+    if isinstance(layer, W8A8Linear) and layer.act_group == layer.in_features:
+        return layer
+    k, n = layer.in_features, layer.out_features
+    why = W8A8Linear.misfit(n, k, k, per_token=True) or f"it took {type(layer).__name__}"
+    raise ValueError(f"activations='int8-token' cannot run this {arch} model: {name} [N={n}, K={k}]: {why} "
+                     f"(the per-token int8 kernel's steps); use activations='int8' (one scale per 32 inputs)")
 
 
 def _embedding_table(tensor, tied_head, dtype: torch.dtype):
@@ -123,16 +139,17 @@ def _partial_rotary_order(args, parts: dict) -> dict:
 
 def _build_block(args, index: int, parts: dict[str, torch.Tensor], weights: str, group_size: int, dtype,
                  activations: str) -> TransformerBlock | gemma3.Gemma3Block:
-    def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> QuantLinear:
-        return build_linear(weight, bias, weights, group_size, activations=activations)
+    def linear(name: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> QuantLinear:
+        layer = build_linear(weight, bias, weights, group_size, activations=activations)
+        return check_token_scales(layer, args.arch, f"layer {index} {name}", activations)
 
     if args.rotary_dim < args.head_dim:
         parts = _partial_rotary_order(args, parts)
     qkv_weight = concat_rows([parts[f"self_attn.{p}_proj.weight"] for p in "qkv"])  # [(H + 2 Hkv) D, dim]
     qkv_bias = torch.cat([parts[f"self_attn.{p}_proj.bias"] for p in "qkv"]) if args.qkv_bias else None
-    qkv, o_proj = linear(qkv_weight, qkv_bias), linear(parts["self_attn.o_proj.weight"])
+    qkv, o_proj = linear("qkv_proj", qkv_weight, qkv_bias), linear("o_proj", parts["self_attn.o_proj.weight"])
     gate_up = concat_rows([parts["mlp.gate_proj.weight"], parts["mlp.up_proj.weight"]])  # [2 ffn, dim]
-    gate_up, down = linear(gate_up), linear(parts["mlp.down_proj.weight"])
+    gate_up, down = linear("gate_up_proj", gate_up), linear("down_proj", parts["mlp.down_proj.weight"])
     int8_keys = activations in INT8_ACTIVATIONS  # prefill's Q K^T as int8 dot products where the kernel runs them
     if args.arch == "gemma3":
         block = gemma3.build_block(args, index, qkv, o_proj, gate_up, down, parts, dtype)

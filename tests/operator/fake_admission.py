@@ -1,6 +1,7 @@
 """What the fake API server does to an object before it stores it, as a real kube-apiserver does (measured
 against Kubernetes 1.36, see DESIGN.md): unknown fields pruned (or refused under fieldValidation=Strict), a
-CRD's schema defaults applied, a CRD's schema enforced, a pod refused while its service account does not exist.
+CRD's schema defaults applied, a CRD's schema enforced (its x-kubernetes-validations CEL rules too, evaluated by
+cel-python), a pod refused while its service account does not exist.
 
 Built-in kinds use the OpenAPI schemas that kubernetes-validate ships; a CRD kind uses its openAPIV3Schema.
 """
@@ -12,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import celpy
 import jsonschema
 import kubernetes_validate
 
@@ -106,12 +108,35 @@ def admit(obj: dict[str, Any], kind: Any, query: dict[str, str]) -> list[str]:
     if kind.schema is not None:
         apply_defaults(obj, kind.schema)
         errors = sorted(jsonschema.Draft4Validator(kind.schema).iter_errors(obj), key=lambda e: list(e.path))
-        if errors:
+        causes = [f"{'.'.join(str(p) for p in e.path)}: Invalid value: {e.message}" for e in errors]
+        causes = causes or cel_failures(obj, kind.schema)  # the server runs the rules on a schema-valid object
+        if causes:
             name = obj.get("metadata", {}).get("name", "")
-            causes = "; ".join(f"{'.'.join(str(p) for p in e.path)}: Invalid value: {e.message}" for e in errors)
+            causes = "; ".join(causes)
             raise Refused(422, "Invalid", f'{kind.kind} "{name}" is invalid: {causes}',
                           {"name": name, "group": kind.group, "kind": kind.kind})
     return [f'299 - "unknown field \\"{u}\\""' for u in unknown] if mode == "Warn" else []
+
+
+@functools.cache
+def _cel_program(rule: str) -> Any:
+    env = celpy.Environment()
+    return env.program(env.compile(rule))
+
+
+def cel_failures(obj: Any, schema: dict[str, Any], path: str = "") -> list[str]:
+    """The x-kubernetes-validations rules `obj` breaks, as the API server words them: `<path><fieldPath>: Invalid
+    value: "object": <message>` (each rule with `self` bound to the object at its node)."""
+    out: list[str] = []
+    if isinstance(obj, dict):
+        for rule in schema.get("x-kubernetes-validations") or []:
+            if not _cel_program(rule["rule"]).evaluate({"self": celpy.json_to_cel(obj)}):
+                out.append(f'{path}{rule.get("fieldPath", "")}: Invalid value: "object": '
+                           f'{rule.get("message") or "failed rule: " + rule["rule"]}')
+        for key, sub in (schema.get("properties") or {}).items():
+            if key in obj:
+                out += cel_failures(obj[key], sub, f"{path}.{key}" if path else key)
+    return out
 
 
 def check_service_account(pod: dict[str, Any], ns: str, exists) -> None:

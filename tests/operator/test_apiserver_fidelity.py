@@ -88,6 +88,18 @@ def test_crd_schema_refuses_invalid_values(server):
     assert (err.status, err.reason) == (422, "Invalid") and "replicas" in err.message
 
 
+def test_crd_cel_rule_refuses_token_scales_without_int8_weights(server):
+    """The CRD's x-kubernetes-validations rule (operator/spec.py): a schema-valid spec the rule refuses, named by its
+    fieldPath; the same scheme with int8 weights is stored, and the default filled in where it is absent."""
+    err = refused(server.kube.create, llmservice("tokens", quantization={"activations": "int8-token"}))
+    assert (err.status, err.reason) == (422, "Invalid"), err.message
+    assert "spec.quantization.activations" in err.message and "needs weights int8" in err.message
+    server.kube.create(llmservice("tokens", quantization={"weights": "int8", "activations": "int8-token"}))
+    assert server.kube.get("LLMService", NS, "tokens")["spec"]["quantization"]["activations"] == "int8-token"
+    server.kube.create(llmservice("groups", quantization={"weights": "int8"}))
+    assert server.kube.get("LLMService", NS, "groups")["spec"]["quantization"]["activations"] == "int8"
+
+
 def test_status_subresource(server):
     server.kube.create(llmservice("status"))
     server.kube.merge_patch("LLMService", NS, "status", {"status": {"replicas": 5}})  # main resource: ignored

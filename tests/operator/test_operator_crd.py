@@ -19,6 +19,7 @@ BAD_SPECS = [  # (spec, path of the offending field as jsonschema reports it)
     ({"model": {"source": "embedded"}, "quantization": {"weights": "int3"}}, "weights"),
     ({"model": {"source": "embedded"}, "quantization": {"groupSize": 64}}, "groupSize"),
     ({"model": {"source": "embedded"}, "quantization": {"kvCache": "fp8"}}, "kvCache"),
+    ({"model": {"source": "embedded"}, "quantization": {"activations": "int4"}}, "activations"),
     ({"model": {"source": "embedded"}, "replicas": -1}, "replicas"),  # range
     ({"model": {"source": "embedded"}, "replicas": "two"}, "replicas"),  # type
     ({"model": {"source": "embedded"}, "ranksPerReplica": 0}, "ranksPerReplica"),
@@ -49,7 +50,8 @@ GOOD_SPECS = [
     {"model": {"source": "embedded"}},
     {"model": {"source": "pvc", "claimName": "models", "path": "llama/7b.gguf", "numParameters": 6_738_415_616,
                "checkpointType": "Q4_0"}, "replicas": 3, "ranksPerReplica": 2,
-     "quantization": {"weights": "int8", "kvCache": "bf16"}, "placement": {"mode": "pack", "nodeSelector": {"a": "b"}}},
+     "quantization": {"weights": "int8", "activations": "int8-token", "kvCache": "bf16"},
+     "placement": {"mode": "pack", "nodeSelector": {"a": "b"}}},
     {"model": {"source": "url", "url": "https://example.invalid/m.tar.gz", "format": "safetensors",
                "numParameters": 1_000_000_000}, "resources": {"kvCacheGb": 0.5, "memoryPerRankGb": 16},
      "security": {"tlsSecretName": "tls", "apiKeys": {"name": "keys"}, "rayAuthTokenSecret": "ray"}},
@@ -99,3 +101,27 @@ def test_every_schema_node_has_a_type():
 
     walk(build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"], "")
     assert missing == []
+
+
+@pytest.mark.parametrize("quantization,refused", [
+    ({"activations": "int8-token"}, True),  # the default weights are int4
+    ({"weights": "int4", "activations": "int8-token"}, True),
+    ({"weights": "fp32", "activations": "int8-token"}, True),
+    ({"weights": "int8", "activations": "int8-token"}, False),
+    ({"weights": "int4", "activations": "bf16"}, False),
+    ({}, False),
+])
+def test_the_crds_cel_rule_refuses_token_scales_without_int8_weights(quantization, refused):
+    """What the API server's CEL rule (x-kubernetes-validations) says, evaluated by cel-python as the fake API server
+    does: the schema alone passes each of these; the rule names spec.quantization.activations."""
+    from fake_admission import apply_defaults, cel_failures
+
+    schema = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    body = make_raw_body({"model": {"source": "embedded"}, "quantization": quantization})
+    apply_defaults(body, schema)  # the server defaults before it validates
+    assert not list(crd_validator().iter_errors(body))
+    failures = cel_failures(body, schema)
+    assert bool(failures) is refused, failures
+    if refused:
+        assert failures == ['spec.quantization.activations: Invalid value: "object": activations int8-token (one '
+                            'scale per token) needs weights int8 (per-channel): set weights: int8, or activations: int8']

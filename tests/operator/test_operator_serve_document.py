@@ -29,13 +29,14 @@ def document(**spec):
 
 def test_the_document_is_a_valid_serve_deploy_config():
     doc, _ = document(model=URL_MODEL, security=SECURITY, replicas=2, ranksPerReplica=2,
-                      quantization={"weights": "int8", "groupSize": 128, "kvCache": "fp32"},
+                      quantization={"weights": "int8", "groupSize": 128, "activations": "int8-token", "kvCache": "fp32"},
                       resources={"kvCacheGb": 2.5, "cpusPerRank": 16}, batching={"maxNumSeqs": 64},
                       ports={"grpc": 9100, "http": 8100, "metrics": 8180})
     ServeDeploySchema.model_validate(doc)  # Ray Serve's own schema of PUT /api/serve/applications/
     (app,) = doc["applications"]
     assert app["import_path"] == "cpuserve.serving.app:build_app" and app["route_prefix"] == "/"
-    assert app["args"] == {"model": "/models/model", "weights": "int8", "group_size": 128, "kv_cache": "fp32",
+    assert app["args"] == {"model": "/models/model", "weights": "int8", "group_size": 128,
+                           "activations": "int8-token", "kv_cache": "fp32",
                            "kv_cache_gb": 2.5, "ranks_per_replica": 2, "cpus_per_rank": 16, "max_num_seqs": 64,
                            "max_num_batched_tokens": 2048, "max_queued_requests": 256, "host": "0.0.0.0",
                            "metrics_port": 8180, "socket_resource": "cpuserve_socket",
@@ -49,10 +50,11 @@ def test_the_document_is_a_valid_serve_deploy_config():
 
 
 def test_every_quantization_the_crd_offers_is_one_the_engine_takes():
-    from cpuserve.engine.config import GROUP_SIZES, KV_CACHE_DTYPES, WEIGHT_FORMATS
+    from cpuserve.engine.config import ACTIVATION_FORMATS, GROUP_SIZES, KV_CACHE_DTYPES, WEIGHT_FORMATS
     from cpuserve.operator.spec import QuantizationSpec
 
-    for name, allowed in (("weights", WEIGHT_FORMATS), ("group_size", GROUP_SIZES), ("kv_cache", KV_CACHE_DTYPES)):
+    for name, allowed in (("weights", WEIGHT_FORMATS), ("group_size", GROUP_SIZES), ("kv_cache", KV_CACHE_DTYPES),
+                          ("activations", ACTIVATION_FORMATS)):
         assert set(typing.get_args(QuantizationSpec.model_fields[name].annotation)) <= set(allowed), name
 
 
@@ -68,6 +70,8 @@ EXTREMES = [
     {"model": {"source": "pvc", "claimName": "models", "path": "llama/model.gguf", "numParameters": 8_000_000_000}},
     *({"quantization": {"weights": w, "groupSize": g, "kvCache": kv}}
       for w in ("int4", "int8", "bf16", "fp32") for g in (32, 128) for kv in ("int8", "bf16", "fp32")),
+    *({"quantization": {"weights": w, "activations": a}} for w in ("int4", "int8", "bf16", "fp32") for a in ("int8", "bf16")),
+    {"quantization": {"weights": "int8", "activations": "int8-token", "groupSize": 128, "kvCache": "bf16"}},
 ]
 
 
@@ -89,6 +93,7 @@ def test_serving_accepts_the_fields_for_every_value_the_crd_allows(spec):
     ({"replicas": 3}, True),  # num_replicas and user_config only: no replica restarts
     ({"batching": {"maxNumSeqs": 8}}, False),  # args: Serve replaces LLMServer replicas one at a time
     ({"quantization": {"weights": "int8"}}, False),
+    ({"quantization": {"weights": "int8", "activations": "int8-token"}}, False),  # the engine's scheme: new args
 ])
 def test_what_a_change_touches(change, lightweight):
     before, _ = document(replicas=2)

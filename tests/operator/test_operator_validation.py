@@ -30,6 +30,10 @@ CASES = [  # (name, spec, field, words in the message)
     ("chat", {"ports": {"engineMetrics": 8080}}, "spec.ports", ["4 distinct", "'engineMetrics': 8080"]),
     ("chat", {"batching": {"maxNumSeqs": 64, "maxNumBatchedTokens": 32}}, "spec.batching.maxNumBatchedTokens",
      ["at least spec.batching.maxNumSeqs (64)"]),
+    ("chat", {"quantization": {"activations": "int8-token"}}, "spec.quantization.activations",
+     ["per-channel weights", "spec.quantization.weights int8 (it is int4)"]),
+    ("chat", {"quantization": {"weights": "bf16", "activations": "int8-token"}}, "spec.quantization.activations",
+     ["(it is bf16)"]),
     ("9chat", {}, "metadata.name", ["DNS-1035"]),
     ("c" * 41, {}, "metadata.name", ["at most 40"]),
 ]
@@ -55,6 +59,7 @@ def test_schema_errors_are_findings_too():
     {},
     {"model": BIG, "ranksPerReplica": 4, "resources": {"kvCacheGb": 8, "memoryPerRankGb": 12}},
     {"ranksPerReplica": 2, "placement": {"mode": "pack", "socketsPerNode": 2}},
+    {"quantization": {"weights": "int8", "activations": "int8-token"}},
 ])
 def test_consistent_specs_have_no_findings(spec):
     parsed, findings = validate(make_body(**spec), SETTINGS)
