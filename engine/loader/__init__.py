@@ -103,12 +103,13 @@ def load_checkpoint(path: str | None = None, show_progress: bool = True) -> Chec
     path = default_model_path() if path is None else os.fspath(path)
     # deferred imports: each format pulls in its own libraries
     if os.path.isdir(path):
-        from cpuserve.engine.loader.safetensors import is_hf_folder, load_hf_folder
+        from cpuserve.engine.loader.quantized import open_hf_folder
+        from cpuserve.engine.loader.safetensors import is_hf_folder
 
         if not is_hf_folder(path):
             raise ValueError(f"{path}: folder has no config.json; expected a Hugging Face model folder "
                              "(config.json + *.safetensors + tokenizer.json) or a .gguf file")
-        args, tokenizer, weights = load_hf_folder(path)
+        args, tokenizer, weights = open_hf_folder(path)  # float, or GPTQ / AWQ / compressed-tensors codes
     elif os.path.isfile(path):
         if not _is_gguf(path):
             raise ValueError(f"{path}: not a GGUF file (no 'GGUF' magic bytes); accepted: a .gguf file, or a "
