@@ -16,19 +16,20 @@ from cpuserve.engine.layers.linear.coded import CodedWeight
 
 
 def unpack_words(words: Tensor, bits: int, dim: int, order: list[int] | None = None) -> Tensor:
-    """int32 (or int64 holding 32-bit) words, 32 // bits codes each, the first in the lowest bits -> uint8 codes, unpacked along dim (0 or 1).
+    """int32 (or int64 holding 32-bit) words, 32 // bits codes each, the first in the lowest bits -> uint8 codes,
+    unpacked along dim (0 or 1).
 
     order: the position (within its word's run of 32 // bits) of the code stored in each field (AWQ's interleave);
-    None: field j holds position j."""
+    None: field j holds position j. One field at a time, so a layer's temporaries stay at 1.5 bytes a code."""
     per_word = 32 // bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int64)
-    w = words.to(torch.int64)  # an int32's sign bits above bit 31 are masked off below
-    fields = (w.unsqueeze(-1) >> shifts) & (2 ** bits - 1)  # fields: [R, C, per_word]
+    w = words if words.dtype == torch.int32 else ((words.to(torch.int64) + 2 ** 31) % 2 ** 32 - 2 ** 31).to(torch.int32)
+    fields = [((w >> (bits * j)) & (2 ** bits - 1)).to(torch.uint8) for j in range(per_word)]  # masked: no sign bits
     if order is not None:
-        fields = fields[..., torch.argsort(torch.tensor(order))]  # fields[..., p] = the code at position p
+        fields = [fields[order.index(p)] for p in range(per_word)]  # fields[p]: the code at position p
+    codes = torch.stack(fields, -1)  # codes: [R, C, per_word]
     if dim == 1:
-        return fields.reshape(w.shape[0], -1).to(torch.uint8)  # [R, C * per_word]
-    return fields.permute(0, 2, 1).reshape(-1, w.shape[1]).to(torch.uint8)  # [R * per_word, C]
+        return codes.reshape(w.shape[0], -1)  # [R, C * per_word]
+    return codes.permute(0, 2, 1).reshape(-1, w.shape[1])  # [R * per_word, C]
 
 
 def group_order(g_idx: Tensor | None, k: int, group: int, where: str) -> Tensor | None:

@@ -80,7 +80,7 @@ class QuantizedWeights(SafetensorsWeights):
         self.names = []  # (file, name) yielded: SafetensorsWeights' count
         for name, (file, dtype) in where.items():
             module, _, suffix = name.rpartition(".")
-            if module not in quantized:
+            if module not in quantized or suffix not in fmt.tensors:  # a quantized module's bias is float
                 self._add_float(file, name, dtype)
             elif suffix == fmt.required[0]:  # one entry per module, where its first required tensor is listed
                 self._add_module(module, {s: (where[n][0], n) for s, n in quantized[module].items()}, file)

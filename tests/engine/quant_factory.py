@@ -183,3 +183,43 @@ def dequantized_model(model, ref: dict[str, torch.Tensor]):
         for name, w in ref.items():
             out.get_parameter(name).copy_(w)
     return out.eval()
+
+
+def write_compressed_tensors(model, folder, tokenizer, weights: dict, fmt: str, activations: dict | None = None):
+    """The model quantized and saved by compressed-tensors itself (the library llm-compressor saves with): its
+    min-max scales and zero points (calculate_qparams) per group or channel, rounded to fp16 values as a half-precision
+    model's are, its packing (ModelCompressor) and its config.json entry. The model is changed in place (copy it)."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                                 apply_quantization_config)
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = QuantizationArgs(**weights)
+    acts = QuantizationArgs(**activations) if activations else None
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, input_activations=acts)
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]),
+                              show_progress=False)
+    for module in model.modules():
+        if hasattr(module, "weight_scale"):
+            w = module.weight.detach()
+            n, k = w.shape
+            group = args.group_size if args.strategy == "group" else k
+            wg = w.reshape(n, k // group, group)  # wg: [N, G, group]
+            scale, zero = calculate_qparams(wg.amin(-1), wg.amax(-1), args)
+            module.weight_scale.data.copy_(scale.half().float().reshape(module.weight_scale.shape))
+            if hasattr(module, "weight_zero_point"):
+                module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
+    compressor = ModelCompressor.from_pretrained_model(model, fmt)
+    compressor.compress_model(model)
+    save_hf_folder(model, folder, tokenizer)
+    compressor.update_config(str(folder))
+    return str(folder)
+
+
+def decompressed_by_transformers(folder):
+    """transformers' own load of a compressed-tensors folder, decompressed to float by the library: the reference."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    return AutoModelForCausalLM.from_pretrained(folder, quantization_config=CompressedTensorsConfig(dequantize=True),
+                                                dtype=torch.float32).eval()
