@@ -106,11 +106,19 @@ def test_default_engine_keeps_the_checkpoints_codes(checkpoint):
         assert isinstance(inner, CASES[case][3]) and inner.group_size == _group(case, inner), (case, inner)
     # the kernel's weights are the file's: exact for symmetric codes (scale and zero kept); with zero points, the
     # offset -z * scale in fp16 (within 2**-11 of it)
-    w = layer.mlp.down.dequantize()
-    want = ref.get_parameter("model.layers.0.mlp.down_proj.weight").detach()
-    assert (w - want).abs().max() <= want.abs().max() * 2 ** -10, case
+    for linear, name in ((layer.attention.o_proj, "self_attn.o_proj"), (layer.mlp.down, "mlp.down_proj")):
+        w, want = linear.dequantize(), ref.get_parameter(f"model.layers.0.{name}.weight").detach()
+        if _symmetric(case):
+            assert torch.equal(w, want), (case, name)
+        else:
+            assert (w - want).abs().max() <= want.abs().max() * 2 ** -10, (case, name)
     err, spread = _logits_err(llm, ref)  # what remains is the int8 activations and the int8 KV cache
     assert err <= 0.03 * spread, f"{case}: max |diff| {err:.2e} vs logit range {spread:.2e}"
+
+
+def _symmetric(case: str) -> bool:
+    opts = CASES[case][2]
+    return opts[0]["symmetric"] if CASES[case][1] == "ct" else opts.get("sym", False)
 
 
 def _group(case: str, linear) -> int:
