@@ -1,4 +1,5 @@
-"""GPTQ, AWQ and compressed-tensors safetensors folders of tiny transformers models (quant_factory.py): the loader's
+"""GPTQ, AWQ and compressed-tensors safetensors folders of tiny transformers models (quant_factory.py; and one AutoAWQ
+made itself, tests/engine/data/autoawq-g64): the loader's
 codes and scales are the checkpoint's own weights bit for bit (GPTQ / AWQ: against each format's documented
 dequantization; compressed-tensors: against the library's own decompression inside transformers); the fp32 engine
 matches transformers running those weights (logits within the dense tests' bound, 32 greedy tokens); the default
@@ -6,7 +7,9 @@ engine keeps the codes on the int8-activation kernels."""
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -209,3 +212,27 @@ def test_act_order_that_cannot_be_kept_exactly_is_refused():
         concat_rows([part(torch.randperm(64)), part(torch.randperm(64))])
     with pytest.raises(ValueError, match="cannot be cut along its inputs"):
         part(torch.randperm(64)).slice_with(lambda t: t[:, :32])
+
+
+# -- a checkpoint made by AutoAWQ's own quantizer (tests/engine/data/make_autoawq_fixture.py) ------------------------
+
+AUTOAWQ = Path(__file__).parent / "data" / "autoawq-g64"
+
+
+def test_autoawq_checkpoint_matches_autoawqs_own_dequantization():
+    digests = json.loads((AUTOAWQ / "autoawq_dequantized_fp16.sha256.json").read_text())
+    weights = dict(load_checkpoint(str(AUTOAWQ), show_progress=False).iter_native_weights())
+    coded = {n: w.dequantize() for n, w in weights.items() if isinstance(w, CodedWeight)}
+    assert sorted(coded) == sorted(digests)
+    for name, w in coded.items():  # AutoAWQ dequantizes in fp16: the exact weights rounded once to fp16
+        assert hashlib.sha256(w.half().numpy().tobytes()).hexdigest() == digests[name], name
+    # transformers on AutoAWQ's own fp16 weights (the digests' bytes), against the fp32 engine on the exact ones
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = json.loads((AUTOAWQ / "config.json").read_text())
+    config.pop("quantization_config")
+    ref = LlamaForCausalLM(LlamaConfig(**config)).float().eval()
+    ref.load_state_dict({**weights, **{n: w.half().float() for n, w in coded.items()}}, strict=True)
+    llm = LLM(model=str(AUTOAWQ), weights="fp32", kv_cache="fp32", kv_cache_gb=0.02, show_progress=False)
+    err, spread = _logits_err(llm, ref)
+    assert err <= 1e-3 * spread, f"max |diff| {err:.2e} vs logit range {spread:.2e}"
