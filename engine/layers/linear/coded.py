@@ -5,6 +5,9 @@
 That is the form of every GGUF block type the loader keeps (engine/loader/gguf_codes.py) and the form the int8-
 activation kernels multiply (act_int8.py: unsigned codes, w = code * scale + zoff, one scale per activation group),
 so a file's 4-bit codes reach the VNNI kernel unchanged and the engine computes with the file's own weights.
+A GPTQ act-order checkpoint's groups are sets of scattered inputs (its g_idx): its codes are kept with their
+columns in group order and `perm`, the input each column multiplies (build_linear gathers the inputs so first:
+permuted.py).
 `to_linear` builds that layer. With bf16 activations, 4-bit codes in groups of 32 keep their codes in torch's int4
 layout (`to_int4pack_linear`: scale and zero rounded to bf16, which that kernel reads); anything else dequantizes.
 """
@@ -46,7 +49,8 @@ class SuperScales:
 @dataclass
 class CodedWeight:
     """codes [N, K] uint8 below 2**bits; scale, zoff [N, K // group] fp32; source: the file's type (e.g. "Q4_K");
-    supers: the K-quants' factors of scale and zoff, or None."""
+    supers: the K-quants' factors of scale and zoff, or None; perm: None, or [K] int64 with column i of codes
+    multiplying input perm[i] (act-order: the weight is dequantize()'s columns, scattered back)."""
 
     codes: Tensor
     scale: Tensor
@@ -55,6 +59,7 @@ class CodedWeight:
     bits: int  # 4 or 8: the narrowest storage that holds every code
     source: str
     supers: SuperScales | None = None
+    perm: Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -72,12 +77,19 @@ class CodedWeight:
             c = self.codes[rows].to(work).reshape(-1, k // self.group, self.group)  # c: [rows, G, group]
             w = c * self.scale[rows].to(work)[..., None] + self.zoff[rows].to(work)[..., None]
             out[rows] = w.reshape(-1, k).float().to(dtype)
+        if self.perm is not None:  # back to the inputs' order: column i multiplies input perm[i]
+            out = torch.empty_like(out).index_copy_(1, self.perm, out)
         return out
+
+    def in_group_order(self) -> "CodedWeight":
+        """The same codes and scales without perm: the layer that multiplies inputs already gathered by perm."""
+        return CodedWeight(self.codes, self.scale, self.zoff, self.group, self.bits, self.source, self.supers)
 
     def map_rows(self, fn: Callable[[Tensor], Tensor]) -> "CodedWeight":
         """The same weight with its rows rearranged by fn (applied to codes, scales and offsets alike)."""
         supers = self.supers.map(fn) if self.supers else None
-        return CodedWeight(fn(self.codes), fn(self.scale), fn(self.zoff), self.group, self.bits, self.source, supers)
+        return CodedWeight(fn(self.codes), fn(self.scale), fn(self.zoff), self.group, self.bits, self.source, supers,
+                           self.perm)
 
     def slice_with(self, fn: Callable[[Tensor], Tensor]) -> "CodedWeight":
         """The weight cut by fn, a function that cuts an [N, K] tensor (rows, whole groups of columns, zero rows
@@ -88,6 +100,12 @@ class CodedWeight:
         """
         g = self.group
         n, k = self.codes.shape
+        if self.perm is not None:
+            if fn(torch.arange(k).expand(1, k)).shape[1] != k:  # rows only: the columns and their order stay
+                raise ValueError(f"this {self.source} act-order weight (g_idx) cannot be cut along its inputs: its "
+                                 "groups are scattered over them")
+            return CodedWeight(fn(self.codes).contiguous(), fn(self.scale).contiguous(),
+                               fn(self.zoff).contiguous(), g, self.bits, self.source, None, self.perm)
         ids = fn(torch.arange(k // g, dtype=torch.int32).repeat_interleave(g).expand(n, k))[:1]  # group id per column
         if ids.shape[1] % g or not torch.equal(ids.view(-1, g), ids.view(-1, g)[:, :1].expand(-1, g)):
             raise ValueError(f"a cut of this {self.source} weight splits its groups of {g} columns")
@@ -104,7 +122,7 @@ class CodedWeight:
         assert self.group % group == 0, (self.group, group)
         rep = self.group // group
         return CodedWeight(self.codes, self.scale.repeat_interleave(rep, 1), self.zoff.repeat_interleave(rep, 1),
-                           group, self.bits, self.source)
+                           group, self.bits, self.source, perm=self.perm)
 
 
 def _keeps_super_blocks(ids: Tensor, group: int, groups: int) -> bool:
@@ -161,8 +179,28 @@ class CodedRows:
         return _stack([p.regroup(group) for p in self.parts])
 
 
+def split_input_order(weight: Tensor | CodedWeight | CodedRows) -> tuple[Tensor | CodedWeight | CodedRows,
+                                                                         Tensor | None]:
+    """(the weight with its columns in group order and no perm, perm) for an act-order weight; (weight, None) else."""
+    if isinstance(weight, CodedWeight) and weight.perm is not None:
+        return weight.in_group_order(), weight.perm
+    if isinstance(weight, CodedRows) and any(p.perm is not None for p in weight.parts):
+        perm = _common_perm(weight.parts)
+        return CodedRows([p.in_group_order() for p in weight.parts]), perm
+    return weight, None
+
+
 def _storage(weight: CodedWeight) -> tuple[str, int, int]:
     return weight.source, weight.group, weight.bits
+
+
+def _common_perm(parts: list[CodedWeight]) -> Tensor | None:
+    """The parts' one input order (act-order: fused parts must share their g_idx order to share their inputs)."""
+    perm = parts[0].perm
+    if any((p.perm is None) != (perm is None) or (perm is not None and not torch.equal(p.perm, perm)) for p in parts):
+        raise ValueError("act-order (g_idx) weights fused into one projection (q, k, v or gate, up) order their "
+                         "inputs differently; cpuserve keeps their codes only when the orders are the same")
+    return perm
 
 
 def _stack(parts: list[CodedWeight]) -> CodedWeight:
@@ -177,7 +215,7 @@ def _stack(parts: list[CodedWeight]) -> CodedWeight:
     else:
         supers = None
     return CodedWeight(cat("codes"), cat("scale"), cat("zoff"), parts[0].group, max(p.bits for p in parts), sources,
-                       supers)
+                       supers, _common_perm(parts))
 
 
 def coded_misfit(weight: CodedWeight) -> str:

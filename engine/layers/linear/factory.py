@@ -12,10 +12,11 @@ from cpuserve.engine.layers import native
 from cpuserve.engine.layers.linear.act_int8 import W4A8Linear, W8A8Linear
 from cpuserve.engine.layers.linear.base import QuantLinear
 from cpuserve.engine.layers.linear.coded import (CodedRows, CodedWeight, coded_misfit, int4pack_misfit,
-                                                 to_int4pack_linear, to_linear)
+                                                 split_input_order, to_int4pack_linear, to_linear)
 from cpuserve.engine.layers.linear.dense import DenseLinear
 from cpuserve.engine.layers.linear.int4 import Int4Linear
 from cpuserve.engine.layers.linear.int8 import Int8Linear
+from cpuserve.engine.layers.linear.permuted import PermutedLinear
 from cpuserve.engine.layers.linear.stacked import StackedLinear
 
 _CLASSES = {"int4": Int4Linear, "int8": Int8Linear, "bf16": DenseLinear, "fp32": DenseLinear}
@@ -44,6 +45,8 @@ def build_linear(weight: Tensor | CodedWeight | CodedRows, bias: Tensor | None, 
             (torch's kernels' exact arithmetic). bf16 / fp32 weights always run dense. "int8-token" (fmt int8
             only): one activation scale per token, so the weights must be per channel: a file's codes are
             dequantized and quantized again, as vLLM's W8A8 checkpoint is made from the same file.
+            An act-order weight (CodedWeight.perm: a GPTQ checkpoint's g_idx) builds its layer over the columns in
+            group order, behind a gather of the inputs into that order (PermutedLinear).
     Raises:
         ValueError: unknown fmt, group_size or activations, int8-token with int4, or a weight that is not 2-D.
     """
@@ -61,6 +64,9 @@ def build_linear(weight: Tensor | CodedWeight | CodedRows, bias: Tensor | None, 
     n = weight.shape[0]
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
+    weight, perm = split_input_order(weight)
+    if perm is not None:  # act-order: the codes' layer over inputs gathered into group order
+        return PermutedLinear(build_linear(weight, bias, fmt, group_size, use_fallback, activations), perm)
     with torch.no_grad():
         if isinstance(weight, CodedRows):
             if all(_keeps_codes(p, fmt, use_fallback, activations) for p in weight.parts):
