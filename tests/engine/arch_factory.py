@@ -94,11 +94,12 @@ def save_hf_folder(model, folder, tokenizer) -> str:
     return str(folder)
 
 
-def write_gguf(model, path, name: str, attn_factor: bool = True, expert_qtype=None) -> str:
+def write_gguf(model, path, name: str, attn_factor: bool = True, expert_qtype=None, dense_qtype: str | None = None) -> str:
     """The model as llama.cpp's convert_hf_to_gguf writes it: llama permutes Q/K rows, the others keep HF's.
     attn_factor=False leaves LongRoPE's attention factor out (the reader derives it from the context lengths);
     expert_qtype: the block type(s) of an MoE model's experts (moe_factory.write_experts), which then become the
-    file's values in `model` too; None: F32."""
+    file's values in `model` too; None: F32. dense_qtype: the type of the other 2-D tensors (one gguf.quants
+    encodes), which `model` then holds as the file's values too; None: F32."""
     arch = SPECS[name][2]
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -119,11 +120,17 @@ def write_gguf(model, path, name: str, attn_factor: bool = True, expert_qtype=No
     for hf, array in state.items():
         if "rotary_emb" in hf or (cfg.tie_word_embeddings and hf == "lm_head.weight") or is_expert_state(hf):
             continue
+        raw_dtype = None
+        if dense_qtype is not None and array.ndim == 2:
+            raw_dtype = QT[dense_qtype]
+            blocks = gguf.quants.quantize(array, raw_dtype)  # [rows, bytes]: permute_qk moves whole rows alike
+            array[...] = gguf.quants.dequantize(blocks, raw_dtype)  # into the model's own parameter (shared memory)
+            array = blocks
         if arch == "llama" and hf.endswith("q_proj.weight"):
             array = gf.permute_qk(array, cfg.num_attention_heads)
         elif arch == "llama" and hf.endswith("k_proj.weight"):
             array = gf.permute_qk(array, cfg.num_key_value_heads)
-        writer.add_tensor(_gguf_name(hf), np.ascontiguousarray(array))
+        writer.add_tensor(_gguf_name(hf), np.ascontiguousarray(array), raw_dtype=raw_dtype)
     if rope.get("rope_type") == "llama3":  # the converter stores the scaled frequencies' divisors, not the params
         inv = model.model.rotary_emb.inv_freq.double()
         base = 1.0 / rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
