@@ -262,3 +262,20 @@ def test_other_hf_expert_models_are_refused_by_name(tmp_path, config, message):
     (tmp_path / "config.json").write_text(json.dumps({**_HF_BASE, **config}))
     with pytest.raises(ValueError, match=message):
         load_checkpoint(str(tmp_path))
+
+
+def test_synthetic_qwen3moe_file_loads_and_generates(tmp_path):
+    """bench/synthetic_gguf.py's qwen3moe writer (its Qwen3-30B-A3B preset at test size): llama.cpp's Q4_K_M types
+    per tensor, the router F32; the engine loads it, keeps the experts' codes and generates."""
+    from kquant_factory import bench_module
+
+    synthetic = bench_module("synthetic_gguf")
+    path = tmp_path / "tiny-moe-q4_k_m.gguf"
+    synthetic.write_synthetic_qwen3moe(path, **synthetic.MOE_PRESETS["tiny-moe"], qtype="Q4_K_M", show_progress=False)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert types["blk.0.ffn_gate_inp.weight"] == "F32" and types["blk.1.ffn_down_exps.weight"] == "Q6_K"
+    assert types["blk.0.ffn_gate_exps.weight"] == types["blk.0.ffn_down_exps.weight"] == "Q4_K"
+    llm = LLM(model=str(path), kv_cache_gb=0.05, show_progress=False)
+    assert llm.engine.args.n_experts == 8 and llm.engine.args.n_experts_used == 2
+    out = llm.generate([llm.tokenizer.encode("Hello")], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 4 and all(0 <= t < llm.engine.args.vocab_size for t in out[0].token_ids)
