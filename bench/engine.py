@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefill-len", type=int, help="tokens of the prefill prompt (default 512, --quick 128); longer "
                     "prompts weigh attention more")
     ap.add_argument("--json", help="save every raw number (all repetitions) to this file")
-    ap.add_argument("--real-sizes", default="", help="comma-separated of 1b,3b,8b: synthetic Llama 3.x Q4_K_M files "
+    ap.add_argument("--real-sizes", default="", help="comma-separated of 1b,3b,8b,30b-a3b: synthetic Q4_K_M files "
                     "(written once into ~/.cache/cpuserve-bench), decode against llama.cpp and memory bandwidth")
     ap.add_argument("--profile", action="store_true", help="profile cpuserve decode at batch 1 and 32 instead")
     ap.add_argument("--weights", default="int4", choices=("int4", "int8"),

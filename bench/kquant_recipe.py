@@ -3,7 +3,7 @@
 recipe_type(recipe, name, shape, ...) is the type llama.cpp's llama-quantize gives each tensor of a Llama for the
 "mostly" types we benchmark (its llama_tensor_get_type):
 
-    Q4_K_M  Q4_K everywhere; Q6_K for the output (or the tied embedding), and for attn_v and ffn_down in the first
+    Q4_K_M  Q4_K everywhere; Q6_K for the output (or the tied embedding), and for attn_v and ffn_down(_exps) in the first
             and last eighth of the layers and every third layer between them
     Q6_K    Q6_K everywhere
     a K-quant needs rows of whole 256-value super-blocks: other widths fall back as llama.cpp's do
@@ -35,7 +35,8 @@ def recipe_type(recipe: str, name: str, shape: tuple[int, ...], n_layers: int, t
         qt = QT.Q6_K
     elif name == "output.weight" or (tie_embeddings and name == "token_embd.weight"):
         qt = QT.Q6_K
-    elif name.endswith(("attn_v.weight", "ffn_down.weight")) and _more_bits(int(name.split(".")[1]), n_layers):
+    elif name.endswith(("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")) and _more_bits(
+            int(name.split(".")[1]), n_layers):
         qt = QT.Q6_K
     else:
         qt = QT.Q4_K

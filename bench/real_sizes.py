@@ -1,8 +1,9 @@
 """The models users bring, at their real sizes: random-weight Q4_K_M GGUFs of Llama 3.2 1B / 3B and Llama 3.1 8B
-(the real shapes and vocabulary, llama.cpp's Q4_K_M type per tensor: kquant_recipe.py), and the machine's memory
+(the real shapes and vocabulary, llama.cpp's Q4_K_M type per tensor: kquant_recipe.py), Qwen3-30B-A3B's shapes with
+MOE_LAYERS of its 48 layers (a mixture of experts: 128 experts, 8 used per token), and the machine's memory
 bandwidth, so decode at batch 1 can be read as a share of what the memory can deliver.
 
-bench/engine.py --real-sizes 1b,3b,8b measures cpuserve and llama.cpp on the same file in the same run.
+bench/engine.py --real-sizes 1b,3b,8b,30b-a3b measures cpuserve and llama.cpp on the same file in the same run.
 """
 from __future__ import annotations
 
@@ -10,33 +11,45 @@ import os
 import statistics
 import time
 
-REAL = {"1b": "llama3.2-1b", "3b": "llama3.2-3b", "8b": "llama3.1-8b"}
+REAL = {"1b": "llama3.2-1b", "3b": "llama3.2-3b", "8b": "llama3.1-8b", "30b-a3b": "qwen3-30b-a3b"}
+MOE_LAYERS = 12  # of Qwen3-30B-A3B's 48: ~4.5 GB, so cpuserve and llama.cpp fit in memory side by side
 BANDWIDTH_BYTES = 1 << 30  # 1 GiB read per measurement: far beyond any cache
 
 
 def synthetic_real(size: str, cache_dir: str, log=print) -> str:
-    """The Q4_K_M GGUF of REAL[size], written once into cache_dir (1B ~1 GB, 3B ~2 GB, 8B ~5 GB)."""
-    from synthetic_gguf import PRESETS, REAL_TIED, REAL_VOCAB, write_synthetic_llama
+    """The Q4_K_M GGUF of REAL[size], written once into cache_dir (1B ~1 GB, 3B ~2 GB, 8B ~5 GB, 30B-A3B ~4.5 GB)."""
+    from synthetic_gguf import (MOE_PRESETS, PRESETS, REAL_TIED, REAL_VOCAB, write_synthetic_llama,
+                                write_synthetic_qwen3moe)
 
     preset = REAL[size]
-    path = os.path.join(cache_dir, f"{preset}-q4_k_m.gguf")
+    moe = preset in MOE_PRESETS
+    path = os.path.join(cache_dir, f"{preset}-{MOE_LAYERS}l-q4_k_m.gguf" if moe else f"{preset}-q4_k_m.gguf")
     if not os.path.exists(path):
         log(f"writing the synthetic {preset} Q4_K_M to {path} (once)")
         os.makedirs(cache_dir, exist_ok=True)
-        write_synthetic_llama(path + ".part", **PRESETS[preset], vocab_size=REAL_VOCAB[preset], ctx=8192,
-                              qtype="Q4_K_M", tie_embeddings=REAL_TIED[preset])
+        if moe:
+            write_synthetic_qwen3moe(path + ".part", **dict(MOE_PRESETS[preset], n_layers=MOE_LAYERS),
+                                     vocab_size=REAL_VOCAB[preset], ctx=8192, qtype="Q4_K_M")
+        else:
+            write_synthetic_llama(path + ".part", **PRESETS[preset], vocab_size=REAL_VOCAB[preset], ctx=8192,
+                                  qtype="Q4_K_M", tie_embeddings=REAL_TIED[preset])
         os.replace(path + ".part", path)
     return path
 
 
 def bytes_per_token(path: str) -> int:
     """The file's bytes one decode step must read: every weight matrix, the output projection included; of the
-    embedding table only its rows (nothing) unless it is also the output projection (tied)."""
+    embedding table only its rows (nothing) unless it is also the output projection (tied); of stacked experts
+    (ffn_*_exps) the share one token routes to (expert_used_count / expert_count)."""
     import gguf
 
     reader = gguf.GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+    count = reader.fields.get(f"{arch}.expert_count")
+    active = reader.fields[f"{arch}.expert_used_count"].contents() / count.contents() if count is not None else 1.0
     tied = not any(t.name == "output.weight" for t in reader.tensors)
-    return sum(int(t.n_bytes) for t in reader.tensors if t.name != "token_embd.weight" or tied)
+    return int(sum(int(t.n_bytes) * (active if "_exps." in t.name else 1.0) for t in reader.tensors
+                   if t.name != "token_embd.weight" or tied))
 
 
 def memory_bandwidth(threads: int, reps: int = 5) -> float:

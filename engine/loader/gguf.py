@@ -8,6 +8,7 @@ The one layout quirk: llama.cpp's converter permutes the rows of Q and K in ever
 
 from __future__ import annotations
 
+import math
 import mmap
 import re
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 
 from cpuserve.engine.layers.linear.coded import CodedWeight
-from cpuserve.engine.loader import gemma3, phi3
+from cpuserve.engine.loader import gemma3, moe, phi3
 from cpuserve.engine.loader.fused import split_fused
 from cpuserve.engine.loader.gguf_codes import CODED_TYPES, decode_codes
 from cpuserve.engine.loader.gguf_tokenizer import build_gguf_tokenizer
@@ -30,9 +31,10 @@ QT = gguf.GGMLQuantizationType
 SUPPORTED_TYPES = (QT.F32, QT.F16, QT.BF16) + CODED_TYPES  # block types: their codes are kept (gguf_codes.py)
 # qwen2 / qwen3 / phi3 GGUFs keep HF's row order (llama.cpp runs them with NEOX RoPE): only llama is un-permuted
 SUPPORTED_ARCHS = {
-    "llama": {"permuted_qk": True, "qkv_bias": False},  # Llama 2 / 3.x, Mistral, SmolLM, TinyLlama
+    "llama": {"permuted_qk": True, "qkv_bias": False},  # Llama 2 / 3.x, Mistral, SmolLM, TinyLlama; with experts Mixtral
     "qwen2": {"permuted_qk": False, "qkv_bias": True},
     "qwen3": {"permuted_qk": False, "qkv_bias": False},  # + per-head q/k norms
+    "qwen3moe": {"permuted_qk": False, "qkv_bias": False},  # Qwen3's attention, experts' MLPs (moe.py)
     "phi3": {"permuted_qk": False, "qkv_bias": False},  # fused attn_qkv and ffn_up (gate + up), split by fused.py
     "gemma3": {"permuted_qk": False, "qkv_bias": False},  # + sliding-window layers, four norms per block (gemma3.py)
 }
@@ -58,6 +60,7 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    **moe.GGUF_NAMES,
 }
 # Gemma 3 has four norms per block: llama.cpp's ffn_norm is its pre-feed-forward one
 _GEMMA3_LAYER_NAMES = {
@@ -145,6 +148,7 @@ def build_model_args(meta: dict[str, Any], reader: gguf.GGUFReader, path: str) -
         rope_scaling = rope_scaling_from_freqs(np.asarray(freqs, dtype=np.float64).reshape(-1), meta, key, path)
     n_layers = int(_scalar(meta, key("block_count"), path))
     gemma = gemma3.gguf_fields(meta, key, path, n_layers, dim, n_heads, head_dim) if arch == "gemma3" else {}
+    experts = moe.gguf_fields(meta, key, names, arch, path)
     fields = dict(
         arch=arch,
         dim=dim,
@@ -162,7 +166,7 @@ def build_model_args(meta: dict[str, Any], reader: gguf.GGUFReader, path: str) -
         qkv_bias=SUPPORTED_ARCHS[arch]["qkv_bias"] and any(n.endswith("attn_q.bias") for n in names),
         qk_norm=any(n.endswith("attn_q_norm.weight") for n in names),
     )
-    return ModelArgs(**{**fields, **gemma, **phi})
+    return ModelArgs(**{**fields, **gemma, **phi, **experts})
 
 
 def _tensor_data(reader: gguf.GGUFReader, name: str) -> tuple[np.ndarray, QT]:
@@ -195,7 +199,9 @@ class GGUFWeights:
         self.tensors = [t for t in reader.tensors if t.name not in ROPE_TENSORS]
         # fused tensors (phi3) come out as their parts: 3 for attn_qkv, 2 for ffn_up
         parts = {"attn_qkv.weight": 3, "ffn_up.weight": 2 if args.arch == "phi3" else 1}
-        self.num_yielded = sum(parts.get(t.name.split(".", 2)[-1], 1) for t in self.tensors)
+        self.num_yielded = sum(parts.get(t.name.split(".", 2)[-1], 1) * moe.num_parts(hf_name(t.name, args.arch),
+                                                                                       args.n_experts)
+                               for t in self.tensors)
 
     def __len__(self) -> int:
         return self.num_yielded
@@ -213,17 +219,19 @@ class GGUFWeights:
         for t in self.tensors:
             # numpy shape is GGUF's ne reversed: [out_features, in_features], as torch.nn.Linear stores it
             shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-            if len(shape) == 2 and t.tensor_type in CODED_TYPES:
-                weight = decode_codes(t.data, t.tensor_type, shape)
+            if len(shape) >= 2 and t.tensor_type in CODED_TYPES:  # stacked experts [E, rows, K] as [E * rows, K]
+                weight = decode_codes(t.data, t.tensor_type, (math.prod(shape[:-1]), shape[-1]))
             else:
                 weight = _dequantize_rows(t.data, t.tensor_type, shape)
+                weight = weight.view(-1, shape[-1]) if len(shape) == 3 else weight
             self._drop_pages(t.data_offset, t.n_bytes)
             name = hf_name(t.name, self.args.arch)
             if self.permuted_qk and ".q_proj." in name:
                 weight = _map_rows(weight, lambda w: unpermute_qk(w, self.args.n_heads))
             elif self.permuted_qk and ".k_proj." in name:
                 weight = _map_rows(weight, lambda w: unpermute_qk(w, self.args.n_kv_heads))
-            yield from split_fused(name, weight, self.args)
+            for part_name, part in split_fused(name, weight, self.args):
+                yield from moe.split_experts(part_name, part, self.args.n_experts)
 
 
 def reader_arch(reader: gguf.GGUFReader) -> str:

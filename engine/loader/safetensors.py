@@ -12,13 +12,14 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer as BackendTokenizer
 
-from cpuserve.engine.loader import gemma3, phi3
+from cpuserve.engine.loader import gemma3, moe, phi3
 from cpuserve.engine.loader.fused import FUSED, split_fused
 from cpuserve.engine.models.args import ModelArgs, RopeScaling
 from cpuserve.engine.tokenizer import END_OF_TURN_TEXTS, Tokenizer
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                           "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3"}
+                           "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3",
+                           **moe.HF_ARCHITECTURES}
 SUPPORTED_DTYPES = ("F32", "F16", "BF16")
 _WEIGHT_RE = re.compile(
     r"model\.embed_tokens\.weight|model\.norm\.weight|lm_head\.weight|model\.layers\.\d+\.("
@@ -63,7 +64,7 @@ def build_model_args(config: dict[str, Any], path: str) -> ModelArgs:
     arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise ValueError(f"{path}/config.json: architectures={archs} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
-    if arch in ("llama", "qwen3") and config.get("attention_bias"):
+    if arch in ("llama", "qwen3", "qwen3moe") and config.get("attention_bias"):
         raise ValueError(f"{path}/config.json: attention_bias=true is not supported for {archs[0]}")
     if arch != "phi3" and float(config.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError(f"{path}/config.json: partial_rotary_factor={config['partial_rotary_factor']} is not "
@@ -93,9 +94,11 @@ def build_model_args(config: dict[str, Any], path: str) -> ModelArgs:
         rope_scaling=scaling,
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=arch == "qwen2",
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "qwen3moe"),
     )
-    return ModelArgs(**{**fields, **gemma, **phi})
+    name = next(a for a in archs if a in SUPPORTED_ARCHITECTURES)
+    experts = moe.hf_fields(config, name, path) if name in moe.HF_ARCHITECTURES else {}
+    return ModelArgs(**{**fields, **gemma, **phi, **experts})
 
 
 def _token_text(value: Any) -> str | None:
@@ -168,7 +171,7 @@ class SafetensorsWeights:
     def _check(file: str, name: str, dtype: str, args: ModelArgs) -> None:
         if _IGNORED_RE.fullmatch(name):
             return
-        if not _WEIGHT_RE.fullmatch(name):
+        if not (_WEIGHT_RE.fullmatch(name) or args.n_experts and moe.HF_TENSOR_RE.fullmatch(moe.hf_name(name))):
             raise ValueError(f"{file}: tensor {name!r} is not part of a Llama-family model this loader knows")
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"{file}: tensor {name!r} has dtype {dtype}; supported: {', '.join(SUPPORTED_DTYPES)}")
@@ -182,6 +185,7 @@ class SafetensorsWeights:
             if file not in handles:
                 handles = {file: safe_open(file, framework="pt")}  # one shard open at a time
             tensor = handles[file].get_tensor(name).to(torch.float32)
+            name = moe.hf_name(name)  # Mixtral's block_sparse_moe.* in the experts' one naming
             if self.args.arch == "gemma3":
                 tensor = gemma3.norm_multiplier(name, tensor)
             yield from split_fused(name, tensor, self.args)

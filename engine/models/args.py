@@ -38,13 +38,13 @@ class SlidingWindow:
 
 @dataclass(slots=True)
 class ModelArgs:
-    arch: str  # "llama", "qwen2", "qwen3", "phi3", "gemma3"
+    arch: str  # "llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma3"
     dim: int  # hidden size
     n_layers: int
     n_heads: int
     n_kv_heads: int
     head_dim: int
-    ffn_dim: int  # intermediate size of the SwiGLU MLP
+    ffn_dim: int  # intermediate size of the SwiGLU MLP (of each expert in a mixture-of-experts model)
     vocab_size: int
     max_seq_len: int  # context length
     norm_eps: float = 1e-5
@@ -58,6 +58,12 @@ class ModelArgs:
     sliding_window: SlidingWindow | None = None  # Gemma 3
     rotary_dim: int | None = None  # dims of each head RoPE rotates, the first ones (Phi-4-mini: 3/4); None: head_dim
     long_rope: LongRope | None = None  # Phi-3 128k, Phi-4-mini
+    # mixture of experts (Mixtral, Qwen3-MoE; models/moe.py): every layer's MLP is n_experts SwiGLU experts, of which
+    # each token runs n_experts_used, weighted by the softmax of the router's logits over all experts taken at the
+    # top n_experts_used, renormalised to sum 1 when norm_topk_prob (Mixtral always: the softmax of the top logits)
+    n_experts: int = 0  # 0: a dense model
+    n_experts_used: int = 0
+    norm_topk_prob: bool = True
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
@@ -65,6 +71,8 @@ class ModelArgs:
         if self.sliding_window is not None and len(self.sliding_window.layers) != self.n_layers:
             raise ValueError(f"sliding_window.layers has {len(self.sliding_window.layers)} entries for "
                              f"{self.n_layers} layers")
+        if self.n_experts and not 0 < self.n_experts_used <= self.n_experts:
+            raise ValueError(f"n_experts_used={self.n_experts_used}: must be in [1, n_experts={self.n_experts}]")
         self.rotary_dim = self.head_dim if self.rotary_dim is None else self.rotary_dim
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
             raise ValueError(f"rotary_dim={self.rotary_dim}: must be even and in (0, head_dim={self.head_dim}]")

@@ -14,16 +14,16 @@ from cpuserve.engine.layers.embedding import CodedEmbedding
 from cpuserve.engine.layers.linear.act_int8 import Int8ActLinear, W8A8Linear
 from cpuserve.engine.layers.linear.factory import INT8_ACTIVATIONS
 from cpuserve.engine.layers.linear.coded import CodedWeight, coded_misfit, concat_rows, to_linear
-from cpuserve.engine.models import gemma3
+from cpuserve.engine.models import gemma3, moe
 from cpuserve.engine.models.llama import MLP, Attention, LlamaModel, TransformerBlock
 from cpuserve.engine.models.rope import reorder_heads, rotary_order
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _LAYER_PARTS = (
     "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
     "input_layernorm.weight", "post_attention_layernorm.weight",
 )
+_MLP_PARTS = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 
 
 def activation_dtype(weights: str) -> torch.dtype:
@@ -122,7 +122,8 @@ def _parts(args) -> list[str]:
     extra = [f"self_attn.{p}_proj.bias" for p in "qkv"] if args.qkv_bias else []
     extra += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"] if args.qk_norm else []
     extra += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"] if args.arch == "gemma3" else []
-    return [*_LAYER_PARTS, *extra]
+    mlp = moe.expert_parts(args.n_experts) if args.n_experts else _MLP_PARTS
+    return [*_LAYER_PARTS, *mlp, *extra]
 
 
 def _partial_rotary_order(args, parts: dict) -> dict:
@@ -148,8 +149,12 @@ def _build_block(args, index: int, parts: dict[str, torch.Tensor], weights: str,
     qkv_weight = concat_rows([parts[f"self_attn.{p}_proj.weight"] for p in "qkv"])  # [(H + 2 Hkv) D, dim]
     qkv_bias = torch.cat([parts[f"self_attn.{p}_proj.bias"] for p in "qkv"]) if args.qkv_bias else None
     qkv, o_proj = linear("qkv_proj", qkv_weight, qkv_bias), linear("o_proj", parts["self_attn.o_proj.weight"])
-    gate_up = concat_rows([parts["mlp.gate_proj.weight"], parts["mlp.up_proj.weight"]])  # [2 ffn, dim]
-    gate_up, down = linear("gate_up_proj", gate_up), linear("down_proj", parts["mlp.down_proj.weight"])
+    if args.n_experts:  # Mixtral, Qwen3-MoE: the MLP is the layer's experts
+        mlp = moe.build_moe(args, parts, linear)
+    else:
+        gate_up = concat_rows([parts["mlp.gate_proj.weight"], parts["mlp.up_proj.weight"]])  # [2 ffn, dim]
+        gate_up, down = linear("gate_up_proj", gate_up), linear("down_proj", parts["mlp.down_proj.weight"])
+        mlp = MLP(gate_up, down)
     int8_keys = activations in INT8_ACTIVATIONS  # prefill's Q K^T as int8 dot products where the kernel runs them
     if args.arch == "gemma3":
         block = gemma3.build_block(args, index, qkv, o_proj, gate_up, down, parts, dtype)
@@ -160,7 +165,6 @@ def _build_block(args, index: int, parts: dict[str, torch.Tensor], weights: str,
     if args.qk_norm:  # in the activation dtype, as the block's norms
         attention.q_norm.weight.data = parts["self_attn.q_norm.weight"].to(dtype)
         attention.k_norm.weight.data = parts["self_attn.k_norm.weight"].to(dtype)
-    mlp = MLP(gate_up, down)
     block = TransformerBlock(args, attention, mlp, dtype)
     block.attention_norm.weight.data = parts["input_layernorm.weight"].to(dtype)
     block.ffn_norm.weight.data = parts["post_attention_layernorm.weight"].to(dtype)

@@ -6,8 +6,9 @@ for bit (tests/engine/test_fused_decode.py). It takes a step when
 
     every scheduled row is a decode (no prefill chunk in the step),
     the kernels are built (CPUSERVE_KERNELS is not torch) with the int8 dot-product GEMMs, activations are bf16,
-    every layer is a Llama-family block with W4A8 / W6A8 / W8A8 projections, or StackedLinear ones of them (a
-    Q4_K_M qkv: one GEMM per part, into its columns), with Qwen2's biases and Qwen3's q/k norms too,
+    every layer is a dense Llama-family block (an MoE block, moe.py, is not) with W4A8 / W6A8 / W8A8 projections,
+    or StackedLinear ones of them (a Q4_K_M qkv: one GEMM per part, into its columns), with Qwen2's biases and
+    Qwen3's q/k norms too,
 
 and CPUSERVE_FUSED_DECODE is not 0. Otherwise, and for replica groups (whose layers call collectives between the
 matmuls), the op-by-op path runs.
@@ -52,6 +53,8 @@ class FusedDecode:
         extras: list[Tensor | None] = []
         for layer in model.layers:
             att, mlp = layer.attention, layer.mlp
+            if not hasattr(mlp, "gate_up"):  # a mixture-of-experts block (moe.py): its experts run op by op
+                return None
             linears = (att.qkv, att.o_proj, mlp.gate_up, mlp.down)
             head_norms = [n for n in (att.q_norm, att.k_norm) if n is not None]
             norms = [layer.attention_norm, layer.ffn_norm, *head_norms]

@@ -102,13 +102,17 @@ class MLP(nn.Module):
         self.down = down
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.run(x, meta.prompt_rows)
+
+    def run(self, x: torch.Tensor, prompt_rows: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        """x [N, dim] -> [N, dim]; prompt_rows: the rows of x that are prompt tokens (AttentionMetadata's)."""
         # the kernels write straight into down's input buffer: in a replica group, its gather's shared-memory slot
-        if meta.prompt_rows and isinstance(self.gate_up, QuantLinear) and self.gate_up.has_prompt_silu_kernel():
+        if prompt_rows and isinstance(self.gate_up, QuantLinear) and self.gate_up.has_prompt_silu_kernel():
             act = self.down.input_buffer(x.shape[0], self.gate_up.act_dtype)
-            act = self.gate_up.silu_mul_into(x, act, meta.prompt_rows)
+            act = self.gate_up.silu_mul_into(x, act, prompt_rows)
         else:
-            act = ops.silu_mul(self.gate_up(x, prompt_rows=meta.prompt_rows), self.down.input_buffer)
-        return self.down(act, prompt_rows=meta.prompt_rows)
+            act = ops.silu_mul(self.gate_up(x, prompt_rows=prompt_rows), self.down.input_buffer)
+        return self.down(act, prompt_rows=prompt_rows)
 
 
 class TransformerBlock(nn.Module):

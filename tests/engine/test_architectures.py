@@ -43,8 +43,8 @@ def test_logits_and_greedy_tokens_match_transformers(tmp_path, tokenizer, name, 
 @pytest.mark.parametrize("config,message", [
     ({"architectures": ["Gemma3ForConditionalGeneration"]},  # Gemma 3 4B+ with its vision tower (text: ForCausalLM)
      r"config.json: architectures=\['Gemma3ForConditionalGeneration'\] is not supported; supported: "
-     r"\['Gemma3ForCausalLM', 'LlamaForCausalLM', 'MistralForCausalLM', 'Phi3ForCausalLM', 'Qwen2ForCausalLM', "
-     r"'Qwen3ForCausalLM'\]"),
+     r"\['Gemma3ForCausalLM', 'LlamaForCausalLM', 'MistralForCausalLM', 'MixtralForCausalLM', 'Phi3ForCausalLM', "
+     r"'Qwen2ForCausalLM', 'Qwen3ForCausalLM', 'Qwen3MoeForCausalLM'\]"),
     ({"architectures": ["LlamaForCausalLM"], "partial_rotary_factor": 0.5},  # Phi-4-mini's, on another model
      r"config.json: partial_rotary_factor=0.5 is not supported for LlamaForCausalLM; supported: 1.0 \(partial rotary "
      r"heads: Phi3ForCausalLM only\)"),

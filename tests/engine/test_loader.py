@@ -189,7 +189,7 @@ def test_unsupported_architecture(tmp_path):
     path = tmp_path / "gpt2.gguf"
     tokens, _, _ = gf.tiny_vocab()
     gf.write_llama_gguf(path, gf.make_llama_weights(gf.TINY, len(tokens)), gf.TINY, arch="gpt2")
-    with pytest.raises(ValueError, match=r"gpt2\.gguf: general.architecture='gpt2' is not supported; supported: \['gemma3', 'llama', 'phi3', 'qwen2', 'qwen3'\]"):
+    with pytest.raises(ValueError, match=r"gpt2\.gguf: general.architecture='gpt2' is not supported; supported: \['gemma3', 'llama', 'phi3', 'qwen2', 'qwen3', 'qwen3moe'\]"):
         load_checkpoint(str(path))
 
 

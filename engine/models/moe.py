@@ -1,0 +1,94 @@
+"""A mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks n_experts_used of the layer's SwiGLU experts per
+token, and each expert runs only on the tokens routed to it.
+
+    router     logits = x @ W_router.T [N, E], softmax over all E, the top k kept (ties: torch.topk's order),
+               renormalised to sum 1 when norm_topk_prob (Mixtral always: that is the softmax of its top-k logits;
+               Qwen3-MoE as its config says)
+    grouping   the step's N * k (token, expert) pairs sorted by expert, tokens in order within each
+    experts    per active expert e, one gate_up GEMM and one down GEMM over its tokens' rows x[rows_e] (the same
+               QuantLinear kernels as a dense MLP, the file's own codes), so a decode step reads only the active
+               experts' weights
+    combine    out[t] = sum_j w[t, j] * expert_{e_j}(x[t]) in fp32, added in expert order, one rounding at the end
+
+A token's result depends on its own row alone: its router row, its experts' rows (their GEMMs compute each row on
+its own: the int8 dot products are exact at any M), and the order of its k terms (by expert id). So a request gets
+the same bits batched with any others as alone. The router multiplies in float64 and rounds the logits to fp32: a
+reduction order that changes with the batch's size could only change a logit where the float64 sums of the two
+orders straddle an fp32 rounding boundary.
+
+Replica groups do not shard experts yet (engine/runner.py refuses them); the fused decode step (fused_decode.py)
+takes dense blocks only, so MoE models run op by op.
+"""
+from __future__ import annotations
+
+from bisect import bisect_left
+
+import torch
+from torch import Tensor, nn
+
+from cpuserve.engine.layers.linear.coded import as_float, concat_rows
+from cpuserve.engine.models.llama import MLP, AttentionMetadata
+
+RowRanges = tuple[tuple[int, int], ...]
+
+
+class MoE(nn.Module):
+    def __init__(self, router: Tensor, experts: list[MLP], n_used: int, norm_topk_prob: bool):
+        super().__init__()
+        self.register_buffer("router", router.to(torch.float64).contiguous())  # [E, dim]
+        self.experts = nn.ModuleList(experts)
+        self.n_used = n_used
+        self.norm_topk_prob = norm_topk_prob
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [N, dim] -> (weights [N, k] fp32, expert ids [N, k] int64)."""
+        logits = (x.to(torch.float64) @ self.router.T).float()  # logits: [N, E]
+        weights, chosen = torch.softmax(logits, dim=-1).topk(self.n_used, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, chosen
+
+    def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
+        n, k = x.shape[0], self.n_used
+        weights, chosen = self.route(x)
+        order = torch.argsort(chosen.view(-1), stable=True)  # order: [N k], the (token, slot) pairs by expert
+        counts = torch.bincount(chosen.view(-1), minlength=len(self.experts)).tolist()
+        tokens = order // k  # each pair's token, ascending within an expert (a token picks an expert once)
+        pair_weights = weights.view(-1)[order, None]  # [N k, 1]
+        out = torch.zeros(x.shape, dtype=torch.float32)  # out: [N, dim], the fp32 sum of each token's k terms
+        start = 0
+        for e in (e for e, count in enumerate(counts) if count):
+            stop = start + counts[e]
+            rows = tokens[start:stop]
+            y = self.experts[e].run(x[rows], _local_ranges(rows, meta.prompt_rows))  # y: [count, dim]
+            out.index_add_(0, rows, y.float() * pair_weights[start:stop])
+            start = stop
+        return out.to(x.dtype)
+
+
+def _local_ranges(rows: Tensor, prompt_rows: RowRanges) -> RowRanges:
+    """The prompt rows among x[rows] (rows ascending) as ranges of positions in x[rows]: each range of the step's
+    rows maps to one range, since the gathered rows keep their order."""
+    if not prompt_rows:
+        return ()
+    ids = rows.tolist()
+    ranges = ((bisect_left(ids, a), bisect_left(ids, b)) for a, b in prompt_rows)
+    return tuple((a, b) for a, b in ranges if b > a)
+
+
+def build_moe(args, parts: dict, linear) -> MoE:
+    """The layer's MoE block from its tensors (loader/moe.py's names, model.layers.N. omitted); linear(name, weight)
+    builds a QuantLinear the way the dense layers' are built."""
+    experts = []
+    for e in range(args.n_experts):
+        p = f"mlp.experts.{e}."
+        gate_up = concat_rows([parts[p + "gate_proj.weight"], parts[p + "up_proj.weight"]])  # [2 F, dim]
+        experts.append(MLP(linear(f"expert {e} gate_up_proj", gate_up),
+                           linear(f"expert {e} down_proj", parts[p + "down_proj.weight"])))
+    return MoE(as_float(parts["mlp.gate.weight"]), experts, args.n_experts_used, args.norm_topk_prob)
+
+
+def expert_parts(n_experts: int) -> list[str]:
+    """The tensors of an MoE layer's MLP the builder waits for."""
+    names = [f"mlp.experts.{e}.{p}_proj.weight" for e in range(n_experts) for p in ("gate", "up", "down")]
+    return ["mlp.gate.weight", *names]
