@@ -8,7 +8,7 @@ import torch
 
 from cpuserve.engine.layers import native
 from cpuserve.engine.layers.linear import build_linear
-from test_amx_bf16_gemm import MODES, gemm, kquant_layer
+from test_amx_bf16_gemm import MODES, gemm, kquant_layer, mode  # noqa: F401 (mode: the fixture)
 from test_int8_activations import coded_layer, make_weight, make_x
 
 op = torch.ops.cpuserve
@@ -23,14 +23,6 @@ LAYERS = {  # [gate | up], each half whole column blocks of 16
     "own_int8": lambda: build_linear(make_weight(160, 1536), None, "int8", 32, activations="int8"),
     **{q: (lambda q=q: kquant_layer(q, n=96)) for q in ("Q4_K", "Q6_K")},
 }
-
-
-@pytest.fixture(params=MODES)
-def mode(request):
-    before = op.amx_bf16_gemm_mode("")
-    op.amx_bf16_gemm_mode(request.param)
-    yield request.param
-    op.amx_bf16_gemm_mode({"hw": "auto"}.get(before, before))
 
 
 def fused(m, x, out=None):
