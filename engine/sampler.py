@@ -286,8 +286,10 @@ def logits_to_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p filters; returns renormalised probabilities [V]."""
     logits = logits / p.temperature
     if p.top_k > 0 and p.top_k < logits.numel():
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        # exactly top_k tokens: the largest logits, the lowest token ids among equals (bf16 logits tie often); a
+        # replica group's shards take their candidates in the same order (step.local_candidates), so they hold these
+        drop = torch.sort(logits, descending=True, stable=True).indices[p.top_k:]
+        logits = logits.index_fill(0, drop, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if p.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)

@@ -64,8 +64,11 @@ def unpack(wire: torch.Tensor) -> tuple[int, int, SchedulerOutput]:
 
 
 def local_candidates(logits: torch.Tensor, k: int, vocab_start: int) -> torch.Tensor:
-    """[S, 2k] float32: this shard's top-k values, then their global token ids (exact in fp32 below 2**24)."""
-    values, ids = torch.topk(logits, k, dim=-1)  # [S, k] each
+    """[S, 2k] float32: this shard's top-k values, then their global token ids (exact in fp32 below 2**24). Among equal
+    logits the lowest ids come first, as the sampler's top-k takes them: the union of the shards' candidates then
+    holds a row's global top k."""
+    values, ids = torch.sort(logits, dim=-1, descending=True, stable=True)
+    values, ids = values[:, :k], ids[:, :k]  # [S, k] each
     return torch.cat([values, (ids + vocab_start).float()], dim=-1)
 
 

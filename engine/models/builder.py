@@ -8,11 +8,10 @@ from collections import defaultdict
 import torch
 from tqdm import tqdm
 
-from cpuserve.engine.layers import native
 from cpuserve.engine.layers.linear import QuantLinear, build_linear
 from cpuserve.engine.layers.embedding import CodedEmbedding
-from cpuserve.engine.layers.linear.act_int8 import Int8ActLinear, W8A8Linear
-from cpuserve.engine.layers.linear.factory import INT8_ACTIVATIONS
+from cpuserve.engine.layers.linear.act_int8 import Int8ActLinear
+from cpuserve.engine.layers.linear.factory import INT8_ACTIVATIONS, check_token_scales
 from cpuserve.engine.layers.linear.coded import CodedWeight, coded_misfit, concat_rows, to_linear
 from cpuserve.engine.models import gemma3, moe
 from cpuserve.engine.models.llama import MLP, Attention, LlamaModel, TransformerBlock
@@ -89,20 +88,6 @@ def build_model(checkpoint, weights: str, group_size: int, show_progress: bool =
     model = model_class(args, embedding, [layers[i] for i in range(args.n_layers)], lm_head, dtype)
     model.norm.weight.data = top.pop("model.norm.weight").to(dtype)
     return model.eval()
-
-
-def check_token_scales(layer: QuantLinear, arch: str, name: str, activations: str) -> QuantLinear:
-    """activations "int8-token" is one scheme for the whole model (vLLM's W8A8): a layer whose shape the per-token
-    kernel cannot take is refused by name rather than run in another scheme. Where the CPU lacks the VNNI kernels every
-    layer falls back to bf16 activations with a warning (factory.py), as the default int8 scheme does there."""
-    if activations != "int8-token" or not native.vnni_gemm_enabled():
-        return layer
-    if isinstance(layer, W8A8Linear) and layer.act_group == layer.in_features:
-        return layer
-    k, n = layer.in_features, layer.out_features
-    why = W8A8Linear.misfit(n, k, k, per_token=True) or f"it took {type(layer).__name__}"
-    raise ValueError(f"activations='int8-token' cannot run this {arch} model: {name} [N={n}, K={k}]: {why} "
-                     f"(the per-token int8 kernel's steps); use activations='int8' (one scale per 32 inputs)")
 
 
 def _embedding_table(tensor, tied_head, dtype: torch.dtype):

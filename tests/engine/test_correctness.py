@@ -97,11 +97,15 @@ def test_w8a8_per_token_perplexity_within_5_percent_of_fp32(ppl_fp32, english_id
 
 
 def test_int4_greedy_agrees_with_fp32_on_most_tokens(llm_fp32, llm_int4):
+    """At each position of fp32's own greedy text, int4 picks fp32's next token (teacher-forced: one near-tie taken
+    the other way does not count every later position as a miss, as comparing two free runs would). Measured on a
+    Xeon with AMX: 316/320 with the default prompt rows, 312/320 with every row on the int8 path."""
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     agree = total = 0
     for text in PROMPTS:
-        a = llm_fp32.generate([chat_ids(llm_fp32, text)], params)[0].token_ids
-        b = llm_int4.generate([chat_ids(llm_int4, text)], params)[0].token_ids
-        agree += sum(x == y for x, y in zip(a, b))
-        total += len(a)
-    assert agree / total > 0.5, f"int4 agrees with fp32 on {agree}/{total} greedy tokens"
+        prompt = chat_ids(llm_fp32, text)
+        want = llm_fp32.generate([prompt], params)[0].token_ids
+        logits = llm_int4.engine.score(prompt + want[:-1])  # logits: [len, V], row i predicts token i + 1
+        agree += sum(x == y for x, y in zip(logits[len(prompt) - 1:].argmax(-1).tolist(), want))
+        total += len(want)
+    assert agree / total >= 0.95, f"int4 agrees with fp32 on {agree}/{total} greedy tokens"

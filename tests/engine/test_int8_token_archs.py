@@ -30,6 +30,10 @@ pytestmark = pytest.mark.skipif(not native.vnni_gemm_enabled(), reason="needs th
 NAMES = sorted(ARCHS) + ["gemma3"]
 SCHEMES = {"default": dict(weights="int4", activations="int8"), "int8-token": dict(weights="int8", activations="int8-token")}
 MAX_KL = {"default": 0.22, "int8-token": 0.005}  # 3x the worst measured (module docstring)
+# Mixture-of-experts models: 3x the worst measured on the same Xeon (Mixtral 0.192 / 0.0187, Qwen3-MoE 0.095 /
+# 0.0176): a token whose router scores are near a tie goes to another expert under either scheme, which moves its
+# distribution more than a dense layer's rounding does
+MAX_KL_MOE = {"default": 0.6, "int8-token": 0.06}
 IDS = [(37 * i + 11) % 260 + 3 for i in range(128)]  # a fixed sequence over the tiny vocabularies' tokens
 
 
@@ -73,8 +77,10 @@ def test_int8_token_and_the_default_stay_close_to_fp32(tmp, name, monkeypatch):
             assert layers and all(isinstance(m, W8A8Linear) and m.act_group == m.in_features for m in layers)
         kl[scheme] = mean_kl(ref, llm.engine.score(IDS))
     print(f"{name}: mean KL to fp32 " + ", ".join(f"{s} {v:.5f}" for s, v in kl.items()))
+    moe = getattr(model.config, "num_local_experts", 0) or getattr(model.config, "num_experts", 0)
+    bounds = MAX_KL_MOE if moe else MAX_KL
     for scheme, value in kl.items():
-        assert value <= MAX_KL[scheme], f"{name} {scheme}: KL {value:.5f} > {MAX_KL[scheme]}"
+        assert value <= bounds[scheme], f"{name} {scheme}: KL {value:.5f} > {bounds[scheme]}"
 
 
 @pytest.mark.parametrize("name,vocab", [("llama3", 268), ("gemma3", 282)])

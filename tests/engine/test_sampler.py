@@ -209,3 +209,16 @@ class EvenTokens:
 
     def unsafe_compute_mask_ptr(self, ptr: int, nbytes: int) -> None:
         ctypes.memmove(ptr, bytes([0x55]) * nbytes, nbytes)
+
+
+def test_top_k_keeps_exactly_k_tokens_the_lowest_ids_among_equal_logits():
+    """bf16 logits tie often: top_k keeps k tokens, never more, and a replica group's shards, each giving its own top
+    k in the same order (step.local_candidates), hold exactly those between them."""
+    logits = torch.tensor([0.0, 2.0, 1.0, 1.0, 1.0, 3.0, 1.0, 1.0])
+    params = SamplingParams(temperature=1.0, top_k=3)
+    whole = logits_to_probs(logits, params)
+    assert (whole > 0).nonzero().flatten().tolist() == [1, 2, 5]
+    shards = torch.stack([step.local_candidates(logits[None, :4], 3, 0), step.local_candidates(logits[None, 4:], 3, 4)])
+    values, ids = step.split_candidates(shards)
+    row = torch.full((8,), float("-inf")).scatter_(0, ids[0], values[0])
+    assert torch.equal(logits_to_probs(row, params), whole)

@@ -117,3 +117,17 @@ def _int8_activations(weight: Tensor, fmt: str, group_size: int, use_fallback: b
 def _warn_no_vnni() -> None:
     log.warning("activations=int8 needs the AVX-512 VNNI kernels (engine/csrc/vnni_gemm.cpp), which are not built "
                 "here (CPUSERVE_KERNELS=torch, or a CPU without VNNI): using bf16 activations")
+
+
+def check_token_scales(layer: QuantLinear, arch: str, name: str, activations: str) -> QuantLinear:
+    """activations "int8-token" is one scheme for the whole model (vLLM's W8A8): a layer whose shape the per-token
+    kernel cannot take is refused by name rather than run in another scheme. Where the CPU lacks the VNNI kernels every
+    layer falls back to bf16 activations with a warning (build_linear), as the default int8 scheme does there."""
+    if activations != "int8-token" or not native.vnni_gemm_enabled():
+        return layer
+    if isinstance(layer, W8A8Linear) and layer.act_group == layer.in_features:
+        return layer
+    k, n = layer.in_features, layer.out_features
+    why = W8A8Linear.misfit(n, k, k, per_token=True) or f"it took {type(layer).__name__}"
+    raise ValueError(f"activations='int8-token' cannot run this {arch} model: {name} [N={n}, K={k}]: {why} "
+                     f"(the per-token int8 kernel's steps); use activations='int8' (one scale per 32 inputs)")
