@@ -1,4 +1,5 @@
-"""`cpuserve serve`: start (or join) Ray, deploy the app, print the endpoints, stop cleanly on Ctrl-C / SIGTERM."""
+"""`cpuserve serve`: start (or join) Ray, deploy the app, print the endpoints; on Ctrl-C / SIGTERM drain (new requests
+refused, running ones finish within drain_timeout_s; a second signal cuts it short), then stop cleanly."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+from typing import Callable
 
 
 _SUPERVISED = "CPUSERVE_SERVE_SUPERVISED"
@@ -52,8 +54,14 @@ def _serve(args: argparse.Namespace) -> int:
 
         kernel_build.prepare()
     stop = threading.Event()
+    signals = []
+
+    def on_signal(*_) -> None:
+        signals.append(1)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     print(f"starting: {config.model_name}, {config.replicas} replica(s) x {config.ranks_per_replica} rank(s) x "
           f"{config.cpus_per_rank} CPU(s), "
           f"weights={config.weights}, kv-cache={config.kv_cache}", file=sys.stderr, flush=True)
@@ -65,10 +73,26 @@ def _serve(args: argparse.Namespace) -> int:
         parent = os.getppid()
         while not stop.wait(1.0) and os.getppid() == parent:  # the supervisor gone: stop too
             pass
+        if stop.is_set():
+            _drain(config.drain_timeout_s, lambda: len(signals) > 1)
     finally:
         print("shutting down", file=sys.stderr, flush=True)
         stop_serving()
     return 0
+
+
+def _drain(timeout_s: float, cut_short: Callable[[], bool]) -> None:
+    from cpuserve.serving.drain import drain_serving
+
+    print(f"draining: new requests get 503 / UNAVAILABLE; running ones have up to {timeout_s:g} s (Ctrl-C again: stop "
+          "now)", file=sys.stderr, flush=True)
+    try:
+        left = drain_serving(timeout_s, cut_short)
+    except Exception as e:  # noqa: BLE001 (the app is already failing: stop it anyway)
+        print(f"drain failed ({e!r}): stopping", file=sys.stderr, flush=True)
+        return
+    if left:
+        print(f"{left} request(s) still running: stopping them", file=sys.stderr, flush=True)
 
 
 def _supervise() -> int:
@@ -86,6 +110,21 @@ def _supervise() -> int:
     while True:
         try:
             code = child.wait()
-            return code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
         except InterruptedError:  # a signal arrived while waiting: keep waiting for the orderly stop
             continue
+        _kill_session(child.pid)
+        return code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
+
+
+def _kill_session(sid: int) -> None:
+    """Kill what is left of the serving process's session: nothing after an orderly stop; after a SIGKILL of the
+    serving process, Ray's GCS, raylet and workers end within 2 s on their own, but its dashboard and runtime-env
+    agents linger about a minute (measured), holding ports."""
+    import psutil
+
+    for pid in psutil.pids():
+        try:
+            if pid != os.getpid() and os.getsid(pid) == sid:
+                os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass

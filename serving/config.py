@@ -143,6 +143,9 @@ class ServeConfig(BaseSettings):
     """TLS certificate (PEM) of the HTTP endpoint; give tls_key_file with it."""
     tls_key_file: str | None = None
     """TLS private key (PEM) of the HTTP endpoint."""
+    drain_timeout_s: float = Field(30.0, ge=0, le=3600)
+    """On SIGTERM or Ctrl-C, `cpuserve serve` refuses new requests (503 / gRPC UNAVAILABLE, /health 503) and waits
+    this long at most for the running ones to finish before it stops (`cpuserve drain` does the same in a pod)."""
     access_log: bool = False
     """Ray Serve's per-request access log (off: it costs CPU per request)."""
 

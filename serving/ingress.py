@@ -89,6 +89,7 @@ class IngressCore:
         c = self.config
         self.max_in_flight = c.replicas * c.max_num_seqs + c.max_queued_requests
         self.num_in_flight = 0
+        self.draining = False
         self._info: dict[str, Any] | None = None
 
     # -- the request path shared by HTTP and gRPC ----------------------------------------------------------
@@ -96,6 +97,9 @@ class IngressCore:
         """Chunk dicts of one request; raises RequestError before the first chunk if it is refused."""
         if model and model != self.model:
             raise RequestError(f"model={model!r} is not served here; available: [{self.model!r}]", "model", NOT_FOUND)
+        if self.draining:
+            raise RequestError("the server is shutting down: running requests finish, new ones go elsewhere", None,
+                               UNAVAILABLE)
         if self.num_in_flight >= self.max_in_flight:
             self.metrics.refused.labels(model=self.model, limit="requests").inc()
             raise RequestError(f"{self.num_in_flight} requests are running or waiting, the limit (replicas x "
@@ -133,6 +137,12 @@ class IngressCore:
         stream = self._run(model, internal)
         first = await anext(stream)  # RequestError here: nothing was sent to the client yet
         return internal["request_id"], first, stream
+
+    async def drain(self) -> int:
+        """From now on refuse new requests (503 / UNAVAILABLE) and fail /health; returns the requests in flight,
+        which run to their end. `cpuserve serve` calls this on SIGTERM, `cpuserve drain` in a pod's preStop."""
+        self.draining = True
+        return self.num_in_flight
 
     async def report_stats(self, stats: dict[str, Any]) -> None:
         """Each LLMServer replica calls this every stats_interval_s."""
@@ -240,6 +250,8 @@ class IngressCore:
                             status_code=200 if ok else 503)
 
     async def _is_healthy(self) -> tuple[bool, str]:
+        if self.draining:
+            return False, f"shutting down: {self.num_in_flight} request(s) finishing"
         try:
             await self.llm.info.remote()
         except Exception as e:  # noqa: BLE001 (any failure means not serving)

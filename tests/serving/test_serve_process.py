@@ -1,14 +1,19 @@
-"""`cpuserve serve` as a process: what it leaves behind when it stops."""
+"""`cpuserve serve` as a process: how it drains on SIGTERM (new requests refused, running ones finish, exit 0) and
+what it leaves behind when it stops."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
+import grpc
 import httpx
 import psutil
 import pytest
@@ -74,17 +79,8 @@ def listening(pids: list[int]) -> dict[tuple[str, int], str]:
 
 @pytest.mark.parametrize("to_group", [True, False], ids=["kill-group", "kill-main"])
 def test_serve_binds_its_endpoints_to_host_and_sigterm_stops_every_process(tmp_path, to_group):
-    ports = {"grpc": free_port(), "http": free_port(), "metrics": free_port()}
-    err = (tmp_path / "stderr").open("w+")
-    proc = subprocess.Popen([CPUSERVE, "serve", "--grpc-port", str(ports["grpc"]), "--http-port", str(ports["http"]),
-                             "--metrics-port", str(ports["metrics"]), "--kv-cache-gb", "0.25"],
-                            stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
-                            env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    proc, ports, err = start_serve(tmp_path)
     try:
-        deadline = time.monotonic() + 180
-        while not _healthy(ports["http"]):
-            assert proc.poll() is None and time.monotonic() < deadline, _read(err)
-            time.sleep(1)
         tree = [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
         sockets = listening(tree)
         assert sockets[("127.0.0.1", ports["http"])] and sockets[("127.0.0.1", ports["metrics"])]
@@ -93,7 +89,14 @@ def test_serve_binds_its_endpoints_to_host_and_sigterm_stops_every_process(tmp_p
         unexpected = {k: v for k, v in sockets.items() if k[0] not in LOOPBACK | WIDE | host_ips}
         assert unexpected == {}
         assert not any("ProxyActor" in name for name in sockets.values())  # direct ports: Serve starts no proxy
+        running = Stream(ports["http"]) if to_group else None  # in flight when SIGTERM comes
         os.killpg(proc.pid, signal.SIGTERM) if to_group else proc.send_signal(signal.SIGTERM)
+        if running is not None:
+            refused = refused_while_draining(ports)
+            running.join(timeout=90)
+            assert running.result == ("length", Stream.MAX_TOKENS), running.result  # it ran to its end
+            assert refused["http"] == (503, "server_error") and refused["grpc"] == grpc.StatusCode.UNAVAILABLE, refused
+            assert refused["health"] == 503
         assert proc.wait(timeout=90) == 0, _read(err)
         gone, alive = psutil.wait_procs([psutil.Process(p) for p in tree if psutil.pid_exists(p)], timeout=15)
         assert alive == [], [p.info if hasattr(p, "info") else p for p in alive]
@@ -109,6 +112,69 @@ def test_serve_binds_its_endpoints_to_host_and_sigterm_stops_every_process(tmp_p
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+class Stream(threading.Thread):
+    """A long streamed completion read to its end in a thread; `result` = (finish_reason, completion tokens)."""
+
+    MAX_TOKENS = 600
+
+    def __init__(self, port: int):
+        super().__init__(daemon=True)
+        self.port, self.result, self.started = port, None, threading.Event()
+        self.start()
+        assert self.started.wait(60), "the stream did not start"
+
+    def run(self) -> None:
+        body = {"prompt": "Count:", "max_tokens": self.MAX_TOKENS, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        reason = None
+        with httpx.stream("POST", f"http://127.0.0.1:{self.port}/v1/completions", json=body, timeout=120) as rsp:
+            for line in rsp.iter_lines():
+                self.started.set()
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    if chunk["choices"]:
+                        reason = chunk["choices"][0]["finish_reason"] or reason
+                    else:
+                        self.result = (reason, chunk["usage"]["completion_tokens"])
+
+
+def refused_while_draining(ports: dict[str, int]) -> dict:
+    """Once /health says 503 (draining), what a new request gets over HTTP and gRPC."""
+    from cpuserve.v1 import inference_pb2 as pb
+    from cpuserve.v1 import inference_pb2_grpc as pbg
+
+    deadline = time.monotonic() + 30
+    while (health := httpx.get(f"http://127.0.0.1:{ports['http']}/health", timeout=10)).status_code == 200:
+        assert time.monotonic() < deadline, "still healthy 30 s after SIGTERM"
+        time.sleep(0.2)
+    rsp = httpx.post(f"http://127.0.0.1:{ports['http']}/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
+                     timeout=30)
+    with grpc.insecure_channel(f"127.0.0.1:{ports['grpc']}") as channel:
+        try:
+            pbg.InferenceStub(channel).Complete(pb.GenerateRequest(text="Hi"), timeout=30)
+            code = grpc.StatusCode.OK
+        except grpc.RpcError as e:
+            code = e.code()
+    return {"health": health.status_code, "http": (rsp.status_code, rsp.json()["error"]["type"]), "grpc": code}
+
+
+def start_serve(tmp_path: Path) -> tuple[subprocess.Popen, dict[str, int], Any]:
+    """`cpuserve serve` in a session of its own on free ports, once /health answers 200: (process, ports, stderr)."""
+    ports = {"grpc": free_port(), "http": free_port(), "metrics": free_port()}
+    err = (tmp_path / "stderr").open("w+")
+    proc = subprocess.Popen([CPUSERVE, "serve", "--grpc-port", str(ports["grpc"]), "--http-port", str(ports["http"]),
+                             "--metrics-port", str(ports["metrics"]), "--kv-cache-gb", "0.25"],
+                            stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
+                            env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    deadline = time.monotonic() + 180
+    while not _healthy(ports["http"]):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+            pytest.fail(f"cpuserve serve did not become healthy: {_read(err)}")
+        time.sleep(1)
+    return proc, ports, err
+
+
 def _healthy(port: int) -> bool:
     try:
         return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
@@ -120,3 +186,20 @@ def _read(f) -> str:
     f.flush()
     f.seek(0)
     return f.read()[-4000:]
+
+
+def test_sigkill_of_the_serving_process_leaves_no_process_behind(tmp_path):
+    """`cpuserve serve` runs the serving process under a supervisor: killing the serving process outright (OOM
+    killer, kill -9) leaves none of Ray's processes behind (its agents lingered about a minute before)."""
+    proc, ports, err = start_serve(tmp_path)
+    try:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        serving = psutil.Process(proc.pid).children()[0]
+        assert any(p.name() == "raylet" for p in tree) and any("Ingress" in p.name() for p in tree)
+        serving.kill()
+        assert proc.wait(timeout=30) == 128 + signal.SIGKILL
+        gone, alive = psutil.wait_procs(tree, timeout=10)
+        assert alive == [], [(p.pid, p.name()) for p in alive]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

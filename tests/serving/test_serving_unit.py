@@ -301,3 +301,26 @@ def test_dead_engine_is_unavailable_and_fails_the_health_check():
     server.engine.dead = True
     with pytest.raises(EngineDeadError):
         asyncio.run(server.check_health())
+
+
+def test_a_draining_ingress_refuses_new_requests_and_lets_running_ones_finish():
+    ingress, engine = make_ingress()
+    engine.hold = True
+
+    async def scenario():
+        _, _, running = await ingress._start(None, {"prompt": "hi", "sampling": {"max_tokens": 3}})
+        in_flight = await ingress.drain()
+        status, body = await post(ingress, "completions", {"prompt": "hi"})
+        context = FakeContext()
+        with pytest.raises(RequestError):
+            await ingress.Complete(pb.GenerateRequest(text="hi").SerializeToString(), context)
+        health = await ingress.health()
+        engine.release.set()
+        rest = [c async for c in running]
+        return in_flight, status, body, context.code, health.status_code, rest, await ingress.drain()
+
+    in_flight, status, body, code, health, rest, left = asyncio.run(scenario())
+    assert in_flight == 1 and left == 0
+    assert status == 503 and body["error"]["type"] == "server_error" and "shutting down" in body["error"]["message"]
+    assert code == grpc.StatusCode.UNAVAILABLE and health == 503
+    assert rest[-1]["finish_reason"] == "length" and rest[-1]["completion_tokens"] == 3
