@@ -3,8 +3,8 @@
 recipe_type(recipe, name, shape, ...) is the type llama.cpp's llama-quantize gives each tensor of a Llama for the
 "mostly" types we benchmark (its llama_tensor_get_type):
 
-    Q4_K_M  Q4_K everywhere; Q6_K for the output (or the tied embedding), and for attn_v and ffn_down(_exps) in the first
-            and last eighth of the layers and every third layer between them
+    Q4_K_M  Q4_K everywhere; Q6_K for the output (or the tied embedding), and for attn_v and ffn_down (an MoE's
+            ffn_down_exps too) in the first and last eighth of the layers and every third layer between them
     Q6_K    Q6_K everywhere
     a K-quant needs rows of whole 256-value super-blocks: other widths fall back as llama.cpp's do
     (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0; SmolLM2's 576 is one such width)

@@ -246,7 +246,8 @@ def write_synthetic_qwen3moe(path, *, dim: int, n_layers: int, n_heads: int, n_k
                        (writer.add_rope_dimension_count, head_dim), (writer.add_rope_freq_base, 1e6),
                        (writer.add_layer_norm_rms_eps, 1e-6), (writer.add_vocab_size, vocab_size),
                        (writer.add_expert_count, n_experts), (writer.add_expert_used_count, n_experts_used),
-                       (writer.add_expert_feed_forward_length, expert_ffn_dim), (writer.add_file_type, FILE_TYPES[qtype]),
+                       (writer.add_expert_feed_forward_length, expert_ffn_dim),
+                       (writer.add_file_type, FILE_TYPES[qtype]),
                        (writer.add_quantization_version, gguf.GGML_QUANT_VERSION)):
         add(value)
     plan = moe_tensor_plan(dim, n_layers, n_heads, n_kv_heads, head_dim, n_experts, expert_ffn_dim, vocab_size)

@@ -31,7 +31,7 @@ QT = gguf.GGMLQuantizationType
 SUPPORTED_TYPES = (QT.F32, QT.F16, QT.BF16) + CODED_TYPES  # block types: their codes are kept (gguf_codes.py)
 # qwen2 / qwen3 / phi3 GGUFs keep HF's row order (llama.cpp runs them with NEOX RoPE): only llama is un-permuted
 SUPPORTED_ARCHS = {
-    "llama": {"permuted_qk": True, "qkv_bias": False},  # Llama 2 / 3.x, Mistral, SmolLM, TinyLlama; with experts Mixtral
+    "llama": {"permuted_qk": True, "qkv_bias": False},  # Llama 2 / 3.x, Mistral, SmolLM, TinyLlama, Mixtral
     "qwen2": {"permuted_qk": False, "qkv_bias": True},
     "qwen3": {"permuted_qk": False, "qkv_bias": False},  # + per-head q/k norms
     "qwen3moe": {"permuted_qk": False, "qkv_bias": False},  # Qwen3's attention, experts' MLPs (moe.py)

@@ -49,7 +49,7 @@ class MoE(nn.Module):
         return weights, chosen
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
-        n, k = x.shape[0], self.n_used
+        k = self.n_used
         weights, chosen = self.route(x)
         order = torch.argsort(chosen.view(-1), stable=True)  # order: [N k], the (token, slot) pairs by expert
         counts = torch.bincount(chosen.view(-1), minlength=len(self.experts)).tolist()
@@ -57,8 +57,10 @@ class MoE(nn.Module):
         pair_weights = weights.view(-1)[order, None]  # [N k, 1]
         out = torch.zeros(x.shape, dtype=torch.float32)  # out: [N, dim], the fp32 sum of each token's k terms
         start = 0
-        for e in (e for e, count in enumerate(counts) if count):
-            stop = start + counts[e]
+        for e, count in enumerate(counts):
+            if not count:  # not routed to: its weights are never read
+                continue
+            stop = start + count
             rows = tokens[start:stop]
             y = self.experts[e].run(x[rows], _local_ranges(rows, meta.prompt_rows))  # y: [count, dim]
             out.index_add_(0, rows, y.float() * pair_weights[start:stop])

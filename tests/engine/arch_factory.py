@@ -94,7 +94,8 @@ def save_hf_folder(model, folder, tokenizer) -> str:
     return str(folder)
 
 
-def write_gguf(model, path, name: str, attn_factor: bool = True, expert_qtype=None, dense_qtype: str | None = None) -> str:
+def write_gguf(model, path, name: str, attn_factor: bool = True, expert_qtype=None,
+               dense_qtype: str | None = None) -> str:
     """The model as llama.cpp's convert_hf_to_gguf writes it: llama permutes Q/K rows, the others keep HF's.
     attn_factor=False leaves LongRoPE's attention factor out (the reader derives it from the context lengths);
     expert_qtype: the block type(s) of an MoE model's experts (moe_factory.write_experts), which then become the
