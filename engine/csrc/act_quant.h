@@ -5,7 +5,8 @@
 // codes and scales depend on that row alone, never on the batch it shares or the thread that quantizes it.
 //
 // Each group also gets the sum of its codes and axs = scale * that sum, for the weights' zero points (vnni_gemm.cpp).
-// engine/layers/linear/act_int8.py's quantize_rows is the plain-torch reference.
+// engine/layers/linear/act_int8.py's quantize_rows is the plain-torch reference. The AVX2 build (avx2_gemm.h)
+// computes the same codes and floats, 8 lanes at a time: the same multiply, rounding and sums per element.
 #pragma once
 
 #if defined(__AVX512F__)
@@ -51,6 +52,70 @@ inline void group_sums(const int8_t* q, const float* scale, int64_t K, int64_t a
     for (int64_t k = g0; k < g0 + sum_group; k += 16)
       sum = _mm512_add_epi32(sum, _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k))));
     qs[g] = _mm512_reduce_add_epi32(sum);
+    if (qs16) qs16[g] = static_cast<int16_t>(qs[g]);
+    axs[g] = (sum_group == act_group ? scale[g] : 1.f) * static_cast<float>(qs[g]);
+  }
+}
+
+}  // namespace cpuserve_act
+
+#elif defined(__AVX2__)
+#include <immintrin.h>
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+
+namespace cpuserve_act {
+
+// 8 bf16 as fp32 lanes (exact)
+inline __m256 load8_bf16(const c10::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+inline float reduce_max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline int32_t reduce_add8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
+}
+
+// As the AVX-512 quantize_row above: the same absmax, scale, multiply and round-half-even per element
+inline void quantize_row(const c10::BFloat16* x, int64_t K, int64_t act_group, int8_t* q, float* scale) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int64_t a0 = 0, a = 0; a0 < K; a0 += act_group, ++a) {
+    __m256 vmax = _mm256_setzero_ps();
+    for (int64_t k = a0; k < a0 + act_group; k += 8)
+      vmax = _mm256_max_ps(vmax, _mm256_and_ps(load8_bf16(x + k), abs_mask));
+    const float absmax = reduce_max8(vmax);
+    scale[a] = absmax / 127.f;
+    const __m256 inv = _mm256_set1_ps(absmax > 0.f ? 127.f / absmax : 0.f);
+    for (int64_t k = a0; k < a0 + act_group; k += 16) {
+      const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(load8_bf16(x + k), inv));
+      const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(load8_bf16(x + k + 8), inv));
+      // int32 -> int16 -> int8 with saturation (never clips: |v| <= 127); packs work per 128-bit lane, so the
+      // quarters are put back in order between the two steps
+      const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
+      const __m128i bytes = _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), bytes);
+    }
+  }
+}
+
+// As the AVX-512 group_sums above
+inline void group_sums(const int8_t* q, const float* scale, int64_t K, int64_t act_group, int64_t sum_group,
+                       float* axs, int32_t* qs, int16_t* qs16 = nullptr) {
+  for (int64_t g0 = 0, g = 0; g0 < K; g0 += sum_group, ++g) {
+    __m256i sum = _mm256_setzero_si256();
+    for (int64_t k = g0; k < g0 + sum_group; k += 8)
+      sum = _mm256_add_epi32(sum, _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k))));
+    qs[g] = reduce_add8(sum);
     if (qs16) qs16[g] = static_cast<int16_t>(qs[g]);
     axs[g] = (sum_group == act_group ? scale[g] : 1.f) * static_cast<float>(qs[g]);
   }

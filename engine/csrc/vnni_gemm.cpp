@@ -1,5 +1,5 @@
 // int4 / int6 / int8 weights x dynamic int8 activations with integer dot products (AVX-512 VNNI vpdpbusd), with
-// out=.
+// out=. The AVX2 levels' build runs the same op over avx2_gemm.h's register blocks (the same bits).
 //
 // The bf16 kernels (int4_gemm.cpp, int8_gemm.cpp) dequantize weights to fp32 and run FMAs: 16 multiply-adds per
 // instruction. vpdpbusd does 64 (16 lanes x 4 byte pairs), so once activations are int8 (act_quant.h, each row on
@@ -28,6 +28,7 @@
 
 #include "act_quant.h"
 #include "amx_tiles.h"
+#include "avx2_gemm.h"
 #include "ops.h"
 #include "simd.h"
 #include "tasks.h"
@@ -81,23 +82,18 @@ constexpr int64_t kTileRunsPerThread = 4;
 // 1.07-1.19x at 512. (Prompt rows take amx_bf16_gemm.cpp where the CPU has AMX-BF16: 2.8-3.5x at 512 rows.)
 constexpr int64_t kAmxMinRows = 128;
 
-// Units (tiles or column blocks) per task, about `per_thread` tasks a thread: of the two lengths nearest that, the
-// one whose busiest thread gets fewer units. SmolLM2's o and down (18 tiles) as 9 tasks of 2 left one thread 10
-// tiles to the other's 8; as 6 of 3, 9 each (2 threads, 512 rows: 573-593 -> 638-647 and 591-611 -> 643-657 G
-// multiply-adds a second).
-int64_t run_length(int64_t units, int64_t per_thread) {
-  const int64_t threads = at::get_num_threads(), want = per_thread * threads;
-  const auto busiest = [&](int64_t run) { return ((units + run - 1) / run + threads - 1) / threads * run; };
-  const int64_t shorter = std::max<int64_t>(1, units / want), longer = (units + want - 1) / want;
-  return busiest(shorter) < busiest(longer) ? shorter : longer;
-}
+using cpuserve_tasks::run_length;
 
 // The AMX path (Gemm::amx_rows): 0 off, 1 the instructions (AmxHw), 2 their software model (AmxEmu, for tests).
 // -1 until first asked: the instructions where the CPU and Linux give them, unless CPUSERVE_AMX=off.
 std::atomic<int> g_amx{-1};
 std::atomic<int64_t> g_amx_blocks{0};  // 16-row blocks computed on tiles (AMX or the model), for the tests
+std::atomic<int64_t> g_runs{0};        // calls of vnni_gemm_out, for the tests (which kernels the layers use)
 
 int amx_mode() {
+#if !defined(CPUSERVE_VNNI)
+  return 0;  // the tiles belong to the AVX-512 build
+#endif
   int mode = g_amx.load();
   if (mode < 0) {
     const char* env = std::getenv("CPUSERVE_AMX");
@@ -110,7 +106,7 @@ int amx_mode() {
 }
 
 bool vnni_gemm_supported() {
-#if defined(CPUSERVE_VNNI)
+#if defined(CPUSERVE_VNNI) || defined(CPUSERVE_AVX2_GEMM)
   return true;
 #else
   return false;
@@ -757,6 +753,9 @@ struct Gemm {
   }
 };
 
+#endif
+
+#if defined(CPUSERVE_VNNI) || defined(CPUSERVE_AVX2_GEMM)
 // x [M, K] bf16 -> q [M, K] int8, ax per act_group, axs and qs per sum_group (act_quant.h group_sums), axt per row;
 // rows shared between threads when there are many
 void quantize_rows(const bf16* x, int64_t M, int64_t K, int64_t act_group, int64_t sum_group, int8_t* q, float* ax,
@@ -775,6 +774,12 @@ void quantize_rows(const bf16* x, int64_t M, int64_t K, int64_t act_group, int64
     for (int64_t t; (t = next()) >= 0;) rows(t * kQuantRowsPerTask, std::min(M, (t + 1) * kQuantRowsPerTask));
   });
 }
+#endif
+
+#if defined(CPUSERVE_AVX2_GEMM)  // the same entry below, over avx2_gemm.h's register blocks
+using cpuserve_avx2::Gemm;
+using cpuserve_avx2::StoredScales;
+using cpuserve_avx2::SuperScales;
 #endif
 
 // The scales' form: stored (fp32 or fp16 scales [N/16, S, 16], zoffs alike) or, with supers, a K-quant's factors
@@ -842,10 +847,11 @@ void check_operands(const at::Tensor& x, const at::Tensor& packed, const at::Ten
 at::Tensor& vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                           const at::Tensor& zoffs, int64_t bits, int64_t act_group,
                           const c10::optional<at::Tensor>& supers, at::Tensor& out) {
-  TORCH_CHECK(vnni_gemm_supported(), "the int8 dot-product GEMMs need AVX-512 VNNI (this CPU's build has none)");
+  TORCH_CHECK(vnni_gemm_supported(), "the int8 dot-product GEMMs need AVX-512 VNNI or AVX2 (this build has neither)");
   check_operands(x, packed, scales, zoffs, bits, act_group, supers, out);
+  g_runs.fetch_add(1, std::memory_order_relaxed);
   const int64_t N = packed.size(0) * 16, K = packed.size(1) * 32 / bits, S = scales.size(1), M = x.size(0);
-#if defined(CPUSERVE_VNNI)
+#if defined(CPUSERVE_VNNI) || defined(CPUSERVE_AVX2_GEMM)
   auto q = at::empty({M, K}, x.options().dtype(at::kChar));
   const int64_t A = K / act_group, G = std::max(A, S);  // G: the zero terms' groups (the weights' when nested)
   // ax [M, A]; axs, qs [M, G]; axt [M]; qs16 [M, G] int16
@@ -880,9 +886,9 @@ at::Tensor& vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const a
       widths(SuperScales<int8_t>{scales.data_ptr<int8_t>(), mins, sup, S, shift, F});
     }
   } else if (scales.scalar_type() == at::kHalf) {
-    widths(StoredScales<at::Half>{scales.data_ptr<at::Half>(), symmetric ? nullptr : zoffs.data_ptr<at::Half>(), S, 0});
+    widths(StoredScales<at::Half>{scales.data_ptr<at::Half>(), symmetric ? nullptr : zoffs.data_ptr<at::Half>(), S});
   } else {
-    widths(StoredScales<float>{scales.data_ptr<float>(), symmetric ? nullptr : zoffs.data_ptr<float>(), S, 0});
+    widths(StoredScales<float>{scales.data_ptr<float>(), symmetric ? nullptr : zoffs.data_ptr<float>(), S});
   }
 #endif
   return out;
@@ -908,6 +914,22 @@ std::string vnni_gemm_amx(const std::string& mode) {
 
 int64_t vnni_gemm_amx_blocks() { return g_amx_blocks.load(); }
 
+int64_t vnni_gemm_runs() { return g_runs.load(); }
+
+// The instructions this build's int8 GEMMs run on: "avx512_vnni" (and AMX tiles, vnni_gemm_amx), "avx_vnni" or
+// "avx2" (avx2_gemm.h), or "" where they are not built
+std::string vnni_gemm_isa() {
+#if defined(CPUSERVE_VNNI)
+  return "avx512_vnni";
+#elif defined(CPUSERVE_AVX2_GEMM) && defined(__AVXVNNI__)
+  return "avx_vnni";
+#elif defined(CPUSERVE_AVX2_GEMM)
+  return "avx2";
+#else
+  return "";
+#endif
+}
+
 }  // namespace
 
 void cpuserve_ops::check_gemm_operands(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
@@ -930,6 +952,8 @@ TORCH_LIBRARY_FRAGMENT(cpuserve, m) {
   m.def("vnni_gemm_supported() -> bool");
   m.def("vnni_gemm_amx(str mode=\"\") -> str");
   m.def("vnni_gemm_amx_blocks() -> int");
+  m.def("vnni_gemm_runs() -> int");
+  m.def("vnni_gemm_isa() -> str");
 }
 
 TORCH_LIBRARY_IMPL(cpuserve, CPU, m) {
@@ -941,4 +965,6 @@ TORCH_LIBRARY_IMPL(cpuserve, CompositeExplicitAutograd, m) {
   m.impl("vnni_gemm_supported", &vnni_gemm_supported);
   m.impl("vnni_gemm_amx", &vnni_gemm_amx);
   m.impl("vnni_gemm_amx_blocks", &vnni_gemm_amx_blocks);
+  m.impl("vnni_gemm_runs", &vnni_gemm_runs);
+  m.impl("vnni_gemm_isa", &vnni_gemm_isa);
 }

@@ -4,11 +4,13 @@ CPU runs (engine/layers/native.py), as llama.cpp's GGML_CPU_ALL_VARIANTS and one
     level         -march                 runs on (every /proc/cpuinfo flag of the level present)
     avx512_bf16   x86-64-v4 +VNNI +BF16  Cooper Lake, Sapphire Rapids and later, Zen 4 and later
     avx512_vnni   x86-64-v4 +VNNI        Cascade Lake, Ice Lake (no BF16: SlimAttention's products fall back)
+    avx2_vnni     x86-64-v3 +AVX-VNNI    Alder Lake and later cores without AVX-512, Sierra Forest
+    avx2          x86-64-v3              Haswell to Skylake, Zen 2 and 3
 
 AMX needs no level of its own: the int8 GEMMs' tiles are inline assembly, used only where CPUID and Linux grant
 them at run time (amx_tiles.h), and SlimAttention's AMX path is torch's brgemm, dispatched by torch; so the
-avx512_bf16 library is the Sapphire Rapids one. An AVX2 level (x86-64-v3, for Zen 2/3 and older Xeons) is one
-more LEVELS entry once the kernels have AVX2 paths.
+avx512_bf16 library is the Sapphire Rapids one. The AVX2 levels run the int8 GEMMs of avx2_gemm.h (the same
+bits as the AVX-512 ones) and the other kernels' portable paths; SlimAttention there is torch's (attention.py).
 
 Where the libraries come from:
     a wheel     every level is compiled when the wheel is built (setup.py) into cpuserve/engine/kernels/
@@ -60,6 +62,8 @@ class Level:
 LEVELS = (  # best first
     Level("avx512_bf16", ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"), _V4 | {"avx512_vnni", "avx512_bf16"}),
     Level("avx512_vnni", ("-march=x86-64-v4", "-mavx512vnni"), _V4 | {"avx512_vnni"}),
+    Level("avx2_vnni", ("-march=x86-64-v3", "-mavxvnni"), _V3 | {"avx_vnni"}),
+    Level("avx2", ("-march=x86-64-v3",), _V3),
 )
 LEVEL_NAMES = tuple(level.name for level in LEVELS)
 

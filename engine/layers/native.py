@@ -118,13 +118,20 @@ def int8_gemm_enabled() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def vnni_gemm_enabled() -> bool:
-    """The int8 dot-product GEMMs (vnni_gemm.cpp) are built for this CPU (AVX-512 VNNI). Where the CPU has AMX,
-    their tile path is kept only if it gives the register blocks' bits on a probe (checked once)."""
+    """The int8 dot-product GEMMs are built for this CPU: AVX-512 VNNI (vnni_gemm.cpp) or AVX2 (avx2_gemm.h, the
+    same bits; vnni_gemm_isa() names which). Where the CPU has AMX, the AVX-512 build's tile path is kept only if it
+    gives the register blocks' bits on a probe (checked once)."""
     if not (enabled() and torch.ops.cpuserve.vnni_gemm_supported()):
         return False
     if torch.ops.cpuserve.vnni_gemm_amx("") == "hw" and not amx_reproduces_registers("auto"):
         torch.ops.cpuserve.vnni_gemm_amx("off")
     return True
+
+
+def vnni_gemm_isa() -> str:
+    """The instructions the int8 dot-product GEMMs run on here: "avx512_vnni" (and AMX tiles where vnni_gemm_amx says
+    so), "avx_vnni" or "avx2"; "" where they do not run (the layers then keep bf16 activations)."""
+    return str(torch.ops.cpuserve.vnni_gemm_isa()) if vnni_gemm_enabled() else ""
 
 
 def amx_reproduces_registers(mode: str) -> bool:

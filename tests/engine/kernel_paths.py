@@ -1,7 +1,8 @@
 """The CPU-dependent paths of the C++ kernels (engine/csrc), and which of them this pytest process ran.
 
 Which path a kernel takes depends on the CPU: AMX (Intel Xeon Sapphire Rapids and later) or AVX512-BF16 alone (AMD
-Zen 4), so one machine's test run checks only some of them. tests/engine/conftest.py prints the paths this run did
+Zen 4), AVX2 without AVX-512, so one machine's test run checks only some of them. The int8 GEMMs of the lower
+levels run in processes of their own (test_kernel_levels.py notes them). tests/engine/conftest.py prints the paths this run did
 not take at the end of the suite, with the reason. SlimAttention counts its own calls by path (slim_attention_runs);
 the int8 GEMMs' AMX paths are noted by the tests that check them (test_amx_gemm.py calls `note`), or seen in their
 count of tile blocks.
@@ -17,6 +18,9 @@ PATHS = {  # key -> what it is
     "slim_int8_scores": "SlimAttention's Q K^T as int8 dot products (int8_scores.h, AVX-512 VNNI)",
     "amx_tiles_hw": "the int8 GEMMs' AMX tiles, the instructions (amx_tiles.h AmxHw)",
     "amx_tiles_model": "the int8 GEMMs' AMX tiles, their software model (amx_tiles.h AmxEmu)",
+    "int8_gemm_avx512_vnni": "the int8 GEMMs on AVX-512 VNNI (vnni_gemm.cpp)",
+    "int8_gemm_avx_vnni": "the int8 GEMMs on AVX-VNNI (avx2_gemm.h, the avx2_vnni level)",
+    "int8_gemm_avx2": "the int8 GEMMs on AVX2 (avx2_gemm.h, vpmaddubsw: the avx2 level)",
 }
 SLIM_RUNS = ("slim_brgemm", "slim_avx512_bf16", "slim_int8_scores")  # the order of slim_attention_runs()
 _noted: set[str] = set()
@@ -42,6 +46,8 @@ def not_run() -> list[str] | None:
     ran = set(_noted) | {name for name, count in zip(SLIM_RUNS, ops.slim_attention_runs()) if count}
     if ops.vnni_gemm_supported() and ops.vnni_gemm_amx_blocks() and "amx_tiles_model" not in _noted:
         ran.add("amx_tiles_hw")  # the engine's own mode is "hw" or "off": the model runs only where a test notes it
+    if ops.vnni_gemm_supported() and ops.vnni_gemm_runs():
+        ran.add(f"int8_gemm_{ops.vnni_gemm_isa()}")
     missing = []
     for path, what in PATHS.items():
         if path not in ran:
@@ -56,8 +62,10 @@ def _why(path: str, ops) -> str:
         return "this CPU (or this build) has no AVX512-BF16"
     if path == "slim_int8_scores" and not _int8_scores_possible(ops):
         return "this CPU has no AVX-512 VNNI"
-    if path.startswith("amx_tiles") and not ops.vnni_gemm_supported():
-        return "the int8 GEMMs are not built on this CPU (no AVX-512 VNNI)"
+    if path.startswith("amx_tiles") and ops.vnni_gemm_isa() != "avx512_vnni":
+        return "the int8 GEMMs of this level have no AMX path (it is the AVX-512 level's)"
+    if path.startswith("int8_gemm_"):
+        return "this CPU runs no such level, or test_kernel_levels.py's forced runs did not run"
     if path == "amx_tiles_hw" and not _can(ops.vnni_gemm_amx, "auto", "hw"):
         return "this CPU has no AMX, or Linux did not grant the tile state"
     return "no test in this run took this path"

@@ -18,7 +18,8 @@ from cpuserve.engine.loader.gguf_codes import decode_codes
 from test_int8_activations import coded_layer, make_weight, make_x
 
 op = torch.ops.cpuserve
-pytestmark = pytest.mark.skipif(not native.vnni_gemm_enabled(), reason="needs the AVX-512 kernels")
+pytestmark = pytest.mark.skipif(native.vnni_gemm_isa() != "avx512_vnni",
+                                reason="the AMX tiles belong to the AVX-512 level's int8 GEMMs")
 
 
 def _modes() -> list[str]:

@@ -14,7 +14,8 @@ from cpuserve.engine.layers.linear import build_linear
 from cpuserve.engine.loader.gguf_codes import decode_codes
 from test_int8_activations import coded_layer, make_weight, make_x
 
-pytestmark = pytest.mark.skipif(not native.vnni_gemm_enabled(), reason="needs the AVX-512 VNNI kernels")
+pytestmark = pytest.mark.skipif(native.vnni_gemm_isa() != "avx512_vnni",
+                                reason="the AMX tiles belong to the AVX-512 level's int8 GEMMs")
 ROWS = [128, 129, 143, 160]  # from kAmxMinRows (vnni_gemm.cpp): whole 16-row tile blocks and remainders beside them
 
 

@@ -80,7 +80,7 @@ def test_int4_int8act_int8kv_perplexity_within_1_percent_of_fp32(ppl_fp32, llm_i
     assert ppl_int4 <= ppl_fp32 * 1.01
 
 
-@pytest.mark.skipif(not native.vnni_gemm_enabled(), reason="needs the AVX-512 VNNI kernels")
+@pytest.mark.skipif(not native.vnni_gemm_enabled(), reason="needs the int8 dot-product kernels")
 def test_w8a8_per_token_perplexity_within_5_percent_of_fp32(ppl_fp32, english_ids):
     """weights int8 x activations int8-token, int8 KV cache: vLLM's W8A8 scheme, the file's Q4_1 values quantized
     again per channel. One activation scale per token is coarser than the default's groups of 32: measured +3.4%

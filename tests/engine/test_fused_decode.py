@@ -9,7 +9,7 @@ from cpuserve.engine.layers import native
 from cpuserve.engine.models import fused_decode
 from cpuserve.engine.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.skipif(not native.vnni_gemm_enabled(), reason="needs the AVX-512 VNNI kernels")
+pytestmark = pytest.mark.skipif(not native.vnni_gemm_enabled(), reason="needs the int8 dot-product kernels")
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea, then explain it line by line:", "1, 2, 3,"]
 

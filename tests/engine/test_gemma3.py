@@ -106,7 +106,7 @@ def test_bf16_engine_stays_close(models):
     _check_logits(_engine(path, weights="bf16", kv_cache="int8"), model, 3e-2)
 
 
-@pytest.mark.skipif(not native.vnni_gemm_enabled(), reason="the int8-activation kernels (AVX-512 VNNI) are not built")
+@pytest.mark.skipif(not native.vnni_gemm_enabled(), reason="the int8-activation kernels are not built")
 def test_q4_0_file_on_the_default_engine(models, tmp_path):
     """A Q4_0 file on the engine's defaults (its int4 codes kept, int8 activations, int8 KV) against transformers
     running gguf's dequantization of the same blocks."""

@@ -24,7 +24,7 @@ FOUR_BIT = ("Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K")  # codes that fit int4 stora
 SIX_BIT = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")  # codes below 64: 6-bit storage in the int8-activation kernel
 SYMMETRIC = {"Q4_0": 8, "Q3_K": 4, "Q5_0": 16, "Q6_K": 32, "Q8_0": 128}  # zoff = -z * scale: only z is kept
 needs_vnni = pytest.mark.skipif(not native.vnni_gemm_enabled(),
-                                reason="the int8-activation kernels (AVX-512 VNNI) are not built on this CPU")
+                                reason="the int8-activation kernels are not built on this CPU")
 
 
 def test_every_block_type_is_covered():

@@ -13,7 +13,7 @@ from cpuserve.engine.layers.linear.act_int8 import (W4A8Linear, W6A8Linear, W8A8
 from cpuserve.engine.layers.linear.coded import CodedWeight, to_linear
 from cpuserve.engine.layers.linear.int4 import dequantize_int4, quantize_int4
 
-pytestmark = pytest.mark.skipif(not native.vnni_gemm_enabled(), reason="needs the AVX-512 VNNI kernels")
+pytestmark = pytest.mark.skipif(not native.vnni_gemm_enabled(), reason="needs the int8 dot-product kernels")
 # decode (<= 16 rows: 8-row register blocks and every remainder) and beyond (4-row blocks, every remainder)
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 17, 18, 19, 40]
 

@@ -13,7 +13,7 @@ from cpuserve.engine.layers.linear.act_int8 import W8A8Linear
 from cpuserve.engine.layers.linear.coded import CodedWeight
 from cpuserve.engine.layers.linear.int8 import quantize_int8
 
-pytestmark = pytest.mark.skipif(not native.vnni_gemm_enabled(), reason="needs the AVX-512 VNNI kernels")
+pytestmark = pytest.mark.skipif(not native.vnni_gemm_enabled(), reason="needs the int8 dot-product kernels")
 
 
 def token_layer(n: int, k: int, bias: torch.Tensor | None = None) -> W8A8Linear:

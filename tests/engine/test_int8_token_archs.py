@@ -25,7 +25,7 @@ from cpuserve.engine.layers.linear.act_int8 import W8A8Linear
 from cpuserve.engine.llm import LLM
 from cpuserve.engine.loader import load_checkpoint
 
-pytestmark = pytest.mark.skipif(not native.vnni_gemm_enabled(), reason="needs the AVX-512 VNNI kernels")
+pytestmark = pytest.mark.skipif(not native.vnni_gemm_enabled(), reason="needs the int8 dot-product kernels")
 
 NAMES = sorted(ARCHS) + ["gemma3"]
 SCHEMES = {"default": dict(weights="int4", activations="int8"), "int8-token": dict(weights="int8", activations="int8-token")}

@@ -57,7 +57,7 @@ def test_q4_k_m_fp32_logits_match_transformers_at_every_position(q4_k_m_file, hf
     assert ours == ref[0, 8:].tolist()
 
 
-@pytest.mark.skipif(not native.vnni_gemm_enabled(), reason="the int8-activation kernels (AVX-512 VNNI) are not built")
+@pytest.mark.skipif(not native.vnni_gemm_enabled(), reason="the int8-activation kernels are not built")
 def test_q4_k_m_default_engine_keeps_the_files_codes(q4_k_m_file, hf_reference):
     llm = LLM(model=str(q4_k_m_file), kv_cache_gb=0.05, show_progress=False)  # int4 weights, int8 activations
     layers = llm.engine.runner.model.layers

@@ -168,11 +168,19 @@ V4 = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "x
                 "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"})
 
 
+V3 = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"})
+
+
 @pytest.mark.parametrize("flags,forced,want", [
-    (V4 | {"avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8"}, "", "avx512_bf16"),  # Sapphire Rapids: AMX inside
+    (V4 | {"avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "avx_vnni"}, "", "avx512_bf16"),  # Sapphire Rapids
     (V4 | {"avx512_vnni", "avx512_bf16"}, "", "avx512_bf16"),  # Zen 4
     (V4 | {"avx512_vnni"}, "", "avx512_vnni"),  # Ice Lake
+    (V4, "", "avx2"),  # Skylake-X: AVX-512 without VNNI
+    (V3 | {"avx_vnni"}, "", "avx2_vnni"),  # Alder Lake, Sierra Forest
+    (V3, "", "avx2"),  # Zen 2 and 3, Haswell
     (V4 | {"avx512_vnni", "avx512_bf16"}, "avx512_vnni", "avx512_vnni"),  # a lower level, forced
+    (V4 | {"avx512_vnni", "avx512_bf16", "avx_vnni"}, "avx2_vnni", "avx2_vnni"),
+    (V4 | {"avx512_vnni", "avx512_bf16"}, "avx2", "avx2"),
 ])
 def test_the_level_is_the_best_the_cpu_runs_unless_a_lower_one_is_asked_for(flags, forced, want):
     assert native.select_level(frozenset(flags), forced=forced).name == want
@@ -182,10 +190,14 @@ def test_a_level_the_cpu_cannot_run_is_refused_by_name():
     with pytest.raises(RuntimeError, match="CPUSERVE_KERNEL_LEVEL=avx512_bf16: this CPU lacks avx512_bf16; "
                                            "it runs avx512_vnni"):
         native.select_level(V4 | {"avx512_vnni"}, forced="avx512_bf16")
-    with pytest.raises(ValueError, match="kernel level 'avx3': the levels are avx512_bf16, avx512_vnni"):
+    with pytest.raises(RuntimeError, match="CPUSERVE_KERNEL_LEVEL=avx2_vnni: this CPU lacks avx_vnni; "
+                                           "it runs avx512_bf16, avx512_vnni, avx2"):
+        native.select_level(V4 | {"avx512_vnni", "avx512_bf16"}, forced="avx2_vnni")  # Zen 4: no AVX-VNNI
+    with pytest.raises(ValueError, match="kernel level 'avx3': the levels are avx512_bf16, avx512_vnni, avx2_vnni, "
+                                         "avx2"):
         native.select_level(V4, forced="avx3")
     with pytest.raises(RuntimeError, match="runs none of the kernel levels"):
-        native.select_level(frozenset({"avx", "avx2", "fma"}), forced="")  # AVX2 only: no level yet (#43 item 3)
+        native.select_level(frozenset({"avx", "avx2", "fma"}), forced="")  # AVX2 without FMA3's companions (F16C...)
 
 
 def test_the_loaded_library_is_the_level_chosen_for_this_cpu():
@@ -211,8 +223,8 @@ def test_another_checkout_of_the_same_sources_finds_the_built_library(tmp_path, 
 @pytest.mark.slow
 def test_each_lower_level_loads_and_reproduces_torchs_kernels():
     """Every other level this CPU runs, forced (CPUSERVE_KERNEL_LEVEL), in a process of its own (a process loads
-    one level): its bf16 GEMMs give torch's bits and its int8 GEMMs run (each *_enabled() probes that; with AMX,
-    the tiles' bits against the register blocks')."""
+    one level): its bf16 GEMMs give torch's bits where the level has them (AVX-512; the AVX2 levels use torch's) and
+    its int8 GEMMs run (each *_enabled() probes that; with AMX, the tiles' bits against the register blocks')."""
     import os
     import sys
 
@@ -226,19 +238,22 @@ def test_each_lower_level_loads_and_reproduces_torchs_kernels():
         env = {**os.environ, "CPUSERVE_KERNEL_LEVEL": level.name, "CPUSERVE_KERNELS": "native"}
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1500)
         assert done.returncode == 0, done.stderr[-3000:]
-        assert done.stdout.split() == [level.name, "True", "True", "True"]
+        avx512 = str("avx512f" in level.cpu_flags)
+        assert done.stdout.split() == [level.name, avx512, avx512, "True"]
 
 
-# The int8 GEMMs' innermost helpers (vnni_gemm.cpp, vnni_layouts.h). Built out of line, even at one call site, their
-# operands go through memory every step: GCC 12 did that to group_dots' step and to Codes<6>::load and
-# SuperScales::scale, and SmolLM2's 4-bit GEMMs at 512 rows made 101 G multiply-adds a second on one thread, not 152.
-HOT_HELPERS = re.compile(r"::(group_dots|dots|zero_term)<"
-                         r"|cpuserve_vnni::(Codes<\d+>::load|(Stored|Super)Scales<[^<>]*>::\w+|dpbusd\w*|broadcast4)\(")
+# The int8 GEMMs' innermost helpers (vnni_gemm.cpp, vnni_layouts.h; avx2_gemm.h, avx2_layouts.h). Built out of line,
+# even at one call site, their operands go through memory every step: GCC 12 did that to group_dots' step and to
+# Codes<6>::load and SuperScales::scale, and SmolLM2's 4-bit GEMMs at 512 rows made 101 G multiply-adds a second on
+# one thread, not 152.
+HOT_HELPERS = re.compile(r"::(group_dots|dots|zero_term)<|Gemm<.*>::(step|sums|group_sums|group_terms|channel_terms)<"
+                         r"|cpuserve_(vnni|avx2)::(Codes<\d+>::load|(Stored|Super)Scales<[^<>]*>::\w+|dpbusd\w*"
+                         r"|broadcast4|load8\w*|to_bf16)\(")
 
 
 def test_the_gemms_loop_helpers_have_no_out_of_line_copy():
     if not native.vnni_gemm_enabled():
-        pytest.skip("the int8 GEMMs are not built on this CPU (no AVX-512 VNNI)")
+        pytest.skip("the int8 GEMMs are not built on this CPU (neither AVX-512 VNNI nor AVX2)")
     nm = shutil.which("nm")
     assert nm, "nm (binutils, which the kernels' build links with) not found"
     symbols = subprocess.run([nm, "-C", "--defined-only", str(native.library_path())], check=True,

@@ -20,7 +20,7 @@ from cpuserve.engine.model_runner import prompt_row_ranges
 
 from factories import make_request, make_scheduler, run_step
 
-needs_vnni = pytest.mark.skipif(not native.vnni_gemm_enabled(), reason="needs the AVX-512 VNNI kernels")
+needs_vnni = pytest.mark.skipif(not native.vnni_gemm_enabled(), reason="needs the int8 dot-product kernels")
 
 
 def _prompt_kernel_here() -> bool:

@@ -98,7 +98,7 @@ def test_fp32_engine_matches_transformers_on_the_checkpoints_weights(checkpoint)
     assert got == want[0, 6:].tolist(), case
 
 
-@pytest.mark.skipif(not native.vnni_gemm_enabled(), reason="the int8-activation kernels (AVX-512 VNNI) are not built")
+@pytest.mark.skipif(not native.vnni_gemm_enabled(), reason="the int8-activation kernels are not built")
 def test_default_engine_keeps_the_checkpoints_codes(checkpoint):
     case, path, ref = checkpoint
     llm = LLM(model=path, kv_cache_gb=0.02, show_progress=False)  # int4 weights, int8 activations

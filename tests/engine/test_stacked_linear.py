@@ -15,7 +15,7 @@ from cpuserve.engine.layers.linear.stacked import StackedLinear
 from cpuserve.engine.loader.gguf_codes import decode_codes
 
 QT = gguf.GGMLQuantizationType
-needs_vnni = pytest.mark.skipif(not native.vnni_gemm_enabled(), reason="needs the AVX-512 VNNI kernels")
+needs_vnni = pytest.mark.skipif(not native.vnni_gemm_enabled(), reason="needs the int8 dot-product kernels")
 K = 512
 QKV = [("Q4_K", 64, 1), ("Q4_K", 32, 2), ("Q6_K", 32, 3)]  # (type, rows, seed) of q, k, v
 ROWS = [1, 2, 5, 8, 13, 16, 17, 33]  # decode register blocks and beyond

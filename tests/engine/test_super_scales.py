@@ -15,7 +15,7 @@ from cpuserve.engine.layers.linear.twelve_bits import pack_twelve_bits, split_tw
 from cpuserve.engine.loader.gguf_codes import decode_codes
 
 QT = gguf.GGMLQuantizationType
-pytestmark = pytest.mark.skipif(not native.vnni_gemm_enabled(), reason="needs the AVX-512 VNNI kernels")
+pytestmark = pytest.mark.skipif(not native.vnni_gemm_enabled(), reason="needs the int8 dot-product kernels")
 KQUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 SHAPE = (64, 1024)
 ROWS = [1, 3, 8, 11, 16, 17, 20, 37]  # decode (products per group) and beyond (products per tile)

@@ -115,8 +115,8 @@ def _int8_activations(weight: Tensor, fmt: str, group_size: int, use_fallback: b
 
 @functools.lru_cache(maxsize=1)
 def _warn_no_vnni() -> None:
-    log.warning("activations=int8 needs the AVX-512 VNNI kernels (engine/csrc/vnni_gemm.cpp), which are not built "
-                "here (CPUSERVE_KERNELS=torch, or a CPU without VNNI): using bf16 activations")
+    log.warning("activations=int8 needs the int8 dot-product kernels (engine/csrc/vnni_gemm.cpp, avx2_gemm.h), "
+                "which are not loaded here (CPUSERVE_KERNELS=torch, or a CPU without AVX2): using bf16 activations")
 
 
 def check_token_scales(layer: QuantLinear, arch: str, name: str, activations: str) -> QuantLinear:
