@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from cpuserve.engine.sampler import WHOLE_ROW, num_top_logits
+from cpuserve.engine.sampler import WHOLE_ROW, num_top_logits, top_k_ids
 from cpuserve.engine.scheduler_output import SamplingInputs, ScheduledRequest, SchedulerOutput
 
 KIND_STOP, KIND_SAMPLE, KIND_SCORE = 0, 1, 2
@@ -67,8 +67,8 @@ def local_candidates(logits: torch.Tensor, k: int, vocab_start: int) -> torch.Te
     """[S, 2k] float32: this shard's top-k values, then their global token ids (exact in fp32 below 2**24). Among equal
     logits the lowest ids come first, as the sampler's top-k takes them: the union of the shards' candidates then
     holds a row's global top k."""
-    values, ids = torch.sort(logits, dim=-1, descending=True, stable=True)
-    values, ids = values[:, :k], ids[:, :k]  # [S, k] each
+    ids = top_k_ids(logits, k)  # [S, k]
+    values = logits.gather(-1, ids)
     return torch.cat([values, (ids + vocab_start).float()], dim=-1)
 
 
