@@ -222,3 +222,21 @@ def test_top_k_keeps_exactly_k_tokens_the_lowest_ids_among_equal_logits():
     values, ids = step.split_candidates(shards)
     row = torch.full((8,), float("-inf")).scatter_(0, ids[0], values[0])
     assert torch.equal(logits_to_probs(row, params), whole)
+
+
+@pytest.mark.parametrize("kwargs,param", [  # found by tests/serving/fuzz
+    ({"seed": 2**64}, "seed"),  # was accepted, then torch's manual_seed overflowed in make_request ("prompt" named)
+    ({"seed": -(2**63) - 1}, "seed"),
+    ({"temperature": float("inf")}, "temperature"),  # was accepted: logits / inf sampled uniformly
+    ({"temperature": float("nan")}, "temperature"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+])
+def test_values_past_what_the_sampler_holds_are_refused(kwargs, param):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == param and str(e.value).startswith(param)
+
+
+@pytest.mark.parametrize("seed", [-(2**63), 2**64 - 1])
+def test_every_seed_taken_is_one_a_generator_takes(seed):
+    torch.Generator().manual_seed(SamplingParams(seed=seed).seed)

@@ -99,6 +99,23 @@ HTTP_CASES = [  # (id, path, body: dict | raw bytes, status, param)
     ("empty messages", "chat/completions", {"messages": []}, 400, "messages"),
     ("invalid UTF-8", "completions", b'{"prompt": "caf\xe9"}', 400, "body"),
     ("oversized body", "completions", {"prompt": "x" * 70_000}, 413, "body"),
+    # found by tests/serving/fuzz: JSON that Python's parser takes but the standard does not, and values past what
+    # the engine's types hold
+    ("nested past the parser's recursion", "completions", b'{"prompt": "hi", "metadata": ' + b"[" * 5000 +
+     b"]" * 5000 + b"}", 400, "body"),
+    ("nested past the limit", "completions", b'{"prompt": "hi", "metadata": ' + b"[" * 100 + b"]" * 100 + b"}", 400,
+     "metadata"),
+    ("5000-digit integer", "completions", b'{"prompt": "hi", "seed": ' + b"1" * 5000 + b"}", 400, "body"),
+    ("NaN", "completions", b'{"prompt": "hi", "temperature": NaN}', 400, "body"),
+    ("number past a double", "completions", b'{"prompt": "hi", "temperature": 1e400}', 400, "body"),
+    ("lone surrogate in the prompt", "completions", b'{"prompt": "a\\ud800"}', 400, "prompt"),
+    ("lone surrogate in a message", "chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400,
+     "messages.0.content"),
+    ("lone surrogate in a field name", "completions", b'{"prompt": "hi", "\\ud800": 1}', 400, "body"),
+    ("seed past 64 bits", "completions", {"prompt": "hi", "seed": 2**64}, 400, "seed"),
+    ("integer past 64 bits in a JSON schema", "completions", {"prompt": "hi", "guided_json": {
+        "type": "integer", "maximum": 2**70}}, 400, "guided_json"),
+    ("empty field name", "completions", {"prompt": "hi", "": 1}, 400, ""),
     # structured outputs: a spec that cannot compile names the field that carried it
     ("bad JSON schema", "chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "foo"}}}}, 400, "response_format"),
@@ -194,6 +211,9 @@ GRPC_CASES = [  # (id, request: message | raw bytes, code, field named in the de
     ("logit_bias over 100", _text("hi", logit_bias={42: 500}), "INVALID_ARGUMENT", "logit_bias"),
     ("logit_bias token out of range", _text("hi", logit_bias={10_000_000: 1}), "INVALID_ARGUMENT", "logit_bias"),
     ("empty stop string", _text("hi", stop=[""]), "INVALID_ARGUMENT", "stop"),
+    ("temperature infinite", _text("hi", temperature=float("inf")), "INVALID_ARGUMENT", "temperature"),
+    ("repetition_penalty infinite", _text("hi", repetition_penalty=float("inf")), "INVALID_ARGUMENT",
+     "repetition_penalty"),
     ("no chat messages", pb.GenerateRequest(chat=pb.ChatMessages()), "INVALID_ARGUMENT", "chat.messages"),
     ("unknown role", pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="robot", content="x")])),
      "INVALID_ARGUMENT", "role"),
