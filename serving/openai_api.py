@@ -142,7 +142,7 @@ class _Sampling(_Strict):
     def _logit_bias(self) -> dict[int, float] | None:
         if self.logit_bias is None:
             return None
-        bad = [k for k in self.logit_bias if not k.isdigit()]
+        bad = [k for k in self.logit_bias if not (k.isascii() and k.isdigit())]  # "²".isdigit(), int("²") fails
         if bad:
             raise RequestError(f"logit_bias: key {bad[0]!r} is not a token id (a decimal integer)", "logit_bias")
         return {int(k): float(v) for k, v in self.logit_bias.items()}

@@ -116,6 +116,10 @@ HTTP_CASES = [  # (id, path, body: dict | raw bytes, status, param)
     ("integer past 64 bits in a JSON schema", "completions", {"prompt": "hi", "guided_json": {
         "type": "integer", "maximum": 2**70}}, 400, "guided_json"),
     ("empty field name", "completions", {"prompt": "hi", "": 1}, 400, ""),
+    ("logit_bias key a superscript digit", "completions", {"prompt": "hi", "logit_bias": {"\u00b2": 1}}, 400,
+     "logit_bias"),
+    ("logit_bias key an Arabic-Indic digit", "completions", {"prompt": "hi", "logit_bias": {"\u0663": 1}}, 400,
+     "logit_bias"),
     # structured outputs: a spec that cannot compile names the field that carried it
     ("bad JSON schema", "chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "foo"}}}}, 400, "response_format"),
