@@ -333,12 +333,17 @@ class IngressCore:
     async def ListModels(self, request: bytes, grpc_context: Any) -> Any:  # noqa: N802
         try:
             self._authorize_grpc(grpc_context)
+            grpc_api.parse(request, pb.ListModelsRequest)  # bytes that are no message: INVALID_ARGUMENT, as elsewhere
         except RequestError as e:
             self._grpc_fail(grpc_context, e)
         info = await self._model_info()
         return pb.ListModelsResponse(models=[pb.ModelInfo(**info)])
 
     async def Health(self, request: bytes, grpc_context: Any) -> Any:  # noqa: N802
+        try:
+            grpc_api.parse(request, pb.HealthRequest)
+        except RequestError as e:
+            self._grpc_fail(grpc_context, e)
         ok, message = await self._is_healthy()
         status = pb.SERVING_STATUS_SERVING if ok else pb.SERVING_STATUS_NOT_SERVING
         return pb.HealthResponse(status=status, message=message)

@@ -284,6 +284,19 @@ def test_grpc_message_over_grpc_limit_then_serves(grpc_stub):
     assert grpc_stub.Complete(_text("Hello", max_tokens=2, temperature=0), timeout=60).usage.completion_tokens == 2
 
 
+def test_grpc_bytes_that_are_no_message(serving, grpc_stub):
+    """Every rpc parses its request: ListModels and Health answered OK to any bytes before (found by fuzzing)."""
+    channel = grpc.insecure_channel(f"127.0.0.1:{serving.grpc_port}")
+    for name in ("Tokenize", "ListModels", "Health"):
+        rpc = channel.unary_unary(f"/cpuserve.v1.Inference/{name}", request_serializer=None,
+                                  response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as info:
+            rpc(b"\xff\xff\xff\xff", timeout=60)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request" in info.value.details(), name
+    channel.close()
+    assert grpc_stub.Complete(_text("Hello", max_tokens=2, temperature=0), timeout=60).usage.completion_tokens == 2
+
+
 def test_grpc_tokenize_unknown_model(grpc_stub):
     with pytest.raises(grpc.RpcError) as info:
         grpc_stub.Tokenize(pb.TokenizeRequest(model="gpt-9", text="hi"))
