@@ -29,6 +29,7 @@ from cpuserve.serving.direct_grpc import DirectGRPC
 from cpuserve.serving.direct_http import DirectHTTP, bind
 from cpuserve.serving.metrics import build_serving_metrics, initialize_serving_metrics
 from cpuserve.serving.openai_api import ChatRequest, CompletionRequest, parse_body
+from cpuserve.serving.openapi_doc import build_openapi
 from cpuserve.serving.openai_responses import completion_body, sse, usage
 from cpuserve.serving.protocol import (GRPC_CODE, HTTP_STATUS, NOT_FOUND, RESOURCE_EXHAUSTED, TOO_LARGE,
                                        UNAUTHENTICATED, UNAVAILABLE, RequestError, merge_samples, total)
@@ -46,7 +47,7 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     # unknown paths and methods answer in OpenAI's error shape too
     kind = NOT_FOUND if exc.status_code == 404 else "invalid_request_error"
     body = RequestError(f"{request.method} {request.url.path}: {exc.detail}", None, kind).to_dict()
-    return JSONResponse({"error": body}, status_code=exc.status_code)
+    return JSONResponse({"error": body}, status_code=exc.status_code, headers=exc.headers)  # 405's Allow
 
 
 def bearer_token(authorization: str) -> str | None:
@@ -91,6 +92,7 @@ class IngressCore:
         self.num_in_flight = 0
         self.draining = False
         self._info: dict[str, Any] | None = None
+        self.openapi_doc = build_openapi(c.max_request_bytes, bool(self.api_keys))
 
     # -- the request path shared by HTTP and gRPC ----------------------------------------------------------
     async def _run(self, model: str | None, internal: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -161,7 +163,7 @@ class IngressCore:
     async def _read_body(self, request: Request) -> bytes:
         limit = self.config.max_request_bytes
         length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > limit:
+        if length and length.isascii() and length.isdigit() and int(length) > limit:
             raise RequestError(f"body is {length} bytes; the limit is {limit}", "body", TOO_LARGE)
         body = bytearray()
         async for part in request.stream():  # chunked uploads: stop reading past the limit
@@ -242,6 +244,10 @@ class IngressCore:
         info = await self._model_info()
         return JSONResponse({"object": "list", "data": [{"id": info["name"], "object": "model", "created": 0,
                                                          "owned_by": "cpuserve", "max_model_len": info["max_model_len"]}]})
+
+    @api.get("/openapi.json")
+    async def openapi(self) -> Response:
+        return JSONResponse(self.openapi_doc)
 
     @api.get("/health")
     async def health(self) -> Response:
@@ -327,12 +333,17 @@ class IngressCore:
     async def ListModels(self, request: bytes, grpc_context: Any) -> Any:  # noqa: N802
         try:
             self._authorize_grpc(grpc_context)
+            grpc_api.parse(request, pb.ListModelsRequest)  # bytes that are no message: INVALID_ARGUMENT, as elsewhere
         except RequestError as e:
             self._grpc_fail(grpc_context, e)
         info = await self._model_info()
         return pb.ListModelsResponse(models=[pb.ModelInfo(**info)])
 
     async def Health(self, request: bytes, grpc_context: Any) -> Any:  # noqa: N802
+        try:
+            grpc_api.parse(request, pb.HealthRequest)
+        except RequestError as e:
+            self._grpc_fail(grpc_context, e)
         ok, message = await self._is_healthy()
         status = pb.SERVING_STATUS_SERVING if ok else pb.SERVING_STATUS_NOT_SERVING
         return pb.HealthResponse(status=status, message=message)

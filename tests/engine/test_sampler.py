@@ -248,3 +248,21 @@ def test_a_draw_never_takes_a_token_of_probability_zero():
     counts = collections.Counter(draw_token(probs, g) for _ in range(3000))
     assert set(counts) == {3, 500, 999}
     assert abs(counts[500] / 3000 - 0.5) < 0.05
+
+
+@pytest.mark.parametrize("kwargs,param", [  # found by tests/serving/fuzz
+    ({"seed": 2**64}, "seed"),  # was accepted, then torch's manual_seed overflowed in make_request ("prompt" named)
+    ({"seed": -(2**63) - 1}, "seed"),
+    ({"temperature": float("inf")}, "temperature"),  # was accepted: logits / inf sampled uniformly
+    ({"temperature": float("nan")}, "temperature"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+])
+def test_values_past_what_the_sampler_holds_are_refused(kwargs, param):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == param and str(e.value).startswith(param)
+
+
+@pytest.mark.parametrize("seed", [-(2**63), 2**64 - 1])
+def test_every_seed_taken_is_one_a_generator_takes(seed):
+    torch.Generator().manual_seed(SamplingParams(seed=seed).seed)

@@ -195,7 +195,7 @@ def test_http_bad_input_names_the_field(path, body, status, param):
 def test_http_error_bodies():
     ingress, _ = make_ingress()
     _, body = asyncio.run(post(ingress, "completions", {"prompt": "hi", "temperature": -1}))
-    assert body == {"error": {"message": "temperature=-1.0 is invalid: must be >= 0 (0 = greedy)",
+    assert body == {"error": {"message": "temperature=-1.0 is invalid: must be a finite number >= 0 (0 = greedy)",
                               "type": "invalid_request_error", "param": "temperature", "code": None}}
     # the engine's "prompt" is chat's "messages", in the param and the message
     _, body = asyncio.run(post(ingress, "chat", {"messages": [{"role": "user", "content": "w" * 80}]}))
