@@ -14,8 +14,8 @@ the sampler (sampler.sample_candidates: the candidates in a -inf row of the full
 of every runner, sample_scheduled). That is exact when every row's pick depends on its global top num_candidates
 logits only; the sampler says how many each row needs (sampler.num_top_logits: greedy 1, top-k k, and the whole
 row for a logit bias, a penalty, a grammar, logprobs, top-p or min-p without top-k), and a step with any whole-row
-request gathers the full shards (num_candidates = FULL). The sampler's noise is drawn over the full vocab from the request's generator on rank 0,
-so seeded streams match a single rank's.
+request gathers the full shards (num_candidates = FULL). Rank 0 draws from that full-vocab row with the request's
+generator, as one rank does, so seeded streams match a single rank's.
 """
 
 from __future__ import annotations
