@@ -138,10 +138,11 @@ class IngressCore:
         first = await anext(stream)  # RequestError here: nothing was sent to the client yet
         return internal["request_id"], first, stream
 
-    async def drain(self) -> int:
+    async def drain(self, refuse: bool = True) -> int:
         """From now on refuse new requests (503 / UNAVAILABLE) and fail /health; returns the requests in flight,
-        which run to their end. `cpuserve serve` calls this on SIGTERM, `cpuserve drain` in a pod's preStop."""
-        self.draining = True
+        which run to their end. `cpuserve serve` calls this on SIGTERM, `cpuserve drain` in the head pod's preStop.
+        refuse=False only counts them (a rank pod's preStop waits for them while the head drains)."""
+        self.draining = self.draining or refuse
         return self.num_in_flight
 
     async def report_stats(self, stats: dict[str, Any]) -> None:
