@@ -11,6 +11,7 @@ replica's generator and aborts the request in its engine.
 # no `from __future__ import annotations`: FastAPI must see the real `Request` annotation
 
 import asyncio
+import contextvars
 import uuid
 from typing import Any, AsyncIterator
 
@@ -58,6 +59,10 @@ def bearer_token(authorization: str) -> str | None:
     return token.strip() or None
 
 
+async def _result(response: Any) -> Any:
+    return await response
+
+
 def _error_response(e: RequestError) -> JSONResponse:
     headers = {"Retry-After": str(e.retry_after)} if e.retry_after is not None else None
     return JSONResponse({"error": e.to_dict()}, status_code=HTTP_STATUS[e.kind], headers=headers)
@@ -91,6 +96,7 @@ class IngressCore:
         self.num_in_flight = 0
         self.draining = False
         self._info: dict[str, Any] | None = None
+        self._health: asyncio.Task | None = None  # the health probe in flight: /health and gRPC Health share it
 
     # -- the request path shared by HTTP and gRPC ----------------------------------------------------------
     async def _run(self, model: str | None, internal: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -124,9 +130,14 @@ class IngressCore:
             timer.finished = True
             self.metrics.refused.labels(model=self.model, limit="requests").inc()
             raise RequestError(f"overloaded: {e}", None, RESOURCE_EXHAUSTED, 1) from None
-        except (RayActorError, DeploymentUnavailableError) as e:
+        except RayActorError as e:  # its process died (killed, out of memory): Serve starts another
             reason = "error"
-            raise RequestError(f"no replica could serve the request: {e}", None, UNAVAILABLE) from None
+            raise RequestError(f"the LLMServer replica serving this request is gone ({type(e).__name__}); Serve "
+                               "starts another: retry the request", None, UNAVAILABLE) from None
+        except DeploymentUnavailableError as e:
+            reason = "error"
+            raise RequestError(f"no LLMServer replica is available ({e}): retry the request", None,
+                               UNAVAILABLE) from None
         finally:
             self.num_in_flight -= 1
             responses.cancel()  # a no-op once finished; otherwise aborts the request on its replica
@@ -251,13 +262,24 @@ class IngressCore:
                             status_code=200 if ok else 503)
 
     async def _is_healthy(self) -> tuple[bool, str]:
+        """A replica's probe (LLMServer.probe: real work, bounded); concurrent health requests share one probe."""
         if self.draining:
             return False, f"shutting down: {self.num_in_flight} request(s) finishing"
+        if self._health is None or self._health.done():
+            self._health = asyncio.get_running_loop().create_task(self._probe(), context=contextvars.Context())
+        return await asyncio.shield(self._health)
+
+    async def _probe(self) -> tuple[bool, str]:
+        timeout = self.config.health_timeout_s + 5  # the replica's own bound, and the hop to it
+        response = self.llm.probe.remote()
         try:
-            await self.llm.info.remote()
+            reason = await asyncio.wait_for(_result(response), timeout)
+        except asyncio.TimeoutError:
+            response.cancel()
+            return False, f"no LLMServer replica answered the health probe within {timeout:g} s"
         except Exception as e:  # noqa: BLE001 (any failure means not serving)
             return False, f"no LLMServer replica answers: {e!r}"[:500]
-        return True, f"serving {self.model}"
+        return (False, reason) if reason else (True, f"serving {self.model}")
 
     # -- gRPC (method names are the rpc names; requests arrive as raw bytes, see grpc_api) ------------------
     def _grpc_fail(self, context: Any, e: RequestError) -> None:
