@@ -137,8 +137,9 @@ def build_head_pod(name: str, spec: LLMServiceSpec, settings: OperatorSettings) 
                   {"name": "gcs", "containerPort": naming.RAY_GCS_PORT},
                   {"name": "dashboard", "containerPort": DASHBOARD_PORT}],
         "resources": _resources(r.head_cpus, f"{int(r.head_memory_gb * GIB) // MIB}Mi"),
+        # /health runs a token through an idle replica (or answers at once when its step is stalled): give it time
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http", "scheme": scheme},
-                           "periodSeconds": 5, "failureThreshold": 3},
+                           "periodSeconds": 5, "timeoutSeconds": 10, "failureThreshold": 3},
         "livenessProbe": {"tcpSocket": {"port": "gcs"}, "initialDelaySeconds": 30, "periodSeconds": 10},
     }
     labels = {**naming.base_labels(name), naming.LABEL_COMPONENT: "head"}

@@ -136,6 +136,7 @@ def test_head_runs_only_ray_and_is_untouched_by_serving_changes():
     init = head["spec"]["initContainers"][0]
     assert init["command"][3:] == ["--url", URL_MODEL["url"], "--dest", "/models/model", "--sha256", "a" * 64]
     assert head["spec"]["containers"][0]["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    assert head["spec"]["containers"][0]["readinessProbe"]["timeoutSeconds"] == 10  # the probe does real work
 
 
 def test_pods_drain_on_stop_as_cpuserve_serve_does():
