@@ -59,6 +59,15 @@ def bearer_token(authorization: str) -> str | None:
     return token.strip() or None
 
 
+async def _disconnected(request: Request, poll_s: float = 0.5) -> None:
+    """Returns once the HTTP client has gone (its body is read by then: only the disconnect is left to receive)."""
+    try:
+        while not await request.is_disconnected():
+            await asyncio.sleep(poll_s)
+    except Exception:  # noqa: BLE001 (a server that cannot tell: never say gone)
+        await asyncio.Event().wait()
+
+
 async def _result(response: Any) -> Any:
     return await response
 
@@ -149,6 +158,25 @@ class IngressCore:
         first = await anext(stream)  # RequestError here: nothing was sent to the client yet
         return internal["request_id"], first, stream
 
+    async def _start_unless_gone(self, request: Request, model: str | None, internal: dict[str, Any]):
+        """_start, given up (the request aborted on its replica) when the HTTP client leaves before the first token:
+        a request queued behind others would otherwise hold its place and get its prompt prefilled for nobody.
+        (gRPC needs none of this: grpc.aio cancels the handler when its client goes.)"""
+        start = asyncio.ensure_future(self._start(model, internal))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({start, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not start.done():  # cancelled here, its stream's cleanup aborts the request and counts it aborted
+                start.cancel()
+        try:
+            return await start
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():  # this handler itself is being cancelled
+                raise
+            return None
+
     async def drain(self, refuse: bool = True) -> int:
         """From now on refuse new requests (503 / UNAVAILABLE) and fail /health; returns the requests in flight,
         which run to their end. `cpuserve serve` calls this on SIGTERM, `cpuserve drain` in the head pod's preStop.
@@ -187,9 +215,12 @@ class IngressCore:
             self._authorize_http(request)
             parsed = parse_body(await self._read_body(request), cls)
             internal = parsed.to_internal()
-            rid, first, stream = await self._start(parsed.model, internal)
+            started = await self._start_unless_gone(request, parsed.model, internal)
         except RequestError as e:
             return _error_response(e)
+        if started is None:  # nobody is there to read an answer
+            return Response(status_code=499)
+        rid, first, stream = started
         rid = ("chatcmpl-" if chat else "cmpl-") + rid
         headers = {"x-cpuserve-replica": first.get("replica", "")}
         tool_format = (await self._model_info())["tool_format"] if internal.get("tools") else None

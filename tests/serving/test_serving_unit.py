@@ -154,13 +154,17 @@ def make_ingress(**fields: Any) -> tuple[IngressCore, FakeEngine]:
     return IngressCore(config.model_dump(), FakeHandle(server)), server.engine
 
 
-def http_request(body: bytes | dict) -> Request:
+def http_request(body: bytes | dict, leaves_after_s: float | None = None) -> Request:
+    """A request whose client stays (or leaves leaves_after_s after sending its body)."""
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    sent = False
+    sent, start = False, time.monotonic()
 
     async def receive():
         nonlocal sent
         if sent:
+            if leaves_after_s is None:
+                await asyncio.Event().wait()
+            await asyncio.sleep(max(0.0, start + leaves_after_s - time.monotonic()))
             return {"type": "http.disconnect"}
         sent = True
         return {"type": "http.request", "body": raw, "more_body": False}
@@ -358,3 +362,18 @@ def test_serves_health_check_fails_a_stalled_engine():
     server.engine.stalled_s = 6.0
     with pytest.raises(EngineDeadError, match="no progress for 6.0 s"):
         asyncio.run(server.check_health())
+
+
+def test_a_client_leaving_before_its_first_token_aborts_its_queued_request():
+    ingress, engine = make_ingress()
+    engine.hold_first = True  # queued: no first token comes
+
+    async def scenario():
+        response = await ingress.completions(http_request({"prompt": "hi", "stream": True}, leaves_after_s=0.3))
+        await asyncio.sleep(0.1)  # the replica's side of the cancellation
+        return response.status_code
+
+    start = time.monotonic()
+    assert asyncio.run(scenario()) == 499 and time.monotonic() - start < 3
+    assert engine.num_streams == 0 and ingress.num_in_flight == 0  # aborted in the engine, out of the admission count
+    assert ingress.metrics.requests.labels(model=ingress.model, finish_reason="abort")._value.get() == 1
