@@ -72,38 +72,63 @@ def _timing(r: Result, start: float, first: float | None, last: float | None) ->
 
 
 class Hung(Exception):
-    """No message for the hang bound."""
+    """Nothing came within the hang bound."""
 
 
-async def messages(iterator, hang_s: float, stop: asyncio.Event):
-    """The iterator's items, each within hang_s of the last (else Hung); ends early once `stop` is set (the soak's
-    end: the client leaves)."""
-    it, stopped = aiter(iterator), asyncio.ensure_future(stop.wait())
-    try:
-        while not stop.is_set():
-            item = asyncio.ensure_future(anext(it))
-            await asyncio.wait({item, stopped}, timeout=hang_s, return_when=asyncio.FIRST_COMPLETED)
-            if not item.done():
-                item.cancel()
-                if stop.is_set():
-                    return
-                raise Hung(f"no message for {hang_s:g} s")
-            try:
-                yield item.result()
-            except StopAsyncIteration:
-                return
-    finally:
-        stopped.cancel()
+class Stopped(Exception):
+    """The soak ended while waiting: the client leaves."""
 
 
-async def grpc_stream(stub, plan: Plan, hang_s: float, stop: asyncio.Event) -> Result:
+class RunClock:
+    """Seconds this process has run: a gap of more than 2 s between its ticks (the process was stopped, as this
+    machine's other work pauses everything for a while) counts as 2 s, so a pause is never taken for a hang."""
+
+    def __init__(self) -> None:
+        self.now, self._last = 0.0, time.monotonic()
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            t = time.monotonic()
+            self.now, self._last = self.now + min(t - self._last, 2.0), t
+
+
+@dataclass
+class Bounds:
+    hang_s: float  # nothing for this long (of RunClock time): hung
+    stop: asyncio.Event  # set at the soak's end
+    clock: RunClock
+
+
+async def within(awaitable, b: Bounds):
+    """The awaitable's result; Hung after b.hang_s of run time with nothing, Stopped once the soak ends."""
+    task, since = asyncio.ensure_future(awaitable), b.clock.now
+    while not task.done():
+        await asyncio.wait({task}, timeout=1.0)
+        if not task.done() and (b.stop.is_set() or b.clock.now - since > b.hang_s):
+            task.cancel()
+            raise Stopped() if b.stop.is_set() else Hung(f"nothing for {b.hang_s:g} s")
+    return task.result()
+
+
+async def messages(iterator, b: Bounds):
+    """The iterator's items, each within the hang bound of the last; ends once the soak ends."""
+    it = aiter(iterator)
+    while True:
+        try:
+            yield await within(anext(it), b)
+        except (StopAsyncIteration, Stopped):
+            return
+
+
+async def grpc_stream(stub, plan: Plan, b: Bounds) -> Result:
     r = Result("grpc", "stream", greedy=plan.greedy)
     sampling = pb.SamplingParameters(max_tokens=plan.max_tokens, temperature=0 if plan.greedy is not None else 0.8,
                                      ignore_eos=True)
     start, first, last = time.monotonic(), None, None
     call = stub.Generate(pb.GenerateRequest(text=plan.prompt, sampling=sampling), timeout=plan.deadline)
     try:
-        async for msg in messages(call, hang_s, stop):
+        async for msg in messages(call, b):
             if msg.token_ids:
                 first, last = first or time.monotonic(), time.monotonic()
                 r.tokens += len(msg.token_ids)
@@ -114,7 +139,7 @@ async def grpc_stream(stub, plan: Plan, hang_s: float, stop: asyncio.Event) -> R
                 call.cancel()
                 r.outcome = "cancelled"
                 break
-        if r.outcome not in ("completed", "cancelled") and stop.is_set():
+        if r.outcome not in ("completed", "cancelled") and b.stop.is_set():
             call.cancel()
             r.outcome, r.detail = "cancelled", "at the end"
         elif r.outcome not in ("completed", "cancelled"):
@@ -149,16 +174,24 @@ async def grpc_complete(stub, plan: Plan) -> Result:
     return r
 
 
-async def http_stream(session, url: str, plan: Plan, hang_s: float, stop: asyncio.Event) -> Result:
+async def http_stream(session, url: str, plan: Plan, b: Bounds) -> Result:
     r = Result("http", "stream", greedy=plan.greedy)
     body = {"prompt": plan.prompt, "max_tokens": plan.max_tokens, "ignore_eos": True, "stream": True,
             "temperature": 0 if plan.greedy is not None else 0.8, "stream_options": {"include_usage": True}}
-    start = time.monotonic()  # the headers come with the first token: the session's sock_read bounds that wait
-    async with session.post(f"{url}/v1/completions", json=body) as rsp:
+    start = time.monotonic()
+    try:  # the headers come with the first token
+        rsp = await within(session.post(f"{url}/v1/completions", json=body), b)
+    except Stopped:
+        r.outcome, r.detail = "cancelled", "at the end"
+        return r
+    except Hung as e:
+        r.outcome, r.detail = "hung", str(e)
+        return r
+    async with rsp:
         if rsp.status != 200:
             return _http_refusal(r, rsp.status, await rsp.read(), rsp.headers)
         try:
-            await _read_sse(rsp, r, plan, hang_s, stop, start)
+            await _read_sse(rsp, r, plan, b, start)
         except Hung as e:
             rsp.close()
             r.outcome, r.detail = "hung", str(e)
@@ -167,9 +200,9 @@ async def http_stream(session, url: str, plan: Plan, hang_s: float, stop: asynci
     return r
 
 
-async def _read_sse(rsp, r: Result, plan: Plan, hang_s: float, stop: asyncio.Event, start: float) -> None:
+async def _read_sse(rsp, r: Result, plan: Plan, b: Bounds, start: float) -> None:
     first, last, chunks = None, None, 0
-    async for line in messages(rsp.content, hang_s, stop):
+    async for line in messages(rsp.content, b):
         if not line.startswith(b"data: {"):
             continue
         chunk = json.loads(line[6:])
@@ -188,7 +221,7 @@ async def _read_sse(rsp, r: Result, plan: Plan, hang_s: float, stop: asyncio.Eve
             rsp.close()  # the client leaves: the connection goes, the server aborts the request
             r.outcome, r.tokens = "cancelled", chunks
             break
-    if r.outcome not in ("completed", "cancelled") and not r.detail and stop.is_set():
+    if r.outcome not in ("completed", "cancelled") and not r.detail and b.stop.is_set():
         rsp.close()
         r.outcome, r.tokens, r.detail = "cancelled", chunks, "at the end"
     _timing(r, start, first, last)
@@ -218,11 +251,14 @@ def _http_refusal(r: Result, status: int, body: bytes, headers) -> Result:
     return r
 
 
-async def bounded(coro, hang_s: float, proto: str, kind: str) -> Result:
-    """The request's Result, or a `hung` one when nothing came for hang_s (streams: between messages)."""
+async def bounded(coro, b: Bounds, proto: str, kind: str) -> Result:
+    """The request's Result, or a `hung` one when nothing came within the hang bound, or a `failed` one on an
+    exception (a dropped connection is an outcome to count, not a crash)."""
     try:
-        return await asyncio.wait_for(coro, hang_s)
-    except asyncio.TimeoutError:  # this bound, or the HTTP session's sock_read (no byte for hang_s)
-        return Result(proto, kind, outcome="hung", detail=f"nothing for {hang_s:g} s")
-    except Exception as e:  # noqa: BLE001 - a dropped connection is an outcome to count, not a crash
+        return await within(coro, b)
+    except Hung as e:
+        return Result(proto, kind, outcome="hung", detail=str(e))
+    except Stopped:
+        return Result(proto, kind, outcome="cancelled", detail="at the end")
+    except Exception as e:  # noqa: BLE001
         return Result(proto, kind, outcome="failed", detail=f"{type(e).__name__}: {e}"[:300])
