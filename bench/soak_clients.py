@@ -107,6 +107,7 @@ async def within(awaitable, b: Bounds):
         await asyncio.wait({task}, timeout=1.0)
         if not task.done() and (b.stop.is_set() or b.clock.now - since > b.hang_s):
             task.cancel()
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # its end is nobody's business now
             raise Stopped() if b.stop.is_set() else Hung(f"nothing for {b.hang_s:g} s")
     return task.result()
 
