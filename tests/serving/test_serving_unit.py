@@ -161,10 +161,9 @@ def http_request(body: bytes | dict, leaves_after_s: float | None = None) -> Req
 
     async def receive():
         nonlocal sent
-        if sent:
-            if leaves_after_s is None:
+        if sent:  # as a server's receive: the disconnect at once once it happened, else wait
+            if leaves_after_s is None or time.monotonic() < start + leaves_after_s:
                 await asyncio.Event().wait()
-            await asyncio.sleep(max(0.0, start + leaves_after_s - time.monotonic()))
             return {"type": "http.disconnect"}
         sent = True
         return {"type": "http.request", "body": raw, "more_body": False}
