@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install protos kernels serve generate test fuzz bench bench-peers bench-serving clean tools
+.PHONY: install protos kernels serve generate test fuzz soak bench bench-peers bench-serving clean tools
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,12 @@ test: install tools
 FUZZ_SCALE ?= 10
 fuzz: install
 	CPUSERVE_FUZZ_SCALE=$(FUZZ_SCALE) $(BIN)/python -m pytest -v -rs --hypothesis-show-statistics tests/serving/fuzz
+
+# 30 minutes of mixed traffic on `cpuserve serve` (64 streams, half gRPC half HTTP SSE, cancels, deadlines, bursts past
+# the admission bound), then its checks: outcomes, greedy tokens, KV pool, memory growth, metrics (bench/soak.py). It
+# runs itself at nice 10; `make test` runs a 2-minute form (tests/bench/test_soak.py).
+soak: install
+	$(BIN)/python bench/soak.py --duration 1800
 
 # Benchmarks need llama.cpp (compiled by pip, ~10 minutes on 2 cores).
 bench: install

@@ -11,6 +11,7 @@ replica's generator and aborts the request in its engine.
 # no `from __future__ import annotations`: FastAPI must see the real `Request` annotation
 
 import asyncio
+import contextvars
 import uuid
 from typing import Any, AsyncIterator
 
@@ -59,6 +60,19 @@ def bearer_token(authorization: str) -> str | None:
     return token.strip() or None
 
 
+async def _disconnected(request: Request, poll_s: float = 0.5) -> None:
+    """Returns once the HTTP client has gone (its body is read by then: only the disconnect is left to receive)."""
+    try:
+        while not await request.is_disconnected():
+            await asyncio.sleep(poll_s)
+    except Exception:  # noqa: BLE001 (a server that cannot tell: never say gone)
+        await asyncio.Event().wait()
+
+
+async def _result(response: Any) -> Any:
+    return await response
+
+
 def _error_response(e: RequestError) -> JSONResponse:
     headers = {"Retry-After": str(e.retry_after)} if e.retry_after is not None else None
     return JSONResponse({"error": e.to_dict()}, status_code=HTTP_STATUS[e.kind], headers=headers)
@@ -93,6 +107,7 @@ class IngressCore:
         self.draining = False
         self._info: dict[str, Any] | None = None
         self.openapi_doc = build_openapi(c.max_request_bytes, bool(self.api_keys))
+        self._health: asyncio.Task | None = None  # the health probe in flight: /health and gRPC Health share it
 
     # -- the request path shared by HTTP and gRPC ----------------------------------------------------------
     async def _run(self, model: str | None, internal: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -126,9 +141,14 @@ class IngressCore:
             timer.finished = True
             self.metrics.refused.labels(model=self.model, limit="requests").inc()
             raise RequestError(f"overloaded: {e}", None, RESOURCE_EXHAUSTED, 1) from None
-        except (RayActorError, DeploymentUnavailableError) as e:
+        except RayActorError as e:  # its process died (killed, out of memory): Serve starts another
             reason = "error"
-            raise RequestError(f"no replica could serve the request: {e}", None, UNAVAILABLE) from None
+            raise RequestError(f"the LLMServer replica serving this request is gone ({type(e).__name__}); Serve "
+                               "starts another: retry the request", None, UNAVAILABLE) from None
+        except DeploymentUnavailableError as e:
+            reason = "error"
+            raise RequestError(f"no LLMServer replica is available ({e}): retry the request", None,
+                               UNAVAILABLE) from None
         finally:
             self.num_in_flight -= 1
             responses.cancel()  # a no-op once finished; otherwise aborts the request on its replica
@@ -140,10 +160,30 @@ class IngressCore:
         first = await anext(stream)  # RequestError here: nothing was sent to the client yet
         return internal["request_id"], first, stream
 
-    async def drain(self) -> int:
+    async def _start_unless_gone(self, request: Request, model: str | None, internal: dict[str, Any]):
+        """_start, given up (the request aborted on its replica) when the HTTP client leaves before the first token:
+        a request queued behind others would otherwise hold its place and get its prompt prefilled for nobody.
+        (gRPC needs none of this: grpc.aio cancels the handler when its client goes.)"""
+        start = asyncio.ensure_future(self._start(model, internal))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({start, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not start.done():  # cancelled here, its stream's cleanup aborts the request and counts it aborted
+                start.cancel()
+        try:
+            return await start
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():  # this handler itself is being cancelled
+                raise
+            return None
+
+    async def drain(self, refuse: bool = True) -> int:
         """From now on refuse new requests (503 / UNAVAILABLE) and fail /health; returns the requests in flight,
-        which run to their end. `cpuserve serve` calls this on SIGTERM, `cpuserve drain` in a pod's preStop."""
-        self.draining = True
+        which run to their end. `cpuserve serve` calls this on SIGTERM, `cpuserve drain` in the head pod's preStop.
+        refuse=False only counts them (a rank pod's preStop waits for them while the head drains)."""
+        self.draining = self.draining or refuse
         return self.num_in_flight
 
     async def report_stats(self, stats: dict[str, Any]) -> None:
@@ -177,9 +217,12 @@ class IngressCore:
             self._authorize_http(request)
             parsed = parse_body(await self._read_body(request), cls)
             internal = parsed.to_internal()
-            rid, first, stream = await self._start(parsed.model, internal)
+            started = await self._start_unless_gone(request, parsed.model, internal)
         except RequestError as e:
             return _error_response(e)
+        if started is None:  # nobody is there to read an answer
+            return Response(status_code=499)
+        rid, first, stream = started
         rid = ("chatcmpl-" if chat else "cmpl-") + rid
         headers = {"x-cpuserve-replica": first.get("replica", "")}
         tool_format = (await self._model_info())["tool_format"] if internal.get("tools") else None
@@ -256,13 +299,24 @@ class IngressCore:
                             status_code=200 if ok else 503)
 
     async def _is_healthy(self) -> tuple[bool, str]:
+        """A replica's probe (LLMServer.probe: real work, bounded); concurrent health requests share one probe."""
         if self.draining:
             return False, f"shutting down: {self.num_in_flight} request(s) finishing"
+        if self._health is None or self._health.done():
+            self._health = asyncio.get_running_loop().create_task(self._probe(), context=contextvars.Context())
+        return await asyncio.shield(self._health)
+
+    async def _probe(self) -> tuple[bool, str]:
+        timeout = self.config.health_timeout_s + 5  # the replica's own bound, and the hop to it
+        response = self.llm.probe.remote()
         try:
-            await self.llm.info.remote()
+            reason = await asyncio.wait_for(_result(response), timeout)
+        except asyncio.TimeoutError:
+            response.cancel()
+            return False, f"no LLMServer replica answered the health probe within {timeout:g} s"
         except Exception as e:  # noqa: BLE001 (any failure means not serving)
             return False, f"no LLMServer replica answers: {e!r}"[:500]
-        return True, f"serving {self.model}"
+        return (False, reason) if reason else (True, f"serving {self.model}")
 
     # -- gRPC (method names are the rpc names; requests arrive as raw bytes, see grpc_api) ------------------
     def _grpc_fail(self, context: Any, e: RequestError) -> None:
