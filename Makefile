@@ -49,7 +49,7 @@ test: install tools
 # line that replays it); about 20 minutes at the default 10 on 2 busy cores.
 FUZZ_SCALE ?= 10
 fuzz: install
-	CPUSERVE_FUZZ_SCALE=$(FUZZ_SCALE) $(BIN)/python -m pytest -v -rs --hypothesis-show-statistics tests/serving/fuzz
+	CPUSERVE_FUZZ_SCALE=$(FUZZ_SCALE) $(BIN)/python -m pytest -v -rs --durations=10 tests/serving/fuzz
 
 # 30 minutes of mixed traffic on `cpuserve serve` (64 streams, half gRPC half HTTP SSE, cancels, deadlines, bursts past
 # the admission bound), then its checks: outcomes, greedy tokens, KV pool, memory growth, metrics (bench/soak.py). It
