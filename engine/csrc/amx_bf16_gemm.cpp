@@ -7,6 +7,12 @@
 // Here the group scales are folded into the weights before the tiles see them, so nothing leaves a tile until K is
 // done: 560-640 G multiply-adds a second a core on the same CPU, dequantization included.
 //
+// Where x outgrows L2 (a 3B model's 512-token prompt: 3 MB at K = 3072) the rows, not the weights, set the pace:
+// going through x once per column pair, the tiles waited on L3 (~23 GB/s a core). So a task is a panel of column
+// blocks (as many as fit the L2 budget beside 32 rows of x), each 32 rows go through every pair of the panel, x is
+// packed in tile order once per call and the next 32 rows are prefetched meanwhile: 512 x 3072 -> 8192 went from
+// ~570 to ~860 G multiply-adds a second on 2 cores (oneDNN's bf16 matmul: ~660, same run).
+//
 // The bits are those of a row alone: each output element is one tile lane's fp32 sum over K in increasing order,
 // whatever the row count, the row block, the thread or the batch (rows past the last whole 16 are computed in a
 // zero-padded block). They are not the int8 path's bits, so the engine takes this path by a row's role (a prompt
@@ -68,8 +74,6 @@ int bf16_mode() {
 using cpuserve_vnni::Codes;
 using cpuserve_vnni::StoredScales;
 using cpuserve_vnni::SuperScales;
-
-constexpr int kTileCols = 2;  // column blocks of 16 per task: two B tiles
 
 // The tiles: sums of 2 row blocks x 2 column blocks (tmm0-3), 16 rows of activations each (tmm4, tmm5), the weights
 // of 2 column blocks (tmm6, tmm7), each 16 rows of 64 bytes
@@ -149,19 +153,29 @@ struct PromptGemm {
     }
   }
 
-  // Rows a (16) and, when two, a2 (16 more) through the tile's column blocks (n of them) from the B tiles at slab
+  // Rows a (16) and, when two, a2 (16 more) through the column pair's blocks (n of them) from the B tiles at slab.
+  // Rows as `layout` says: packed (pack_rows) or x's own rows.
+  struct RowLayout {
+    int64_t step_elems, stride_bytes;  // an A tile's offset per input, its rows' stride
+  };
   template <typename Tiles>
-  void rows_block(const bf16* a, const bf16* a2, int64_t lda, const uint16_t* slab, int n, bf16* dst, bf16* dst2,
-                  int64_t rows, int64_t rows2, float* scratch) const {
+  void rows_block(const uint16_t* a, const uint16_t* a2, RowLayout layout, const uint16_t* slab, int n, bf16* dst,
+                  bf16* dst2, int64_t rows, int64_t rows2, float* scratch, const char* ahead,
+                  int64_t ahead_lines) const {
     Tiles::template zero<0>(), Tiles::template zero<1>(), Tiles::template zero<2>(), Tiles::template zero<3>();
     const uint16_t* slab1 = slab + K * 16;
+    const int64_t per_step = std::min<int64_t>(4, (ahead_lines * kStepInputs + K - 1) / K);
     for (int64_t k = 0; k < K; k += kStepInputs) {
-      Tiles::template load<4>(a + k, lda * 2);
+      if (ahead != nullptr) {
+        const int64_t first = k / kStepInputs * per_step, last = std::min(first + per_step, ahead_lines);
+        for (int64_t l = first; l < last; ++l) _mm_prefetch(ahead + l * 64, _MM_HINT_T1);
+      }
+      Tiles::template load<4>(a + k * layout.step_elems, layout.stride_bytes);
       Tiles::template load<6>(slab + k * 16, 64);
       Tiles::template dpbf16ps<0, 4, 6>();
       if (n == 2) Tiles::template load<7>(slab1 + k * 16, 64), Tiles::template dpbf16ps<1, 4, 7>();
       if (a2 == nullptr) continue;
-      Tiles::template load<5>(a2 + k, lda * 2);
+      Tiles::template load<5>(a2 + k * layout.step_elems, layout.stride_bytes);
       Tiles::template dpbf16ps<2, 5, 6>();
       if (n == 2) Tiles::template dpbf16ps<3, 5, 7>();
     }
@@ -177,31 +191,96 @@ struct PromptGemm {
     if (n == 2) store_sums<Tiles, 3>(scratch, dst2 + 16, ldo, rows2);
   }
 
-  // Every row through column blocks b, b + 1 (n of them): 32 rows a block, then 16, then the rest zero-padded
+  // Every row through a panel of column blocks whose bf16 weights are at slab, two blocks a pair (with silu a gate
+  // block and its up block); `blocks` of them, the panel's first output block b0. Each 32 rows (then 16) go
+  // through every pair of the panel while they are in the core's L2, so x streams from memory once per panel, not
+  // once per pair. Rows packed (xp: pack_rows; the next 32 rows fetched into L2 meanwhile) or, with xp null,
+  // x's own rows (a pair a panel: the rows stream once per pair anyway), the last ones zero-padded.
   template <typename Tiles>
-  void tile(int64_t M, int64_t b, int n, const uint16_t* slab, bf16* padded) const {
+  void panel(int64_t M, const uint16_t* xp, int64_t b0, int blocks, const uint16_t* slab, bf16* padded) const {
     alignas(64) float scratch[2 * 16 * 16];  // sums tiles on their way to bf16
+    const int pairs = (blocks + 1) / 2;
+    const auto through = [&](const uint16_t* a, const uint16_t* a2, RowLayout layout, int64_t m, int64_t rows,
+                             int64_t rows2, const uint16_t* next, int64_t next_lines) {
+      const int64_t share = (next_lines + pairs - 1) / pairs;
+      for (int p = 0; 2 * p < blocks; ++p) {
+        const int n = std::min(2, blocks - 2 * p);
+        const int64_t col = (silu ? b0 + p : b0 + 2 * p) * 16;
+        const int64_t from = std::min(next_lines, p * share), lines = std::min(next_lines, from + share) - from;
+        rows_block<Tiles>(a, a2, layout, slab + 2 * p * K * 16, n, out + m * ldo + col,
+                          a2 != nullptr ? out + (m + 16) * ldo + col : nullptr, rows, rows2, scratch,
+                          lines > 0 ? reinterpret_cast<const char*>(next) + from * 64 : nullptr, lines);
+      }
+    };
+    if (xp != nullptr) {
+      for (int64_t m = 0; m < M; m += 32) {
+        const int64_t rows = std::min<int64_t>(16, M - m), rows2 = std::clamp<int64_t>(M - m - 16, 0, 16);
+        const uint16_t* a = xp + m * K;
+        const int64_t next_lines = m + 32 < M ? std::min<int64_t>(32, (M - m - 32 + 15) / 16 * 16) * K * 2 / 64 : 0;
+        through(a, rows2 > 0 ? a + 16 * K : nullptr, {16, 64}, m, rows, rows2, a + 32 * K, next_lines);
+      }
+      return;
+    }
+    const auto* rows_of = reinterpret_cast<const uint16_t*>(x);
+    const RowLayout plain{1, K * 2};
     int64_t m = 0;
-    for (; m + 32 <= M; m += 32)
-      rows_block<Tiles>(x + m * K, x + (m + 16) * K, K, slab, n, out + m * ldo + b * 16, out + (m + 16) * ldo + b * 16,
-                        16, 16, scratch);
-    for (; m + 16 <= M; m += 16)
-      rows_block<Tiles>(x + m * K, nullptr, K, slab, n, out + m * ldo + b * 16, nullptr, 16, 0, scratch);
+    for (; m + 32 <= M; m += 32) through(rows_of + m * K, rows_of + (m + 16) * K, plain, m, 16, 16, nullptr, 0);
+    for (; m + 16 <= M; m += 16) through(rows_of + m * K, nullptr, plain, m, 16, 0, nullptr, 0);
     if (m == M) return;
     std::copy(x + m * K, x + M * K, padded);
     std::fill(padded + (M - m) * K, padded + 16 * K, bf16(0.f));
-    rows_block<Tiles>(padded, nullptr, K, slab, n, out + m * ldo + b * 16, nullptr, M - m, 0, scratch);
+    through(reinterpret_cast<const uint16_t*>(padded), nullptr, plain, m, M - m, 0, nullptr, 0);
+  }
+
+  // x in the order the tiles read it: per 16 rows (the last block zero-padded), per step of 32 inputs, the 16 rows'
+  // 64 bytes one after another: each A tile is 1 KB in one piece, and a row block's tiles one stream the hardware
+  // prefetcher follows (rows of x are K * 2 bytes apart: 16 or 32 strided streams, more than it tracks)
+  void pack_rows(int64_t M, uint16_t* xp) const {
+    const int64_t blocks = (M + 15) / 16;
+    const auto* src = reinterpret_cast<const uint16_t*>(x);
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b)
+        for (int64_t r = 0; r < 16; ++r) {
+          const int64_t m = b * 16 + r;
+          uint16_t* dst = xp + b * 16 * K + r * kStepInputs;
+          for (int64_t k = 0; k < K; k += kStepInputs) {
+            const __m512i v = m < M ? _mm512_loadu_si512(src + m * K + k) : _mm512_setzero_si512();
+            _mm512_store_si512(dst + k * 16, v);
+          }
+        }
+    });
+  }
+
+  // Column blocks a panel: as many as keep its bf16 weights and a 32-row block of x within about 1 MB of the
+  // core's L2 (measured on a Xeon with AMX, 2 MB of L2 a core: more thrashes it), at least a pair, and few enough
+  // that every thread gets about four panels. When x itself fits in L2 a pair is enough.
+  int64_t panel_blocks(int64_t M) const {
+    constexpr int64_t kBudget = int64_t{1} << 20;
+    const int64_t threads = at::get_num_threads(), total = N / 16;
+    if (M * K * 2 <= kBudget) return 2;
+    const int64_t by_cache = std::max<int64_t>(0, kBudget - 32 * K * 2) / (K * 16 * 2);
+    return std::max<int64_t>(2, std::min(by_cache, total / (4 * threads)) / 2 * 2);
   }
 
   void run(int64_t M, int mode) const {
-    // a task: kTileCols column blocks of 16, or with silu gate block t and its up block t + N / 32
-    const int64_t tiles = silu ? N / 32 : (N / 16 + kTileCols - 1) / kTileCols;
-    cpuserve_tasks::share_tasks(tiles, [&](const auto& next) {
-      // per thread, kept between calls: the tile's weights as bf16, a padded row block
+    // a task: a panel of P column blocks (P / 2 gate blocks and their up blocks with silu)
+    const int64_t P = panel_blocks(M), blocks = N / 16;
+    const int64_t tasks = silu ? (blocks / 2 + P / 2 - 1) / (P / 2) : (blocks + P - 1) / P;
+    // x packed when a panel has more than one pair: kept between calls
+    thread_local std::vector<uint16_t> packed;
+    uint16_t* xp = nullptr;
+    if (P > 2) {
+      const int64_t rows = (M + 15) / 16 * 16;
+      if (static_cast<int64_t>(packed.size()) < rows * K + 32) packed.resize(rows * K + 32);
+      xp = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(packed.data()) + 63) & ~uintptr_t{63});
+      pack_rows(M, xp);
+    }
+    cpuserve_tasks::share_tasks(tasks, [&](const auto& next) {
+      // per thread, kept between calls: the panel's weights as bf16, a padded row block
       thread_local std::vector<uint16_t> slab;
       thread_local std::vector<bf16> padded;
-      if (static_cast<int64_t>(slab.size()) < kTileCols * K * 16 + 32) slab.resize(kTileCols * K * 16 + 32);
-      if (static_cast<int64_t>(padded.size()) < 16 * K) padded.resize(16 * K);
+      if (static_cast<int64_t>(slab.size()) < P * K * 16 + 32) slab.resize(P * K * 16 + 32);
+      if (xp == nullptr && static_cast<int64_t>(padded.size()) < 16 * K) padded.resize(16 * K);
       // 64-byte aligned for the stores (the vector's own alignment is 2)
       auto* aligned = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(slab.data()) + 63) & ~uintptr_t{63});
       const auto each = [&](auto tiles_kind) {
@@ -209,14 +288,17 @@ struct PromptGemm {
         Tiles::config(tile_config());
         for (int64_t t; (t = next()) >= 0;) {
           if (silu) {
-            dequantize(t, aligned), dequantize(t + N / 32, aligned + K * 16);
-            tile<Tiles>(M, t, 2, aligned, padded.data());
+            const int64_t g0 = t * (P / 2);
+            const int gates = static_cast<int>(std::min<int64_t>(P / 2, blocks / 2 - g0));
+            for (int g = 0; g < gates; ++g)
+              dequantize(g0 + g, aligned + 2 * g * K * 16), dequantize(g0 + g + N / 32, aligned + (2 * g + 1) * K * 16);
+            panel<Tiles>(M, xp, g0, 2 * gates, aligned, padded.data());
             continue;
           }
-          const int64_t b = t * kTileCols;
-          const int n = static_cast<int>(std::min<int64_t>(kTileCols, N / 16 - b));
-          for (int c = 0; c < n; ++c) dequantize(b + c, aligned + c * K * 16);
-          tile<Tiles>(M, b, n, aligned, padded.data());
+          const int64_t b0 = t * P;
+          const int n = static_cast<int>(std::min<int64_t>(P, blocks - b0));
+          for (int c = 0; c < n; ++c) dequantize(b0 + c, aligned + c * K * 16);
+          panel<Tiles>(M, xp, b0, n, aligned, padded.data());
         }
         Tiles::release();
       };
