@@ -22,6 +22,7 @@ from cpuserve.engine.layers.linear.coded import CodedWeight
 from cpuserve.engine.loader import gemma3, moe, phi3
 from cpuserve.engine.loader.fused import split_fused
 from cpuserve.engine.loader.gguf_codes import CODED_TYPES, decode_codes
+from cpuserve.engine.loader.gguf_reader import GGUFReader
 from cpuserve.engine.loader.gguf_tokenizer import build_gguf_tokenizer
 from cpuserve.engine.loader.rope import rope_scaling_from_freqs
 from cpuserve.engine.models.args import ModelArgs
@@ -260,7 +261,7 @@ def _dequantize_rows(data: np.ndarray, qtype: QT, shape: tuple[int, ...]) -> tor
 
 def load_gguf(path: str) -> tuple[ModelArgs, Tokenizer, GGUFWeights]:
     try:
-        reader = gguf.GGUFReader(path, "r")
+        reader = GGUFReader(path, "r")
     except ValueError as err:  # wrong magic / truncated header
         raise ValueError(f"{path}: not a readable GGUF file ({err})") from err
     meta = read_metadata(reader)

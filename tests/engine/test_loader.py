@@ -117,6 +117,26 @@ def test_synthetic_gguf_dequantizes_within_type_error(tmp_path, qtype):
         assert (error <= limit).all(), f"{name}: max error {error.max()} over the {qtype} limit"
 
 
+def test_the_engines_gguf_reader_reads_what_ggufs_own_reader_reads(model_path):
+    """engine/loader/gguf_reader.py slices the header out of a plain view of the mapped file: the same fields (every
+    part's bytes and type) and tensors (shape, type, offset, data) as gguf.GGUFReader, on the default model's file."""
+    from cpuserve.engine.loader.gguf_reader import GGUFReader
+
+    ours, stock = GGUFReader(model_path, "r"), gguf.GGUFReader(model_path, "r")
+    assert list(ours.fields) == list(stock.fields) and len(ours.fields) > 20
+    for name, field in stock.fields.items():
+        mine = ours.fields[name]
+        assert (mine.offset, mine.types, mine.data) == (field.offset, field.types, field.data), name
+        assert len(mine.parts) == len(field.parts), name
+        assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(mine.parts, field.parts)), name
+    assert ours.fields["tokenizer.ggml.tokens"].contents() == stock.fields["tokenizer.ggml.tokens"].contents()
+    assert [t.name for t in ours.tensors] == [t.name for t in stock.tensors] and len(stock.tensors) > 100
+    for mine, tensor in zip(ours.tensors, stock.tensors):
+        assert (mine.tensor_type, list(mine.shape), mine.data_offset, mine.n_bytes) == \
+            (tensor.tensor_type, list(tensor.shape), tensor.data_offset, tensor.n_bytes), tensor.name
+        assert mine.data.dtype == tensor.data.dtype and np.array_equal(mine.data, tensor.data), tensor.name
+
+
 def test_show_progress_writes_a_bar_to_stderr(tmp_path, capsys):
     tokens, _, _ = gf.tiny_vocab()
     gf.write_llama_gguf(tmp_path / "t.gguf", gf.make_llama_weights(gf.TINY, len(tokens)), gf.TINY)
