@@ -37,10 +37,9 @@ class ModelRunner:
         self.cos, self.sin = rope_tables(args, max_model_len, model.dtype)  # [max_len, D] each
         shape = (num_blocks, block_size, 2 * args.n_kv_heads, args.head_dim)  # K heads then V heads
         dtype = KV_DTYPES[kv_cache]
-        for layer in model.layers:  # one pool per layer, pre-allocated once and updated in place
-            pool, scale = torch.empty(shape, dtype=dtype), torch.empty(shape[:3]) if kv_cache == "int8" else None
-            huge_pages.advise([t for t in (pool, scale) if t is not None])  # before the first write
-            layer.attention.kv = LayerKV(pool.zero_(), scale.zero_() if scale is not None else None)
+        for layer in model.layers:  # one pool per layer, pre-allocated once (zero pages: no write yet), in place
+            scale = huge_pages.zeroed(shape[:3], torch.float32) if kv_cache == "int8" else None
+            layer.attention.kv = LayerKV(huge_pages.zeroed(shape, dtype), scale)
         huge_pages.collapse([t for m in model.modules() for t in (*m.parameters(False), *m.buffers(False))])
 
     @torch.inference_mode()

@@ -18,17 +18,21 @@ pytestmark = pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text()
 MB = 1 << 20
 
 
-def anon_huge_kb(t: torch.Tensor) -> int:
-    """AnonHugePages of the mappings that hold t's storage, from /proc/self/smaps (a madvise may have split one)."""
+def smaps_kb(t: torch.Tensor, field: str) -> int:
+    """A field of /proc/self/smaps summed over the mappings that hold t's storage (a madvise may have split one)."""
     begin = t.untyped_storage().data_ptr()
     end, total, inside = begin + t.untyped_storage().nbytes(), 0, False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
         if head:
             inside = int(head.group(1), 16) < end and begin < int(head.group(2), 16)
-        elif inside and line.startswith("AnonHugePages:"):
+        elif inside and line.startswith(f"{field}:"):
             total += int(line.split()[1])
     return total
+
+
+def anon_huge_kb(t: torch.Tensor) -> int:
+    return smaps_kb(t, "AnonHugePages")
 
 
 def fresh(nbytes: int, fill: int | None = None) -> torch.Tensor:
@@ -70,6 +74,21 @@ def test_advise_before_the_first_write(monkeypatch):
     assert anon_huge_kb(t) >= 12 * 1024
 
 
+def test_zeroed_holds_no_memory_until_written_then_huge_pages(monkeypatch):
+    """A read first (an attention kernel reading a whole block) maps the zero page and holds nothing; a write after
+    it still gets 2 MiB pages (a shared mapping, mmap's default, would be shmem: 4 KiB pages)."""
+    monkeypatch.delenv(huge_pages.ENV, raising=False)
+    t = huge_pages.zeroed((4, 2 * MB), torch.float32)  # 32 MiB, as a KV pool's scales
+    assert t.shape == (4, 2 * MB) and t.dtype == torch.float32 and t.is_contiguous()
+    assert t.data_ptr() % huge_pages.HUGE == 0
+    assert smaps_kb(t, "Rss") == 0  # nothing written: no page yet
+    assert not bool(t.any())  # and it reads as zeros
+    assert smaps_kb(t, "Rss") == 0
+    t[1:3].fill_(1.5)
+    assert anon_huge_kb(t) >= 12 * 1024 and smaps_kb(t, "Rss") <= 20 * 1024  # the written half, on 2 MiB pages
+    assert float(t.sum()) == 1.5 * 2 * 2 * MB
+
+
 def test_off_leaves_pages_alone(monkeypatch):
     monkeypatch.setenv(huge_pages.ENV, "0")
     t = fresh(16 * MB, 7)
@@ -79,6 +98,9 @@ def test_off_leaves_pages_alone(monkeypatch):
 
 
 def test_the_runner_backs_weights_and_pools(llm_int4):
+    from cpuserve.engine.sampling_params import SamplingParams
+
+    llm_int4.generate(["Huge pages"], SamplingParams(max_tokens=2, temperature=0))  # the pools' first writes
     model = llm_int4.engine.runner.model
     biggest = max((b for m in model.modules() for b in m.buffers(False)), key=lambda b: b.untyped_storage().nbytes())
     pool = model.layers[0].attention.kv.kv
