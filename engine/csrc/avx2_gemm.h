@@ -84,7 +84,8 @@ struct Gemm {
       for (int r = 0; r < R; ++r) {
         const int8_t* a = qm + r * K + k;
         if constexpr (kVnni) {
-          for (int i = 0; i < W::kOps; ++i) acc[r][h] = _mm256_dpbusd_avx_epi32(acc[r][h], wv[i], broadcast4(a + 4 * i));
+          for (int i = 0; i < W::kOps; ++i)
+            acc[r][h] = _mm256_dpbusd_avx_epi32(acc[r][h], wv[i], broadcast4(a + 4 * i));
         } else if constexpr (Bits == 4) {
           acc[r][h] = _mm256_add_epi16(acc[r][h], _mm256_maddubs_epi16(wv[0], broadcast4(a)));
           acc[r][h] = _mm256_add_epi16(acc[r][h], _mm256_maddubs_epi16(wv[1], broadcast4(a + 4)));
@@ -112,7 +113,10 @@ struct Gemm {
     if constexpr (!kChunks) {
       if constexpr (Steps > 0) {
 #pragma GCC unroll 16
-        for (int s = 0; s < Steps; ++s) step<R>(acc, qm, k0 + s * W::kStep, base + (k0 + s * W::kStep) * 2 * Bits, ahead);
+        for (int s = 0; s < Steps; ++s) {
+          const int64_t k = k0 + s * W::kStep;
+          step<R>(acc, qm, k, base + k * 2 * Bits, ahead);
+        }
       } else {
         for (int64_t k = k0; k < k1; k += W::kStep) step<R>(acc, qm, k, base + k * 2 * Bits, ahead);
       }
@@ -280,11 +284,15 @@ struct Gemm {
     fixed(std::integral_constant<int, 0>{});
   }
 
+  // Every row through column blocks [b, end), on the calling thread
+  void decode_blocks(int64_t M, int64_t b, int64_t end) const {
+    for (; b < end; ++b) all_rows_fixed(M, b);
+  }
+
   void run(int64_t M) const {
     const int64_t blocks = N / 16, run = cpuserve_tasks::run_length(blocks, kTasksPerThread);
     cpuserve_tasks::share_tasks((blocks + run - 1) / run, [&](const auto& next) {
-      for (int64_t t; (t = next()) >= 0;)
-        for (int64_t b = t * run; b < std::min(blocks, (t + 1) * run); ++b) all_rows_fixed(M, b);
+      for (int64_t t; (t = next()) >= 0;) decode_blocks(M, t * run, std::min(blocks, (t + 1) * run));
     });
   }
 };

@@ -41,7 +41,9 @@ CPUSERVE_HOT __m256i broadcast4(const int8_t* p) { return _mm256_set1_epi32(*rei
 
 // 8 elements as fp32 lanes (exact for each type)
 CPUSERVE_HOT __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-CPUSERVE_HOT __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+CPUSERVE_HOT __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 CPUSERVE_HOT __m256i load8_u8(const uint8_t* p) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
@@ -100,16 +102,17 @@ struct Codes<8> {  // one byte a code; without AVX-VNNI as signed bytes code - 1
   }
 };
 
-// Scales and zoffs as stored: fp32 or fp16 [N/16, S, 16] (S = 1: per channel), zo null when symmetric
+// Scales and zoffs as stored: fp32 or fp16 [N/16, S, 16] (S = 1: per channel), zo null when symmetric; sc and zo
+// start at column block b0 (vnni_layouts.h's)
 template <typename T>
 struct StoredScales {
   static constexpr bool kFactored = false;
   const T *sc, *zo;
-  int64_t S;
+  int64_t S, b0;
   bool symmetric() const { return zo == nullptr; }
   bool int_mins(int64_t) const { return false; }
-  CPUSERVE_HOT __m256 scale(int64_t b, int64_t g, int h) const { return load8(sc + (b * S + g) * 16 + 8 * h); }
-  CPUSERVE_HOT __m256 zoff(int64_t b, int64_t g, int h) const { return load8(zo + (b * S + g) * 16 + 8 * h); }
+  CPUSERVE_HOT __m256 scale(int64_t b, int64_t g, int h) const { return load8(sc + ((b - b0) * S + g) * 16 + 8 * h); }
+  CPUSERVE_HOT __m256 zoff(int64_t b, int64_t g, int h) const { return load8(zo + ((b - b0) * S + g) * 16 + 8 * h); }
   CPUSERVE_HOT __m256 neg_dmin(int64_t, int64_t, int) const { return _mm256_setzero_ps(); }
   CPUSERVE_HOT __m256i min_pair(int64_t, int64_t, int) const { return _mm256_setzero_si256(); }
 };

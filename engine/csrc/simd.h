@@ -71,15 +71,6 @@ inline __m256i to_bf16_exact(__m512 x) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
-// The same in one instruction where the CPU has it (vcvtneps2bf16 flushes denormals to zero)
-inline __m256i to_bf16(__m512 x) {
-#if defined(__AVX512BF16__)
-  return (__m256i)_mm512_cvtneps_pbh(x);
-#else
-  return to_bf16_exact(x);
-#endif
-}
-
 // 16 fp32 lanes stored as float, or as bf16 rounded exactly as at::BFloat16's constructor (store<T> of the kernels)
 inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
 inline void store16(c10::BFloat16* p, __m512 x) {

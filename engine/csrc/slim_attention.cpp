@@ -52,13 +52,25 @@ namespace {
 
 #if defined(__AVX512F__)
 using cpuserve_simd::exp2_neg;
-using cpuserve_simd::to_bf16;
 #endif
 
 constexpr int64_t kKeyBlock = 256;  // keys per packed block (N of one Q K^T product)
 constexpr int64_t kValueChunk = 256;  // keys per avx512_bf16 P V pass: its strip of V stays in L1
 
 using bf16 = at::BFloat16;
+
+#if defined(__AVX512F__)
+// 16 fp32 -> 16 bf16 in one instruction where the CPU has it (vcvtneps2bf16 flushes denormals to zero: fine for
+// softmax weights), else as at::BFloat16 rounds. Here, not in simd.h, so only this file's object differs between
+// the avx512_bf16 and avx512_vnni levels' builds (kernel_build.py compiles -mavx512bf16 where the macro is tested).
+inline __m256i to_bf16(__m512 x) {
+#if defined(__AVX512BF16__)
+  return (__m256i)_mm512_cvtneps_pbh(x);
+#else
+  return cpuserve_simd::to_bf16_exact(x);
+#endif
+}
+#endif
 
 
 // max of s[0, n)

@@ -44,6 +44,11 @@
 #include <type_traits>
 #include <vector>
 
+// The int8 GEMMs are built: on AVX-512 VNNI (the Gemm below) or on AVX2 (avx2_gemm.h's)
+#if defined(CPUSERVE_VNNI) || defined(CPUSERVE_AVX2_GEMM)
+#define CPUSERVE_INT8_GEMM 1
+#endif
+
 namespace {
 
 using bf16 = at::BFloat16;
@@ -106,7 +111,7 @@ int amx_mode() {
 }
 
 bool vnni_gemm_supported() {
-#if defined(CPUSERVE_VNNI) || defined(CPUSERVE_AVX2_GEMM)
+#if defined(CPUSERVE_INT8_GEMM)
   return true;
 #else
   return false;
@@ -115,7 +120,7 @@ bool vnni_gemm_supported() {
 
 #if defined(CPUSERVE_VNNI)
 using cpuserve_simd::load16;
-using cpuserve_simd::to_bf16;
+using cpuserve_simd::to_bf16_exact;
 using cpuserve_vnni::Codes;
 using cpuserve_vnni::broadcast4;
 using cpuserve_vnni::dpbusd;
@@ -279,7 +284,8 @@ struct Gemm {
         for (int c = 0; c < C; ++c) y[r][c] = _mm512_mul_ps(y[r][c], _mm512_set1_ps(unscale));
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m + r) * ldo + (b + c) * 16), to_bf16(y[r][c]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m + r) * ldo + (b + c) * 16),
+                            to_bf16_exact(y[r][c]));
   }
 
   // Steps > 0: act_group is Steps * W::kStep inputs (the group's steps unrolled); Sym >= 0: symmetric() is Sym;
@@ -366,7 +372,7 @@ struct Gemm {
         __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), _mm512_set1_ps(ax[m + r]), _mm512_setzero_ps());
         y = _mm512_mul_ps(y, sv);
         if (unscale != 1.f) y = _mm512_mul_ps(y, _mm512_set1_ps(unscale));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m + r) * ldo + (b + c) * 16), to_bf16(y));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m + r) * ldo + (b + c) * 16), to_bf16_exact(y));
       }
     }
   }
@@ -755,7 +761,13 @@ struct Gemm {
 
 #endif
 
-#if defined(CPUSERVE_VNNI) || defined(CPUSERVE_AVX2_GEMM)
+#if defined(CPUSERVE_AVX2_GEMM)  // the same entry below, over avx2_gemm.h's register blocks
+using cpuserve_avx2::Gemm;
+using cpuserve_avx2::StoredScales;
+using cpuserve_avx2::SuperScales;
+#endif
+
+#if defined(CPUSERVE_INT8_GEMM)
 // x [M, K] bf16 -> q [M, K] int8, ax per act_group, axs and qs per sum_group (act_quant.h group_sums), axt per row;
 // rows shared between threads when there are many
 void quantize_rows(const bf16* x, int64_t M, int64_t K, int64_t act_group, int64_t sum_group, int8_t* q, float* ax,
@@ -774,12 +786,6 @@ void quantize_rows(const bf16* x, int64_t M, int64_t K, int64_t act_group, int64
     for (int64_t t; (t = next()) >= 0;) rows(t * kQuantRowsPerTask, std::min(M, (t + 1) * kQuantRowsPerTask));
   });
 }
-#endif
-
-#if defined(CPUSERVE_AVX2_GEMM)  // the same entry below, over avx2_gemm.h's register blocks
-using cpuserve_avx2::Gemm;
-using cpuserve_avx2::StoredScales;
-using cpuserve_avx2::SuperScales;
 #endif
 
 // The scales' form: stored (fp32 or fp16 scales [N/16, S, 16], zoffs alike) or, with supers, a K-quant's factors
@@ -851,7 +857,7 @@ at::Tensor& vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const a
   check_operands(x, packed, scales, zoffs, bits, act_group, supers, out);
   g_runs.fetch_add(1, std::memory_order_relaxed);
   const int64_t N = packed.size(0) * 16, K = packed.size(1) * 32 / bits, S = scales.size(1), M = x.size(0);
-#if defined(CPUSERVE_VNNI) || defined(CPUSERVE_AVX2_GEMM)
+#if defined(CPUSERVE_INT8_GEMM)
   auto q = at::empty({M, K}, x.options().dtype(at::kChar));
   const int64_t A = K / act_group, G = std::max(A, S);  // G: the zero terms' groups (the weights' when nested)
   // ax [M, A]; axs, qs [M, G]; axt [M]; qs16 [M, G] int16
@@ -886,9 +892,9 @@ at::Tensor& vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const a
       widths(SuperScales<int8_t>{scales.data_ptr<int8_t>(), mins, sup, S, shift, F});
     }
   } else if (scales.scalar_type() == at::kHalf) {
-    widths(StoredScales<at::Half>{scales.data_ptr<at::Half>(), symmetric ? nullptr : zoffs.data_ptr<at::Half>(), S});
+    widths(StoredScales<at::Half>{scales.data_ptr<at::Half>(), symmetric ? nullptr : zoffs.data_ptr<at::Half>(), S, 0});
   } else {
-    widths(StoredScales<float>{scales.data_ptr<float>(), symmetric ? nullptr : zoffs.data_ptr<float>(), S});
+    widths(StoredScales<float>{scales.data_ptr<float>(), symmetric ? nullptr : zoffs.data_ptr<float>(), S, 0});
   }
 #endif
   return out;

@@ -18,7 +18,10 @@ Where the libraries come from:
                 on the terminal, into ~/.cache/cpuserve/kernels ($CPUSERVE_KERNEL_CACHE)
 A library's file name carries a hash of everything that went into it (the sources, the flags, torch's version),
 never the checkout's path, so another checkout of the same sources finds it; each source's object file is cached
-the same way, so editing one kernel recompiles only that file.
+the same way, by the source and the headers it includes, so editing one kernel recompiles only the files that include
+it. A level that adds an instruction set to the one below it (avx512_bf16: AVX512-BF16; avx2_vnni: AVX-VNNI) compiles
+with it only the sources that test its macro (in themselves or a header they include); every other object is the
+level below's, compiled once for both.
 
 No torch import at module level: setup.py loads this file before the package exists.
 """
@@ -30,6 +33,7 @@ import functools
 import hashlib
 import importlib.metadata
 import os
+import re
 import subprocess
 import sys
 import time
@@ -55,15 +59,21 @@ class Level:
     """One build of the kernels: its compiler flags and the CPU flags (/proc/cpuinfo's names) it needs."""
 
     name: str
-    flags: tuple[str, ...]
+    flags: tuple[str, ...]  # every source's
     cpu_flags: frozenset[str]
+    int8_isa: str  # the instructions its int8 GEMMs run on (torch.ops.cpuserve.vnni_gemm_isa)
+    extra_flags: tuple[str, ...] = ()  # only the sources that test `macro`: the others are the level below's objects
+    macro: str = ""  # the macro extra_flags define (the code that uses their instructions tests it)
 
 
+_V4_VNNI = ("-march=x86-64-v4", "-mavx512vnni")
 LEVELS = (  # best first
-    Level("avx512_bf16", ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"), _V4 | {"avx512_vnni", "avx512_bf16"}),
-    Level("avx512_vnni", ("-march=x86-64-v4", "-mavx512vnni"), _V4 | {"avx512_vnni"}),
-    Level("avx2_vnni", ("-march=x86-64-v3", "-mavxvnni"), _V3 | {"avx_vnni"}),
-    Level("avx2", ("-march=x86-64-v3",), _V3),
+    Level("avx512_bf16", _V4_VNNI, _V4 | {"avx512_vnni", "avx512_bf16"}, "avx512_vnni",
+          extra_flags=("-mavx512bf16",), macro="__AVX512BF16__"),
+    Level("avx512_vnni", _V4_VNNI, _V4 | {"avx512_vnni"}, "avx512_vnni"),
+    Level("avx2_vnni", ("-march=x86-64-v3",), _V3 | {"avx_vnni"}, "avx_vnni",
+          extra_flags=("-mavxvnni",), macro="__AVXVNNI__"),
+    Level("avx2", ("-march=x86-64-v3",), _V3, "avx2"),
 )
 LEVEL_NAMES = tuple(level.name for level in LEVELS)
 
@@ -135,6 +145,22 @@ def headers() -> list[Path]:
     return sorted(CSRC.glob("*.h"))
 
 
+_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def included(source: Path) -> list[Path]:
+    """source and every header of its folder it includes, transitively (an include inside an #if counts too)."""
+    seen: list[Path] = []
+    todo = [source]
+    while todo:
+        path = todo.pop()
+        if path in seen or not path.is_file():
+            continue
+        seen.append(path)
+        todo += [path.parent / name for name in _LOCAL_INCLUDE.findall(path.read_text())]
+    return seen
+
+
 def _torch_version() -> str:
     """torch's version, read without importing it (a second or two saved where nothing is built)."""
     try:
@@ -152,8 +178,17 @@ def _digest(*parts: bytes) -> str:
     return h.hexdigest()[:16]
 
 
-def _flags(level: Level) -> tuple[str, ...]:
-    return (*COMMON_FLAGS, *level.flags)
+def _flags(level: Level, source: Path | None = None) -> tuple[str, ...]:
+    """The compiler flags of one source of `level` (source None: every flag any of its sources gets)."""
+    uses_extra = source is None or any(level.macro in p.read_text() for p in included(source))
+    return (*COMMON_FLAGS, *level.flags, *(level.extra_flags if level.extra_flags and uses_extra else ()))
+
+
+def object_name(level: Level, source: Path, toolchain: tuple[bytes, ...]) -> str:
+    """The cached object file of `source` built for `level`: named by what goes into it (the source, the headers it
+    includes, its flags, torch's and the compiler's versions), so levels and checkouts that agree share it."""
+    code = [p.name.encode() + b"\0" + p.read_bytes() for p in included(source)]
+    return f"{source.stem}_{_digest(*code, ' '.join(_flags(level, source)).encode(), *toolchain)}.o"
 
 
 def library_name(level: Level) -> str:
@@ -184,7 +219,7 @@ def _compile_command(level: Level, source: Path, out: Path) -> list[str]:
 
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     includes = [a for path in cpp_extension.include_paths() for a in ("-isystem", path)]
-    return [os.environ.get("CXX", "c++"), *_flags(level), abi, *includes, "-c", str(source), "-o", str(out)]
+    return [os.environ.get("CXX", "c++"), *_flags(level, source), abi, *includes, "-c", str(source), "-o", str(out)]
 
 
 def _link_command(objects: list[Path], out: Path) -> list[str]:
@@ -203,8 +238,8 @@ def build(level: Level, out_dir: Path, progress: Callable[[str], None] | None = 
           jobs: int | None = None) -> Path:
     """Compiles `level`'s library into out_dir (a no-op when it is there) and returns its path.
 
-    Object files are cached in cache_dir()/objects by a hash of their source, every header, the flags, torch's
-    version and the compiler's, so only what changed is compiled again. One process builds a library at a time
+    Object files are cached in cache_dir()/objects by a hash of their source, the headers it includes, the flags,
+    torch's version and the compiler's (object_name), so only what changed is compiled again. One process builds a library at a time
     (a lock file in the cache); the others wait and then find it. progress gets one line per step.
     """
     say = progress or (lambda line: None)
@@ -218,9 +253,8 @@ def build(level: Level, out_dir: Path, progress: Callable[[str], None] | None = 
             return target
         objects_dir = cache_dir() / "objects"
         objects_dir.mkdir(parents=True, exist_ok=True)
-        shared = [p.read_bytes() for p in headers()]
-        context = [*shared, " ".join(_flags(level)).encode(), _torch_version().encode(), _compiler_version()]
-        objects = {src: objects_dir / f"{src.stem}_{_digest(src.read_bytes(), *context)}.o" for src in sources()}
+        toolchain = (_torch_version().encode(), _compiler_version())
+        objects = {src: objects_dir / object_name(level, src, toolchain) for src in sources()}
         # the largest first: vnni_gemm.cpp takes half the build, and the others fill the other cores meanwhile
         todo = sorted((src for src, obj in objects.items() if not obj.is_file()), key=lambda p: -p.stat().st_size)
         jobs = jobs or len(os.sched_getaffinity(0))

@@ -2,8 +2,16 @@
 the level this process loaded, and each other one forced (CPUSERVE_KERNEL_LEVEL) in a process of its own, so that
 a machine with AVX-512 also checks the AVX2 levels' kernels (avx2_gemm.h) and none skips the default path.
 
-At each level the int8 tests pass (INT8_TESTS, run again under the forced level), the layers run that level's own
-GEMMs (counted in the library, not read from a config), and the GEMMs give the very bits of this process's level.
+    every other level   its GEMMs give this process's bits (level_gemms.py's cases: every weight form, register
+                        block, remainder and tile path), and the model's layers run that level's own GEMMs (counted
+                        in its library, not read from a config)
+    the lowest level    the int8 tests too (INT8_TESTS, none skipped): every kernel of its library differs from an
+                        AVX-512 level's (avx2_gemm.h's GEMMs, the other kernels' portable paths)
+
+The levels in between are not run through INT8_TESTS again (2 minutes each on 2 cores): each differs from a level
+run in full only in objects whose outputs the bits test compares. avx2_vnni's library is avx2's objects but for
+vnni_gemm.cpp (the GEMMs on vpdpbusd), avx512_vnni's is avx512_bf16's but for SlimAttention and the AMX-BF16 prompt
+kernel (test_native_kernels.py checks which objects each pair shares).
 """
 from __future__ import annotations
 
@@ -26,13 +34,16 @@ from cpuserve.engine.layers.linear.stacked import StackedLinear
 from cpuserve.engine.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
-# The instructions of each level's int8 GEMMs (torch.ops.cpuserve.vnni_gemm_isa)
-LEVEL_ISA = {"avx512_bf16": "avx512_vnni", "avx512_vnni": "avx512_vnni", "avx2_vnni": "avx_vnni", "avx2": "avx2"}
-# The int8 GEMMs against their references and bounds, and the model paths over them: what every level must pass
-# with no test skipped. (The AMX tiles' own tests, test_amx_gemm.py and test_amx_bf16_gemm.py, belong to the
-# AVX-512 level, which this process or its forced run covers.)
+# The int8 GEMMs against their references and bounds, the model paths over them, and whole models on the engine's
+# defaults against Hugging Face transformers (every architecture's tiny model; a Q4_K_M, a Q4_0 file and quantized
+# checkpoints keeping their codes), each level's other kernels (attention, norms: the AVX2 levels' portable ones)
+# included: what every level must pass with no test skipped. (The AMX tiles' own tests, test_amx_gemm.py and
+# test_amx_bf16_gemm.py, belong to the AVX-512 level, which this process or its forced run covers.)
 INT8_TESTS = ("test_int8_activations.py", "test_super_scales.py", "test_int8_token.py", "test_gguf_codes.py",
-              "test_stacked_linear.py", "test_fused_decode.py",
+              "test_stacked_linear.py", "test_fused_decode.py", "test_int8_token_archs.py",
+              "test_kquant_models.py::test_q4_k_m_default_engine_keeps_the_files_codes",
+              "test_gemma3.py::test_q4_0_file_on_the_default_engine",
+              "test_quantized_checkpoints.py::test_default_engine_keeps_the_checkpoints_codes",
               "test_kernel_levels.py::test_the_layers_run_this_levels_int8_kernels")
 LEVEL_TIMEOUT_S = 1800  # a forced level's run, its library's first build included (minutes on 2 cores)
 
@@ -55,7 +66,7 @@ def int8_layers(model) -> list[QuantLinear]:
 def test_the_layers_run_this_levels_int8_kernels(llm_int4):
     """The default model's layers are built for int8 activations and their GEMMs run in this level's library, on its
     instructions: counted there (vnni_gemm_runs), not read from the config."""
-    want = LEVEL_ISA[native.level().name]
+    want = native.level().int8_isa
     assert native.vnni_gemm_isa() == want
     assert native.library_path().name.startswith(f"cpuserve_ops_{native.level().name}_")
     layers = int8_layers(llm_int4.engine.runner.model)
@@ -72,19 +83,35 @@ def test_the_layers_run_this_levels_int8_kernels(llm_int4):
     assert torch.ops.cpuserve.vnni_gemm_runs() - before >= (steps - prompt_kernel) * len(layers)
 
 
+def run_tests_at(level: kernel_build.Level, tests: list[str]) -> None:
+    """tests (of tests/engine) in a pytest process of their own at `level`: all pass, none skipped."""
+    files = [str(ROOT / "tests" / "engine" / name) for name in tests]
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *files],
+                          env=forced(level), cwd=ROOT, capture_output=True, text=True, timeout=LEVEL_TIMEOUT_S)
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    assert done.returncode == 0, f"{level.name}: {summary}\n{done.stdout[-4000:]}\n{done.stderr[-2000:]}"
+    assert re.search(r"\d+ passed", summary) and "skipped" not in summary, f"{level.name}: {summary}"
+    kernel_paths.note(f"int8_gemm_{level.int8_isa}")
+
+
 @pytest.mark.slow
-def test_the_int8_tests_pass_at_every_other_level():
-    """INT8_TESTS under each other level (its library built first if need be), none skipped."""
-    if not other_levels():
-        pytest.skip("this CPU runs one kernel level only")
-    for level in other_levels():
-        files = [str(ROOT / "tests" / "engine" / name) for name in INT8_TESTS]
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *files],
-                              env=forced(level), cwd=ROOT, capture_output=True, text=True, timeout=LEVEL_TIMEOUT_S)
-        summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
-        assert done.returncode == 0, f"{level.name}: {summary}\n{done.stdout[-4000:]}\n{done.stderr[-2000:]}"
-        assert re.search(r"\d+ passed", summary) and "skipped" not in summary, f"{level.name}: {summary}"
-        kernel_paths.note(f"int8_gemm_{LEVEL_ISA[level.name]}")
+def test_the_int8_tests_pass_at_the_lowest_level():
+    """INT8_TESTS under the lowest level this CPU runs (its library built first if need be), none skipped."""
+    lowest = kernel_build.runnable_levels(kernel_build.cpu_flags())[-1]
+    if lowest.name == native.level().name:
+        pytest.skip(f"this process runs the lowest level ({lowest.name}): the suite itself is its run")
+    run_tests_at(lowest, list(INT8_TESTS))
+
+
+@pytest.mark.slow
+def test_the_layers_run_each_other_levels_int8_kernels():
+    """The layers test, under each other level but the lowest (whose INT8_TESTS hold it)."""
+    lowest = kernel_build.runnable_levels(kernel_build.cpu_flags())[-1]
+    between = [level for level in other_levels() if level != lowest]
+    if not between:
+        pytest.skip("this CPU runs no level besides this process's and the lowest")
+    for level in between:
+        run_tests_at(level, ["test_kernel_levels.py::test_the_layers_run_this_levels_int8_kernels"])
 
 
 @pytest.mark.slow
@@ -105,22 +132,25 @@ def test_every_level_gives_this_levels_bits(tmp_path):
         assert not differ, f"{level.name} differs from {native.level().name} in {len(differ)} cases: {differ[:8]}"
 
 
-# AVX-512 (EVEX) and AMX where an AVX2 CPU has neither: 512-bit and mask registers, registers 16-31, embedded
-# broadcasts, tile instructions
-FOREIGN = re.compile(r"%zmm|%k[0-7]\b|%[xy]mm(1[6-9]|2\d|3[01])\b|\{1to\d+\}|\b(ldtilecfg|tileloadd|tdp\w+)\b")
+# Per level, the instructions its CPUs may lack that no code path of its library may hold: for the AVX2 levels AVX-512
+# (EVEX: 512-bit and mask registers, registers 16-31, embedded broadcasts) and AMX's tile instructions, and for avx2
+# AVX-VNNI's vpdpbusd too; for avx512_vnni (Cascade Lake, Ice Lake) AVX512-BF16's. (The AVX-512 levels hold AMX tile
+# instructions: amx_tiles.h runs them only where CPUID and Linux grant the tiles.)
+AVX512_OR_AMX = r"%zmm|%k[0-7]\b|%[xy]mm(1[6-9]|2\d|3[01])\b|\{1to\d+\}|\b(ldtilecfg|tileloadd|tdp\w+)\b"
+FOREIGN = {"avx2": re.compile(AVX512_OR_AMX + r"|\bvpdp(bu|ws)sd"), "avx2_vnni": re.compile(AVX512_OR_AMX),
+           "avx512_vnni": re.compile(r"\bv(cvtne2?ps2bf16|dpbf16ps)\b")}
 
 
+@pytest.mark.parametrize("name", sorted(FOREIGN))
 @pytest.mark.slow
-def test_the_avx2_levels_libraries_hold_no_avx512_or_amx_instruction():
-    """An AVX2 CPU would fault on one: every instruction of the AVX2 levels' libraries is disassembled."""
+def test_a_levels_library_holds_no_instruction_its_cpus_lack(name):
+    """Such a CPU would fault on one: every instruction of the level's library is disassembled."""
     objdump = shutil.which("objdump")
     assert objdump, "objdump (binutils, which the kernels' build links with) not found"
-    for level in kernel_build.LEVELS:
-        if "avx512f" in level.cpu_flags:
-            continue
-        library = kernel_build.build(level, kernel_build.cache_dir())  # a no-op once built
-        text = subprocess.run([objdump, "-d", "--no-show-raw-insn", str(library)], check=True, capture_output=True,
-                              text=True).stdout
-        assert "vpmaddubsw" in text or "vpdpbusd" in text, f"{library.name}: no int8 dot product at all"
-        found = [line for line in text.splitlines() if FOREIGN.search(line)]
-        assert not found, f"{library.name}: {len(found)} AVX-512 / AMX instructions, e.g.\n" + "\n".join(found[:5])
+    library = kernel_build.build(kernel_build.level_named(name), kernel_build.cache_dir())  # a no-op once built
+    text = subprocess.run([objdump, "-d", "--no-show-raw-insn", str(library)], check=True, capture_output=True,
+                          text=True).stdout
+    dot = {"avx2": "vpmaddubsw", "avx2_vnni": "vpdpbusd", "avx512_vnni": "vpdpbusd"}[name]
+    assert re.search(rf"\b{dot}\b", text), f"{library.name}: no {dot}: not the int8 GEMMs of {name}"
+    found = [line for line in text.splitlines() if FOREIGN[name].search(line)]
+    assert not found, f"{library.name}: {len(found)} instructions its CPUs lack, e.g.\n" + "\n".join(found[:5])

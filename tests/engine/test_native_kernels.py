@@ -200,6 +200,41 @@ def test_a_level_the_cpu_cannot_run_is_refused_by_name():
         native.select_level(frozenset({"avx", "avx2", "fma"}), forced="")  # AVX2 without FMA3's companions (F16C...)
 
 
+@pytest.mark.parametrize("level,below,own", [
+    ("avx512_bf16", "avx512_vnni", ["amx_bf16_gemm.cpp", "slim_attention.cpp"]),  # the int8 GEMMs shared
+    ("avx2_vnni", "avx2", ["vnni_gemm.cpp"]),  # avx2_gemm.h, the one user of AVX-VNNI
+])
+def test_a_level_over_another_compiles_only_the_sources_that_use_its_instructions(level, below, own):
+    """A source gets a level's extra flags when it (or a header it includes) tests the level's macro; every other
+    object is the level below's, compiled once for both, and no object of the two levels is named the same unless
+    its flags are the same."""
+    upper, lower = kernel_build.level_named(level), kernel_build.level_named(below)
+    flags = kernel_build._flags
+    assert [src.name for src in kernel_build.sources() if flags(upper, src) != flags(lower, src)] == own
+    for name in own:
+        assert set(upper.extra_flags) <= set(flags(upper, kernel_build.CSRC / name))
+    toolchain = (b"torch", b"g++")
+    shared = {src.name for src in kernel_build.sources()
+              if kernel_build.object_name(upper, src, toolchain) == kernel_build.object_name(lower, src, toolchain)}
+    assert shared == {src.name for src in kernel_build.sources()} - set(own)
+    assert kernel_build.library_name(upper) != kernel_build.library_name(lower)
+
+
+def test_an_edited_header_rebuilds_only_the_sources_that_include_it(tmp_path):
+    """An object is named by its source and the headers it includes (transitively), not by every header."""
+    csrc = tmp_path / "csrc"
+    shutil.copytree(kernel_build.CSRC, csrc)
+    level, toolchain = kernel_build.level_named("avx2"), (b"torch", b"g++")
+    names = lambda: {src.name: kernel_build.object_name(level, src, toolchain) for src in sorted(csrc.glob("*.cpp"))}
+    before = names()
+    header = csrc / "amx_tiles.h"
+    header.write_text(header.read_text() + "// an edited header\n")
+    after = names()
+    changed = sorted(name for name in before if before[name] != after[name])
+    users = sorted(src.name for src in csrc.glob("*.cpp") if header in kernel_build.included(src))
+    assert changed == users and "vnni_gemm.cpp" in users and "argmax.cpp" not in users
+
+
 def test_the_loaded_library_is_the_level_chosen_for_this_cpu():
     import os
 
@@ -248,7 +283,7 @@ def test_each_lower_level_loads_and_reproduces_torchs_kernels():
 # one thread, not 152.
 HOT_HELPERS = re.compile(r"::(group_dots|dots|zero_term)<|Gemm<.*>::(step|sums|group_sums|group_terms|channel_terms)<"
                          r"|cpuserve_(vnni|avx2)::(Codes<\d+>::load|(Stored|Super)Scales<[^<>]*>::\w+|dpbusd\w*"
-                         r"|broadcast4|load8\w*|to_bf16)\(")
+                         r"|broadcast4|load8\w*|to_bf16)\(|cpuserve_simd::to_bf16_exact\(")
 
 
 def test_the_gemms_loop_helpers_have_no_out_of_line_copy():
