@@ -15,7 +15,7 @@ import math
 import os
 from typing import Any, AsyncIterator
 
-from cpuserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from cpuserve.engine.errors import EngineDeadError
 from cpuserve.engine.sampling_params import SamplingParams
 from cpuserve.serving.affinity import engine_cores, on_cores
 from cpuserve.serving.config import ServeConfig
@@ -33,10 +33,12 @@ class LLMServer:
     Args:
         config: a ServeConfig or its dict.
         engine_cls: the engine class; anything with AsyncLLMEngine's from_config, generate, tokenizer,
-            max_model_len, num_streams, stats, pop_step_times, check_health and shutdown.
+            max_model_len, num_streams, stats, pop_step_times, check_health and shutdown. None: AsyncLLMEngine,
+            imported here, in the replica: the process that builds the app (`cpuserve serve`, before Ray starts)
+            then never loads torch (3-4 CPU-seconds of every cold start).
     """
 
-    def __init__(self, config: dict[str, Any] | ServeConfig, engine_cls: type = AsyncLLMEngine):
+    def __init__(self, config: dict[str, Any] | ServeConfig, engine_cls: type | None = None):
         self.config = config if isinstance(config, ServeConfig) else ServeConfig(**config)
         self.replica_id = f"{os.getpid()}"
         self._ids = itertools.count()
@@ -62,6 +64,8 @@ class LLMServer:
 
             options["launcher"] = RayLauncher(f"cpuserve-{self.replica_id}", self.config.cpus_per_rank,
                                               self.config.socket_resource)
+        if engine_cls is None:
+            from cpuserve.engine.async_engine import AsyncLLMEngine as engine_cls
         with on_cores(cores):  # the engine's thread (and its OpenMP workers) on the cores kept for it, if any
             self.engine = engine_cls.from_config(**options)
         self._engine_metrics = None

@@ -1,5 +1,5 @@
-"""The ingress side of serving stays light: importing it does not load torch (the engine lives in the replicas), and
-serving/'s modules import each other without cycles."""
+"""The ingress side of serving stays light: importing it, or building the app, does not load torch (the engine lives in
+the replicas), and serving/'s modules import each other without cycles."""
 
 from __future__ import annotations
 
@@ -16,6 +16,16 @@ INGRESS_MODULES = ("cpuserve.serving.ingress", "cpuserve.serving.openai_api", "c
 
 def test_importing_the_ingress_does_not_import_torch():
     code = (f"import sys\nfor name in {INGRESS_MODULES!r}:\n    __import__(name)\n"
+            "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
+            "assert not loaded, loaded[:5]\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_building_the_app_does_not_import_torch():
+    """`cpuserve serve` builds the app before Ray starts: torch (3-4 CPU-seconds) is the LLMServer replica's alone."""
+    code = ("import sys\nfrom cpuserve.serving.app import build_app\nfrom cpuserve.serving.config import ServeConfig\n"
+            "assert build_app(ServeConfig()) is not None\n"
             "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
             "assert not loaded, loaded[:5]\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
