@@ -13,7 +13,7 @@ replica's generator and aborts the request in its engine.
 import asyncio
 import contextvars
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 import grpc
 from fastapi import FastAPI, Request
@@ -40,6 +40,7 @@ from cpuserve.serving.tool_stream import ToolCallStream
 from cpuserve.serving.tools import parse_tool_calls
 from cpuserve.v1 import inference_pb2 as pb
 
+T = TypeVar("T")
 api = FastAPI(title="cpuserve", docs_url=None, redoc_url=None, openapi_url=None)
 
 
@@ -71,6 +72,11 @@ async def _disconnected(request: Request, poll_s: float = 0.5) -> None:
 
 async def _result(response: Any) -> Any:
     return await response
+
+
+async def _merged(first: dict[str, Any], stream: AsyncIterator[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A non-streamed answer: every chunk merged, per sample."""
+    return merge_samples([first] + [c async for c in stream])
 
 
 def _error_response(e: RequestError) -> JSONResponse:
@@ -160,20 +166,22 @@ class IngressCore:
         first = await anext(stream)  # RequestError here: nothing was sent to the client yet
         return internal["request_id"], first, stream
 
-    async def _start_unless_gone(self, request: Request, model: str | None, internal: dict[str, Any]):
-        """_start, given up (the request aborted on its replica) when the HTTP client leaves before the first token:
-        a request queued behind others would otherwise hold its place and get its prompt prefilled for nobody.
-        (gRPC needs none of this: grpc.aio cancels the handler when its client goes.)"""
-        start = asyncio.ensure_future(self._start(model, internal))
+    async def _unless_gone(self, request: Request, work: Awaitable[T]) -> T | None:
+        """`work`'s result, or None once the HTTP client has left first (noticed within 0.5 s): `work` is cancelled,
+        so the request it waits on is aborted on its replica and counted aborted. A queued request would otherwise
+        keep its place and get its prompt prefilled for nobody, and a non-streamed one would run to max_tokens. Serve's
+        HTTP proxy cancels the handler itself when its client leaves; the Ingress's own server (direct_http) does
+        not. (gRPC needs none of this: grpc.aio cancels the handler when its client goes.)"""
+        task = asyncio.ensure_future(work)
         gone = asyncio.ensure_future(_disconnected(request))
         try:
-            await asyncio.wait({start, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            if not start.done():  # cancelled here, its stream's cleanup aborts the request and counts it aborted
-                start.cancel()
+            if not task.done():  # cancelled here, its stream's cleanup aborts the request and counts it aborted
+                task.cancel()
         try:
-            return await start
+            return await task
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling():  # this handler itself is being cancelled
                 raise
@@ -217,7 +225,7 @@ class IngressCore:
             self._authorize_http(request)
             parsed = parse_body(await self._read_body(request), cls)
             internal = parsed.to_internal()
-            started = await self._start_unless_gone(request, parsed.model, internal)
+            started = await self._unless_gone(request, self._start(parsed.model, internal))
         except RequestError as e:
             return _error_response(e)
         if started is None:  # nobody is there to read an answer
@@ -232,9 +240,11 @@ class IngressCore:
             return StreamingResponse(self._sse(rid, first, stream, chat, include_usage, tools, n=parsed.n),
                                      media_type="text/event-stream", headers=headers)
         try:
-            samples = merge_samples([first] + [c async for c in stream])
+            samples = await self._unless_gone(request, _merged(first, stream))
         except RequestError as e:
             return _error_response(e)
+        if samples is None:
+            return Response(status_code=499)
         if len(samples) > 1:  # n samples: one choice each
             body = completion_body(rid, self.model, samples[0], chat, final=True)
             body["choices"] = [completion_body(rid, self.model, m, chat, final=True)["choices"][0] for m in samples]

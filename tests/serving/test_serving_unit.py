@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pickle
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -14,8 +17,7 @@ import grpc
 import pytest
 from starlette.requests import Request
 
-from cpuserve.engine.async_engine import EngineDeadError
-from cpuserve.engine.errors import InvalidRequest
+from cpuserve.engine.errors import EngineDeadError, InvalidRequest
 from cpuserve.engine.outputs import StepOutput
 from cpuserve.serving.config import ServeConfig
 from cpuserve.serving.ingress import IngressCore
@@ -363,12 +365,17 @@ def test_serves_health_check_fails_a_stalled_engine():
         asyncio.run(server.check_health())
 
 
-def test_a_client_leaving_before_its_first_token_aborts_its_queued_request():
+@pytest.mark.parametrize("stream,hold", [(True, "hold_first"), (False, "hold_first"), (False, "hold")],
+                         ids=["stream-queued", "unary-queued", "unary-running"])
+def test_an_http_client_leaving_before_its_answer_aborts_its_request(stream, hold):
+    """As on the Ingress's own HTTP server (direct_http), which does not cancel a handler whose client left: a
+    request still queued (no first token yet), or non-streamed and running, is aborted once its client leaves."""
     ingress, engine = make_ingress()
-    engine.hold_first = True  # queued: no first token comes
+    setattr(engine, hold, True)  # hold_first: queued, no first token comes; hold: running, after its first token
 
     async def scenario():
-        response = await ingress.completions(http_request({"prompt": "hi", "stream": True}, leaves_after_s=0.3))
+        body = {"prompt": "hi", "stream": stream, "max_tokens": 8}
+        response = await ingress.completions(http_request(body, leaves_after_s=0.3))
         await asyncio.sleep(0.1)  # the replica's side of the cancellation
         return response.status_code
 
@@ -376,3 +383,12 @@ def test_a_client_leaving_before_its_first_token_aborts_its_queued_request():
     assert asyncio.run(scenario()) == 499 and time.monotonic() - start < 3
     assert engine.num_streams == 0 and ingress.num_in_flight == 0  # aborted in the engine, out of the admission count
     assert ingress.metrics.requests.labels(model=ingress.model, finish_reason="abort")._value.get() == 1
+
+
+def test_the_health_checks_error_unpickles_without_torch():
+    """A failed health check carries EngineDeadError to Serve's controller, which imports the error's module to unpickle
+    it: that must not load torch (the controller grew 85 -> 211 MiB in the soak after one check failed in a pause)."""
+    data = pickle.dumps(EngineDeadError("stalled"))
+    code = f"import pickle, sys; e = pickle.loads({data!r}); assert 'torch' not in sys.modules; print(type(e).__name__)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "EngineDeadError", run.stderr
