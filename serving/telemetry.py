@@ -12,6 +12,7 @@ import time
 from typing import Any, Callable
 
 from cpuserve.serving.metrics import ServingMetrics
+from cpuserve.serving.protocol import Chunk
 
 STALE_AFTER_S = 10.0  # a replica silent this long is gone (restarted or scaled down)
 
@@ -28,23 +29,25 @@ class RequestTimer:
         self.completion_tokens = 0
         self.finished = False
 
-    def on_chunk(self, chunk: dict[str, Any]) -> None:
+    def on_chunk(self, chunk: Chunk) -> None:
         now = time.perf_counter()
-        m, model = self.metrics, self.model
-        num_new = len(chunk["ids"])
-        if "queue_time" in chunk:
-            m.request_queue_time.labels(model=model).observe(chunk["queue_time"])
+        m = self.metrics
+        num_new = len(chunk.ids)
+        if chunk.queue_time is not None:
+            m.request_queue_time.labels(model=self.model).observe(chunk.queue_time)
         if num_new:
             if self.last_token_time is None:  # first token(s): TTFT; tokens arriving with it had no gap
-                m.time_to_first_token.labels(model=model).observe(now - self.arrival)
+                m.time_to_first_token.labels(model=self.model).observe(now - self.arrival)
                 num_gaps, gap = num_new - 1, 0.0
             else:  # several tokens in one message share the gap evenly
                 num_gaps, gap = num_new, (now - self.last_token_time) / num_new
-            for _ in range(num_gaps):
-                m.inter_token_latency.labels(model=model).observe(gap)
+            if num_gaps:
+                itl = m.inter_token_latency.labels(model=self.model)
+                for _ in range(num_gaps):
+                    itl.observe(gap)
             self.last_token_time = now
-        self.prompt_tokens = chunk["prompt_tokens"]
-        self.completion_tokens = chunk["completion_tokens"]
+        self.prompt_tokens = chunk.prompt_tokens
+        self.completion_tokens = chunk.completion_tokens
 
     def finish(self, finish_reason: str) -> None:
         """Count the request once, by finish reason (stop, length, abort, error)."""
