@@ -159,9 +159,14 @@ def _logprobs(chunk: Chunk) -> list[Any]:
 
 
 def generate_response(request_id: str, chunk: Chunk, tool_calls: list[dict[str, Any]] | None = None) -> Any:
-    return pb.GenerateResponse(request_id=request_id, text=chunk.text, token_ids=chunk.ids,
-                               logprobs=_logprobs(chunk), finish_reason=FINISH_REASONS[chunk.finish_reason],
-                               usage=_usage(chunk), index=chunk.index, tool_calls=_tool_calls(tool_calls))
+    response = pb.GenerateResponse(request_id=request_id, text=chunk.text, token_ids=chunk.ids,
+                                   finish_reason=FINISH_REASONS[chunk.finish_reason], usage=_usage(chunk),
+                                   index=chunk.index)
+    if chunk.logprobs is not None:  # set only when there are some: an empty list still costs its conversion
+        response.logprobs.extend(_logprobs(chunk))
+    if tool_calls:
+        response.tool_calls.extend(_tool_calls(tool_calls))
+    return response
 
 
 def complete_response(request_id: str, samples: list[Chunk], tool_calls: list[dict[str, Any]] | None = None) -> Any:

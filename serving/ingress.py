@@ -35,7 +35,7 @@ from cpuserve.serving.openai_responses import completion_body, error_event, erro
 from cpuserve.serving.protocol import (NOT_FOUND, RESOURCE_EXHAUSTED, TOO_LARGE, UNAUTHENTICATED, UNAVAILABLE, Chunk,
                                        GenerateRequest, RequestError, decode, merge_samples, total)
 from cpuserve.serving.ray_env import own_data_plane
-from cpuserve.serving.telemetry import EngineStatsAggregator, RequestTimer
+from cpuserve.serving.telemetry import EngineStatsAggregator, RequestMetrics, RequestTimer
 from cpuserve.serving.tool_stream import ToolCallStream
 from cpuserve.serving.tools import parse_tool_calls
 from cpuserve.v1 import inference_pb2 as pb
@@ -88,6 +88,7 @@ class IngressCore:
         self.api_keys = self.config.api_keys()
         self.metrics = build_serving_metrics(registry := CollectorRegistry())
         initialize_serving_metrics(self.metrics, self.model)
+        self.request_metrics = RequestMetrics(self.metrics, self.model)
         self.engine_stats = EngineStatsAggregator(self.metrics, self.model)
         if self.config.metrics_port:
             try:
@@ -118,7 +119,7 @@ class IngressCore:
             raise RequestError(f"{self.num_in_flight} requests are running or waiting, the limit (replicas x "
                                "max_num_seqs + max_queued_requests): retry in 1 s", None, RESOURCE_EXHAUSTED, 1)
         self.num_in_flight += 1
-        timer = RequestTimer(self.metrics, self.model)
+        timer = RequestTimer(self.request_metrics)
         # the replica sends protocol.encode's bytes: plain pickle wraps them (Ray's default, cloudpickle, costs more)
         responses = self.llm.options(stream=True, request_serialization="pickle",
                                      response_serialization="pickle").generate.remote(request)

@@ -15,7 +15,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from cpuserve.serving.protocol import MAX_N, GenerateRequest, RequestError, ToolChoice, build_sampling, structured_output
+from cpuserve.serving.protocol import (MAX_N, GenerateRequest, RequestError, ToolChoice, build_sampling,
+                                       structured_output)
 from cpuserve.serving.tools import check_tools
 
 ROLES = ("system", "user", "assistant", "developer", "tool")

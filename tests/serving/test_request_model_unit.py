@@ -1,5 +1,6 @@
 """The two readers of serving/request_model.py without a server: the same request written as an HTTP body and as a
-proto GenerateRequest becomes the same request to the replicas (protocol.GenerateRequest) (test_serving_bad_input.py checks that bad ones fail alike)."""
+proto GenerateRequest becomes the same protocol.GenerateRequest for the replicas (test_serving_bad_input.py checks
+that bad ones fail alike)."""
 
 from __future__ import annotations
 
