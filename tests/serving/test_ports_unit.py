@@ -25,6 +25,20 @@ def test_never_a_port_another_socket_listens_on(monkeypatch):
         assert ports.free_port() != taken
 
 
+def test_never_a_port_it_handed_out_before_even_while_nothing_binds_it(monkeypatch):
+    # a config's gRPC, HTTP and metrics ports are picked in a row and bound later: the random draw repeating a port
+    # made two of them equal in a CI run (ServeConfig: "ports must differ")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        first = probe.getsockname()[1]
+    other = first + 1 if first + 1 < 65536 else first - 1
+    choices = iter([first, first, first, other])
+    monkeypatch.setattr(ports.random, "randrange", lambda a, b: next(choices))
+    monkeypatch.setattr(ports, "_ephemeral_start", lambda: 65536)
+    monkeypatch.setattr(ports, "_handed_out", set())
+    assert [ports.free_port(), ports.free_port()] == [first, other]
+
+
 def test_reads_the_kernels_range_and_falls_back_to_linuxs_default(tmp_path):
     path = tmp_path / "ip_local_port_range"
     path.write_text("40000\t60999\n")
