@@ -28,13 +28,12 @@ def test_never_a_port_another_socket_listens_on(monkeypatch):
 def test_never_a_port_it_handed_out_before_even_while_nothing_binds_it(monkeypatch):
     # a config's gRPC, HTTP and metrics ports are picked in a row and bound later: the random draw repeating a port
     # made two of them equal in a CI run (ServeConfig: "ports must differ")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        first = probe.getsockname()[1]
-    other = first + 1 if first + 1 < 65536 else first - 1
-    choices = iter([first, first, first, other])
-    monkeypatch.setattr(ports.random, "randrange", lambda a, b: next(choices))
-    monkeypatch.setattr(ports, "_ephemeral_start", lambda: 65536)
+    # two free ports below the kernel's ephemeral range, where no other process is handed one meanwhile
+    monkeypatch.setattr(ports, "_ephemeral_start", lambda: 32768)
+    monkeypatch.setattr(ports, "_handed_out", set())
+    first, other = ports.free_port(), ports.free_port()
+    draws = iter([first, first, first])
+    monkeypatch.setattr(ports.random, "randrange", lambda a, b: next(draws, other))
     monkeypatch.setattr(ports, "_handed_out", set())
     assert [ports.free_port(), ports.free_port()] == [first, other]
 
