@@ -12,50 +12,65 @@ import time
 from typing import Any, Callable
 
 from cpuserve.serving.metrics import ServingMetrics
+from cpuserve.serving.protocol import Chunk
 
 STALE_AFTER_S = 10.0  # a replica silent this long is gone (restarted or scaled down)
+
+
+class RequestMetrics:
+    """One model's per-request metrics, each labelled child looked up once (a lookup costs about what an
+    observation does, and a streamed message makes several)."""
+
+    def __init__(self, metrics: ServingMetrics, model: str):
+        self.metrics = metrics
+        self.model = model
+        self.queue_time = metrics.request_queue_time.labels(model=model)
+        self.time_to_first_token = metrics.time_to_first_token.labels(model=model)
+        self.inter_token_latency = metrics.inter_token_latency.labels(model=model)
+        self.e2e_request_latency = metrics.e2e_request_latency.labels(model=model)
+        self.prompt_tokens = metrics.prompt_tokens.labels(model=model)
+        self.generation_tokens = metrics.generation_tokens.labels(model=model)
 
 
 class RequestTimer:
     """Times one request from its arrival at the ingress; feed it every chunk, then `finish` once."""
 
-    def __init__(self, metrics: ServingMetrics, model: str):
+    def __init__(self, metrics: RequestMetrics):
         self.metrics = metrics
-        self.model = model
         self.arrival = time.perf_counter()
         self.last_token_time: float | None = None
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.finished = False
 
-    def on_chunk(self, chunk: dict[str, Any]) -> None:
+    def on_chunk(self, chunk: Chunk) -> None:
         now = time.perf_counter()
-        m, model = self.metrics, self.model
-        num_new = len(chunk["ids"])
-        if "queue_time" in chunk:
-            m.request_queue_time.labels(model=model).observe(chunk["queue_time"])
+        m = self.metrics
+        num_new = len(chunk.ids)
+        if chunk.queue_time is not None:
+            m.queue_time.observe(chunk.queue_time)
         if num_new:
             if self.last_token_time is None:  # first token(s): TTFT; tokens arriving with it had no gap
-                m.time_to_first_token.labels(model=model).observe(now - self.arrival)
+                m.time_to_first_token.observe(now - self.arrival)
                 num_gaps, gap = num_new - 1, 0.0
             else:  # several tokens in one message share the gap evenly
                 num_gaps, gap = num_new, (now - self.last_token_time) / num_new
             for _ in range(num_gaps):
-                m.inter_token_latency.labels(model=model).observe(gap)
+                m.inter_token_latency.observe(gap)
             self.last_token_time = now
-        self.prompt_tokens = chunk["prompt_tokens"]
-        self.completion_tokens = chunk["completion_tokens"]
+        self.prompt_tokens = chunk.prompt_tokens
+        self.completion_tokens = chunk.completion_tokens
 
     def finish(self, finish_reason: str) -> None:
         """Count the request once, by finish reason (stop, length, abort, error)."""
         if self.finished:
             return
         self.finished = True
-        m, model = self.metrics, self.model
-        m.requests.labels(model=model, finish_reason=finish_reason).inc()
-        m.prompt_tokens.labels(model=model).inc(self.prompt_tokens)
-        m.generation_tokens.labels(model=model).inc(self.completion_tokens)
-        m.e2e_request_latency.labels(model=model).observe(time.perf_counter() - self.arrival)
+        m = self.metrics
+        m.metrics.requests.labels(model=m.model, finish_reason=finish_reason).inc()
+        m.prompt_tokens.inc(self.prompt_tokens)
+        m.generation_tokens.inc(self.completion_tokens)
+        m.e2e_request_latency.observe(time.perf_counter() - self.arrival)
 
 
 class EngineStatsAggregator:

@@ -295,11 +295,14 @@ struct PromptGemm {
 
   // Column blocks a panel: as many as keep its bf16 weights over a span and a 32-row block of x's span within
   // about 1 MB of the core's L2 (measured on a Xeon with AMX, 2 MB of L2 a core: more thrashes it), at least a
-  // pair, and few enough that every thread gets about four panels. When x itself fits in L2 a pair is enough.
+  // pair, and few enough that every thread gets about four panels. When x itself fits in L2 a pair is enough,
+  // except for the fused silu, whose tasks are wide (a gate and its up block): at SmolLM2's 512 x 576 -> 3072 it ran
+  // ~600 G multiply-adds a second on pairs and ~800 on panels (2 cores of a Xeon with AMX); the plain GEMMs at its
+  // shapes did not gain.
   int64_t panel_blocks(int64_t M, int64_t span) const {
     constexpr int64_t kBudget = int64_t{1} << 20;
     const int64_t threads = at::get_num_threads(), total = N / 16;
-    if (M * K * 2 <= kBudget) return 2;
+    if (M * K * 2 <= kBudget && !silu) return 2;
     const int64_t by_cache = std::max<int64_t>(0, kBudget - 32 * span * 2) / (span * 16 * 2);
     return std::max<int64_t>(2, std::min(by_cache, total / (4 * threads)) / 2 * 2);
   }
