@@ -6,8 +6,10 @@
 Two prompt sets: copy-heavy (edit this code, fix this JSON, answer quoting a passage, summarise a tool result: the
 output repeats the prompt) and open chat (it does not). For each set and each number of streams, the same greedy
 requests run on two engines loaded side by side, speculative=None and speculative="ngram", alternating within each
-repetition so drift hits both alike. Timed: from the step where every request has its first token (prefill done)
-to the last token; speed = tokens generated in that span / seconds. The table shows medians over the repetitions
+repetition so drift hits both alike. Every prompt of a set runs at every number of streams: at fewer streams than
+prompts, the set in batches of that many (one at a time at one stream). Timed: in each batch, from the step where
+every request has its first token (prefill done) to the last token; speed = tokens generated in those spans /
+their seconds. The table shows medians over the repetitions
 and the same-run ratio ngram / off, with the acceptance (accepted / drafted draft tokens). Greedy outputs must be
 identical in both modes: the script checks it. Between runs the prefix cache is emptied, so no run drafts an
 earlier run's output; within a run, streams that share a prompt may draft from each other's cached blocks (the
@@ -93,6 +95,14 @@ def run(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, int, lis
             engine.scheduler.num_draft_tokens - drafted0, engine.scheduler.num_accepted_tokens - accepted0)
 
 
+def batches(ids: list[list[int]], streams: int) -> list[list[list[int]]]:
+    """The set at `streams` streams: every prompt once, `streams` at a time, or the prompts cycled over the streams
+    when there are more streams than prompts."""
+    if streams >= len(ids):
+        return [[ids[i % len(ids)] for i in range(streams)]]
+    return [ids[i:i + streams] for i in range(0, len(ids), streams)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
@@ -128,18 +138,22 @@ def main() -> None:
         ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]), add_special_tokens=False)
                for t in texts]
         for streams in args.streams:
-            prompts = [ids[i % len(ids)] for i in range(streams)]
             speed = {"off": [], "ngram": []}
             ratios, drafted, accepted = [], 0, 0
             for _ in range(args.reps):
-                results = {mode: run(llm, prompts, args.max_tokens) for mode, llm in engines.items()}
-                if results["off"][2] != results["ngram"][2]:
-                    raise SystemExit(f"{set_name}, {streams} streams: greedy outputs differ with speculation")
-                for mode, (seconds, decoded, *_rest) in results.items():
-                    speed[mode].append(decoded / seconds if seconds > 0 else float("nan"))
+                seconds, decoded = {"off": 0.0, "ngram": 0.0}, {"off": 0, "ngram": 0}
+                for batch in batches(ids, streams):
+                    results = {mode: run(llm, batch, args.max_tokens) for mode, llm in engines.items()}
+                    if results["off"][2] != results["ngram"][2]:
+                        raise SystemExit(f"{set_name}, {streams} streams: greedy outputs differ with speculation")
+                    for mode, (s, n, *_rest) in results.items():
+                        seconds[mode] += s
+                        decoded[mode] += n
+                    drafted += results["ngram"][3]
+                    accepted += results["ngram"][4]
+                for mode in speed:
+                    speed[mode].append(decoded[mode] / seconds[mode] if seconds[mode] > 0 else float("nan"))
                 ratios.append(speed["ngram"][-1] / speed["off"][-1])
-                drafted += results["ngram"][3]
-                accepted += results["ngram"][4]
             rate = f"{100 * accepted / drafted:.0f}%" if drafted else "-"
             print(f"{set_name:12s} {streams:7d} {statistics.median(speed['off']):10.1f} "
                   f"{statistics.median(speed['ngram']):12.1f} {statistics.median(ratios):6.2f} {rate:>9s}", flush=True)
