@@ -94,6 +94,13 @@ class ServeConfig(BaseSettings):
     (one rank per socket_resource pod on Kubernetes needs PACK or STRICT_SPREAD)."""
     transport: Literal["shm", "torch"] | None = None
     """Collectives of a replica group: shm (one host) or torch (gloo/ccl); None: shm when the ranks share a node."""
+    node_labels: str | None = Field(None, pattern=r"^[^=,\s]+=[^=,\s]+(,[^=,\s]+=[^=,\s]+)*$")
+    """Ray node labels every rank of a replica must run on, "key=value,...": a Ray label selector (the operator
+    names the rank pods' revision here, so replicas of a new model start only on pods made for it)."""
+    prefix_affinity: bool = True
+    """Send a request whose prompt starts like an earlier one to the replica that served that one (its KV cache
+    holds the prefix), unless that replica is busier than the others (serving/router.py); False: Serve's power of
+    two choices."""
 
     # -- admission ----------------------------------------------------------------------------------------
     max_queued_requests: int = Field(64, ge=0)
@@ -179,6 +186,10 @@ class ServeConfig(BaseSettings):
         if self.served_model_name:
             return self.served_model_name
         return Path(self.model).stem if self.model else DEFAULT_MODEL_NAME
+
+    @property
+    def node_label_selector(self) -> dict[str, str]:
+        return dict(pair.split("=") for pair in self.node_labels.split(",")) if self.node_labels else {}
 
     @property
     def cpus_per_replica(self) -> int:

@@ -21,13 +21,15 @@ from prometheus_client import CollectorRegistry, start_http_server
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
 from cpuserve.serving import grpc_api
 from cpuserve.serving.config import ServeConfig
 from cpuserve.serving.direct_grpc import DirectGRPC
 from cpuserve.serving.direct_http import DirectHTTP, bind
-from cpuserve.serving.metrics import build_serving_metrics, initialize_serving_metrics
+from cpuserve.serving.metrics import build_serving_metrics
+from cpuserve.serving.names import ENGINE_APP_NAME, SERVER_DEPLOYMENT
 from cpuserve.serving.openai_api import ChatRequest, CompletionRequest, parse_body
 from cpuserve.serving.openai_responses import completion_body, sse, usage
 from cpuserve.serving.protocol import (GRPC_CODE, HTTP_STATUS, NOT_FOUND, RESOURCE_EXHAUSTED, TOO_LARGE,
@@ -69,16 +71,19 @@ class IngressCore:
     Args:
         config: a ServeConfig's dict.
         llm_server: a DeploymentHandle to LLMServer (tests pass a stand-in that calls an LLMServer in-process).
+        knows_model: whether the config names the replicas' model; False for the Ingress of build_ingress_app,
+            which learns it from the replicas' reports.
+
+    The model is the replicas': each reports its model with its stats, so while a model change rolls, requests
+    naming either model are served (by a replica serving it: serving/router.py) and /v1/models lists both.
     """
 
-    def __init__(self, config: dict[str, Any], llm_server: Any):
+    def __init__(self, config: dict[str, Any], llm_server: Any, knows_model: bool = True):
         self.config = ServeConfig(**config)
         self.llm = llm_server
-        self.model = self.config.model_name
         self.api_keys = self.config.api_keys()
         self.metrics = build_serving_metrics(registry := CollectorRegistry())
-        initialize_serving_metrics(self.metrics, self.model)
-        self.engine_stats = EngineStatsAggregator(self.metrics, self.model)
+        self.engine_stats = EngineStatsAggregator(self.metrics, self.config.model_name if knows_model else None)
         if self.config.metrics_port:
             try:
                 start_http_server(self.config.metrics_port, addr=self.config.host, registry=registry)
@@ -90,22 +95,39 @@ class IngressCore:
         self.max_in_flight = c.replicas * c.max_num_seqs + c.max_queued_requests
         self.num_in_flight = 0
         self.draining = False
-        self._info: dict[str, Any] | None = None
+
+    @property
+    def model(self) -> str:
+        """The name of the model most recently reported (before any report: the config's)."""
+        return next(iter(self.engine_stats.models()), self.config.model_name)
+
+    async def _served(self) -> dict[str, dict[str, Any]]:
+        """name -> model info of the models the replicas serve (asked of one replica before any report)."""
+        models = self.engine_stats.models()
+        if not models:
+            info = await self.llm.info.remote()
+            models = {info["name"]: info}
+        return models
 
     # -- the request path shared by HTTP and gRPC ----------------------------------------------------------
     async def _run(self, model: str | None, internal: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Chunk dicts of one request; raises RequestError before the first chunk if it is refused."""
-        if model and model != self.model:
-            raise RequestError(f"model={model!r} is not served here; available: [{self.model!r}]", "model", NOT_FOUND)
+        served = await self._served()
+        if model and model not in served:
+            raise RequestError(f"model={model!r} is not served here; available: {sorted(served)!r}", "model",
+                               NOT_FOUND)
+        if model:  # the router sends it to a replica serving it
+            internal["model"] = model
+        label = model or next(iter(served))
         if self.draining:
             raise RequestError("the server is shutting down: running requests finish, new ones go elsewhere", None,
                                UNAVAILABLE)
         if self.num_in_flight >= self.max_in_flight:
-            self.metrics.refused.labels(model=self.model, limit="requests").inc()
+            self.metrics.refused.labels(model=label, limit="requests").inc()
             raise RequestError(f"{self.num_in_flight} requests are running or waiting, the limit (replicas x "
                                "max_num_seqs + max_queued_requests): retry in 1 s", None, RESOURCE_EXHAUSTED, 1)
         self.num_in_flight += 1
-        timer = RequestTimer(self.metrics, self.model)
+        timer = RequestTimer(self.metrics, label)
         responses = self.llm.options(stream=True).generate.remote(internal)
         reason = "abort"  # unless the stream says otherwise: the client left or the deadline passed
         try:
@@ -114,7 +136,7 @@ class IngressCore:
                     error = RequestError.from_dict(chunk["error"], chunk.get("retry_after"))
                     timer.finished = error.kind != UNAVAILABLE  # refused requests are not served requests
                     if error.kind == RESOURCE_EXHAUSTED:  # the replica's queue of prompt tokens is full
-                        self.metrics.refused.labels(model=self.model, limit="tokens").inc()
+                        self.metrics.refused.labels(model=label, limit="tokens").inc()
                     reason = "error"
                     raise error
                 timer.on_chunk(chunk)
@@ -122,7 +144,7 @@ class IngressCore:
                 yield chunk
         except BackPressureError as e:
             timer.finished = True
-            self.metrics.refused.labels(model=self.model, limit="requests").inc()
+            self.metrics.refused.labels(model=label, limit="requests").inc()
             raise RequestError(f"overloaded: {e}", None, RESOURCE_EXHAUSTED, 1) from None
         except (RayActorError, DeploymentUnavailableError) as e:
             reason = "error"
@@ -148,10 +170,13 @@ class IngressCore:
         """Each LLMServer replica calls this every stats_interval_s."""
         self.engine_stats.update(stats)
 
-    async def _model_info(self) -> dict[str, Any]:
-        if self._info is None:
-            self._info = await self.llm.info.remote()
-        return self._info
+    async def _model_info(self, name: str | None = None) -> dict[str, Any]:
+        """The info of model `name`, or of the model most recently reported."""
+        served = await self._served()
+        return served.get(name) or next(iter(served.values()))
+
+    async def _models(self) -> list[dict[str, Any]]:
+        return [await self._model_info(name) for name in await self._served()]
 
     # -- HTTP ------------------------------------------------------------------------------------------------
     def _authorize_http(self, request: Request) -> None:
@@ -180,28 +205,29 @@ class IngressCore:
             return _error_response(e)
         rid = ("chatcmpl-" if chat else "cmpl-") + rid
         headers = {"x-cpuserve-replica": first.get("replica", "")}
-        tool_format = (await self._model_info())["tool_format"] if internal.get("tools") else None
+        model = first.get("model", self.model)  # the model that serves it
+        tool_format = (await self._model_info(model))["tool_format"] if internal.get("tools") else None
         include_usage = parsed.stream_options is not None and parsed.stream_options.include_usage
         if parsed.stream:  # with tools, calls stream as the model writes them
             tools = ToolCallStream(tool_format) if tool_format else None
-            return StreamingResponse(self._sse(rid, first, stream, chat, include_usage, tools, n=parsed.n),
+            return StreamingResponse(self._sse(rid, model, first, stream, chat, include_usage, tools, n=parsed.n),
                                      media_type="text/event-stream", headers=headers)
         try:
             samples = merge_samples([first] + [c async for c in stream])
         except RequestError as e:
             return _error_response(e)
         if len(samples) > 1:  # n samples: one choice each
-            body = completion_body(rid, self.model, samples[0], chat, final=True)
-            body["choices"] = [completion_body(rid, self.model, m, chat, final=True)["choices"][0] for m in samples]
+            body = completion_body(rid, model, samples[0], chat, final=True)
+            body["choices"] = [completion_body(rid, model, m, chat, final=True)["choices"][0] for m in samples]
             body["usage"] = usage(total(samples))
             return JSONResponse(body, headers=headers)
         merged, calls = samples[0], None
         if tool_format:
             merged["text"], calls = parse_tool_calls(tool_format, merged["text"])
-        return JSONResponse(completion_body(rid, self.model, merged, chat, final=True, tool_calls=calls),
+        return JSONResponse(completion_body(rid, model, merged, chat, final=True, tool_calls=calls),
                             headers=headers)
 
-    async def _sse(self, rid: str, first: dict, stream: AsyncIterator[dict], chat: bool,
+    async def _sse(self, rid: str, model: str, first: dict, stream: AsyncIterator[dict], chat: bool,
                    include_usage: bool, tools: ToolCallStream | None = None, n: int = 1) -> AsyncIterator[bytes]:
         chunk, text_offsets, last = first, {}, {}  # per sample index: where its text is, its latest chunk
         try:
@@ -209,7 +235,7 @@ class IngressCore:
                 index, deltas = chunk.get("index", 0), None
                 if tools is not None:
                     chunk, deltas = tools.apply(chunk)
-                yield sse(completion_body(rid, self.model, chunk, chat, final=False,
+                yield sse(completion_body(rid, model, chunk, chat, final=False,
                                           text_offset=text_offsets.get(index, 0), tool_calls=deltas))
                 last[index] = chunk
                 if chunk["finish_reason"] and sum(c["finish_reason"] is not None for c in last.values()) == n:
@@ -218,7 +244,7 @@ class IngressCore:
                 chunk = await anext(stream)
             if include_usage:
                 yield sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                           "model": self.model, "choices": [], "usage": usage(total(list(last.values())))})
+                           "model": model, "choices": [], "usage": usage(total(list(last.values())))})
             yield sse("[DONE]")
         except RequestError as e:  # after the 200 header: report in-stream, as OpenAI does
             yield sse({"error": e.to_dict()})
@@ -239,9 +265,9 @@ class IngressCore:
             self._authorize_http(request)
         except RequestError as e:
             return _error_response(e)
-        info = await self._model_info()
-        return JSONResponse({"object": "list", "data": [{"id": info["name"], "object": "model", "created": 0,
-                                                         "owned_by": "cpuserve", "max_model_len": info["max_model_len"]}]})
+        return JSONResponse({"object": "list", "data": [
+            {"id": info["name"], "object": "model", "created": 0, "owned_by": "cpuserve",
+             "max_model_len": info["max_model_len"]} for info in await self._models()]})
 
     @api.get("/health")
     async def health(self) -> Response:
@@ -280,7 +306,7 @@ class IngressCore:
             model, internal = grpc_api.generate_request(grpc_api.parse(request, pb.GenerateRequest),
                                                         self.config.max_request_bytes)
             rid, first, stream = await self._start(model, internal)
-            tool_format = (await self._model_info())["tool_format"] if internal.get("tools") else None
+            tool_format = (await self._model_info(first.get("model")))["tool_format"] if internal.get("tools") else None
             return rid, first, stream, tool_format
         except RequestError as e:
             self._grpc_fail(grpc_context, e)
@@ -316,21 +342,21 @@ class IngressCore:
         try:
             self._authorize_grpc(grpc_context)
             req = grpc_api.parse(request, pb.TokenizeRequest)
-            if req.model and req.model != self.model:
-                raise RequestError(f"model={req.model!r} is not served here; available: [{self.model!r}]", "model",
+            served = await self._served()
+            if req.model and req.model not in served:
+                raise RequestError(f"model={req.model!r} is not served here; available: {sorted(served)!r}", "model",
                                    NOT_FOUND)
         except RequestError as e:
             self._grpc_fail(grpc_context, e)
         ids = await self.llm.tokenize.remote(req.text, req.add_special_tokens)
-        return pb.TokenizeResponse(token_ids=ids, max_model_len=(await self._model_info())["max_model_len"])
+        return pb.TokenizeResponse(token_ids=ids, max_model_len=(await self._model_info(req.model))["max_model_len"])
 
     async def ListModels(self, request: bytes, grpc_context: Any) -> Any:  # noqa: N802
         try:
             self._authorize_grpc(grpc_context)
         except RequestError as e:
             self._grpc_fail(grpc_context, e)
-        info = await self._model_info()
-        return pb.ListModelsResponse(models=[pb.ModelInfo(**info)])
+        return pb.ListModelsResponse(models=[pb.ModelInfo(**info) for info in await self._models()])
 
     async def Health(self, request: bytes, grpc_context: Any) -> Any:  # noqa: N802
         ok, message = await self._is_healthy()
@@ -343,7 +369,10 @@ class Ingress(IngressCore):
     """The Ingress deployment: Ray Serve binds `api`'s routes (IngressCore's methods) to the replica."""
 
     def __init__(self, config: dict[str, Any], llm_server: Any):
-        super().__init__(config, own_data_plane(llm_server))
+        lone = llm_server is None  # build_ingress_app: the LLMServer replicas are another application's
+        if lone:  # made here, not by serve.get_deployment_handle, which fails while that application deploys
+            llm_server = DeploymentHandle(SERVER_DEPLOYMENT, ENGINE_APP_NAME)
+        super().__init__(config, own_data_plane(llm_server), knows_model=not lone)
         c, loop = self.config, asyncio.get_running_loop()
         self.direct_http = self.direct_grpc = None
         # bound now: a port in use fails the replica's start, naming the port

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from cpuserve.serving.metrics import ServingMetrics
+from cpuserve.serving.metrics import ServingMetrics, initialize_serving_metrics
 
 STALE_AFTER_S = 10.0  # a replica silent this long is gone (restarted or scaled down)
 
@@ -30,6 +30,7 @@ class RequestTimer:
 
     def on_chunk(self, chunk: dict[str, Any]) -> None:
         now = time.perf_counter()
+        self.model = chunk.get("model", self.model)  # the first chunk names the model that serves the request
         m, model = self.metrics, self.model
         num_new = len(chunk["ids"])
         if "queue_time" in chunk:
@@ -59,26 +60,39 @@ class RequestTimer:
 
 
 class EngineStatsAggregator:
-    """Sums the replicas' engine gauges; turns their step times and preemption and draft totals into increments.
+    """Sums the replicas' engine gauges per served model; turns their step times and preemption and draft totals
+    into increments; knows which models the replicas serve (two while a model change rolls).
 
     The gauges are computed when they are scraped, over the replicas heard from in the last STALE_AFTER_S: a
-    replica that stops reporting (gone, or its reports lost) drops out even when no other replica reports.
+    replica that stops reporting (gone, or its reports lost) drops out even when no other replica reports. Each
+    model's series are created at zero the first time a replica reports it (or at start for `model`).
     """
 
-    def __init__(self, metrics: ServingMetrics, model: str, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, metrics: ServingMetrics, model: str | None, clock: Callable[[], float] = time.monotonic):
         self.metrics = metrics
-        self.model = model
+        self.default_model = model  # the label of reports that name no model
         self.clock = clock
         self._latest: dict[str, tuple[float, dict[str, Any]]] = {}  # replica_id -> (clock time, stats)
         self._totals: dict[tuple[str, str], int] = {}  # (replica_id, counter) -> its total so far (kept while silent)
-        m = metrics
+        self._watched: set[str] = set()
+        if model:
+            self.watch(model)
+
+    def watch(self, model: str) -> None:
+        """Create `model`'s series at zero and compute its gauges at each scrape (once per model)."""
+        if model in self._watched:
+            return
+        self._watched.add(model)
+        m = self.metrics
+        initialize_serving_metrics(m, model)
         # called by the Prometheus endpoint's thread at each scrape
-        m.num_requests_running.labels(model=model).set_function(lambda: self._sum("num_running"))
-        m.num_requests_waiting.labels(model=model).set_function(lambda: self._sum("num_waiting"))
-        m.kv_cache_usage_ratio.labels(model=model).set_function(self._kv_usage)
+        m.num_requests_running.labels(model=model).set_function(lambda: self._sum(model, "num_running"))
+        m.num_requests_waiting.labels(model=model).set_function(lambda: self._sum(model, "num_waiting"))
+        m.kv_cache_usage_ratio.labels(model=model).set_function(lambda: self._kv_usage(model))
 
     def update(self, stats: dict[str, Any]) -> None:
-        m, model = self.metrics, self.model
+        m, model = self.metrics, self._model_of(stats)
+        self.watch(model)
         replica = stats["replica_id"]
         step = m.engine_step.labels(model=model, rank="0")
         for seconds in stats["step_times"]:
@@ -94,15 +108,30 @@ class EngineStatsAggregator:
         live[replica] = (now, stats)
         self._latest = live  # one assignment: the scrape thread reads either dict whole
 
-    def _live(self) -> list[dict[str, Any]]:
+    def models(self) -> dict[str, dict[str, Any]]:
+        """name -> the model info (LLMServer.info) of the models live replicas serve, the most recently reported
+        model first."""
+        out: dict[str, dict[str, Any]] = {}
+        for _, stats in sorted(self._live_reports(), key=lambda v: v[0], reverse=True):
+            if "model" in stats:
+                out.setdefault(stats["model"]["name"], stats["model"])
+        return out
+
+    def _model_of(self, stats: dict[str, Any]) -> str:
+        return stats["model"]["name"] if "model" in stats else self.default_model or ""
+
+    def _live_reports(self) -> list[tuple[float, dict[str, Any]]]:
         now = self.clock()
-        return [s for t, s in self._latest.values() if now - t < STALE_AFTER_S]
+        return [v for v in self._latest.values() if now - v[0] < STALE_AFTER_S]
 
-    def _sum(self, key: str) -> float:
-        return float(sum(s[key] for s in self._live()))
+    def _live(self, model: str | None = None) -> list[dict[str, Any]]:
+        return [s for _, s in self._live_reports() if model is None or self._model_of(s) == model]
 
-    def _kv_usage(self) -> float:
-        live = self._live()
+    def _sum(self, model: str, key: str) -> float:
+        return float(sum(s[key] for s in self._live(model)))
+
+    def _kv_usage(self, model: str) -> float:
+        live = self._live(model)
         blocks = sum(s["num_blocks"] for s in live)
         return sum(s["num_used_blocks"] for s in live) / blocks if blocks else 0.0
 
