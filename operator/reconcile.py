@@ -137,7 +137,9 @@ def reconcile(body: dict[str, Any], kube: Kube, settings: OperatorSettings, with
                                      kinds, create_only, plan.keep, pods)
     if changes:
         pods = kube.list("Pod", ns, f"{naming.LABEL_SERVICE}={name}")
-    observed = observe_pods(name, spec, pods, changes, errors, serve, plan.groups)
+    # the old groups still serving count as ready groups while a change rolls: the service answers meanwhile
+    draining = {int(p["metadata"]["labels"][naming.LABEL_GROUP]) for p in ranks if p["metadata"]["name"] in plan.keep}
+    observed = observe_pods(name, spec, pods, changes, errors, serve, plan.groups + sorted(draining))
     status = build_status(body, spec, plan_memory(spec), observed, [], now)
     return Outcome(status, status_changed(old_status, status), [], changes, child_errors=errors,
                    new_child_errors=bool(errors) and _said(old_status, DEGRADED) != _said(status, DEGRADED),

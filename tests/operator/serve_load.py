@@ -110,3 +110,25 @@ def assert_served_throughout(seen: list[dict[str, list[tuple[str, str]]]], ingre
         assert [r for r, _ in state["Ingress"]] == [ingress], state
         assert "LLMServer" not in state or any(s == "RUNNING" for _, s in state["LLMServer"]), state
     assert any(len(state.get("LLMServer", ())) >= 2 for state in seen), "the old and the new replica side by side"
+
+
+def change_under_load(api: ServeApi, port: int, change, num_streams: int, num_tokens: int, what: str) -> None:
+    """Run change() on a one-replica app while `num_streams` gRPC streams run and a probe asks every 0.2 s, until
+    another replica alone runs; then every stream has completed across the change, every probe was answered, and
+    the head's reports meanwhile pass assert_served_throughout."""
+    (old,) = running(api, 1)
+    (ingress,) = [r for r, _ in replicas(api)["Ingress"]]
+    probe = Probe(port)
+    probe.start()
+    streams = start_streams(port, 100, num_streams, num_tokens)
+    changed_at = time.monotonic()
+    change()
+    seen = watch_change(api, lambda: (now := running(api, 1)) and now != [old])
+    for s in streams:
+        s.join(600)
+    probe.stop()
+    assert all(s.completed for s in streams), [vars(s) for s in streams]
+    assert all(s.done_at > changed_at for s in streams), "the streams ran across the change"
+    assert probe.failures == [] and probe.ok > 0, probe.failures
+    print(f"{what}: {len(seen)} polls, the longest probe took {probe.longest:.2f} s")
+    assert_served_throughout(seen, ingress)

@@ -35,7 +35,7 @@ from cpuserve.v1 import inference_pb2 as pb
 from cpuserve.v1 import inference_pb2_grpc as pbg
 from fake_apiserver import CHART_CRDS
 from local_kubelet import LocalKubelet
-from serve_load import Probe, assert_served_throughout, replicas, running, start_streams, watch_change
+from serve_load import change_under_load, running
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "charts"))
 from chart_tools import render  # noqa: E402
@@ -210,26 +210,11 @@ def test_a_weights_change_rolls_with_a_surge_and_serves_throughout(cluster):
     server.kube.merge_patch("LLMService", NS, NAME, {"spec": {"replicas": 1, "batching": {"maxNumSeqs": NUM_STREAMS}}})
     (old_pod,) = wait_for("one group of the new revision", lambda: len(pods := rank_pods(server)) == 1 and
                           not set(pods.values()) & before and running(api, 1) and pods, timeout=420, interval=1)
-    (old_replica,) = running(api, 1)
-    (ingress,) = [r for r, _ in replicas(api)["Ingress"]]
     grpc_port = spec["ports"]["grpc"]
-    probe = Probe(grpc_port)
-    probe.start()
-    streams = start_streams(grpc_port, 100, NUM_STREAMS, NUM_TOKENS)
-    changed_at = time.monotonic()
-    server.kube.merge_patch("LLMService", NS, NAME, {"spec": {"quantization": {"weights": "int8"}}})
-    seen = watch_change(api, lambda: (now := running(api, 1)) and now != [old_replica])
-    (new_pod,) = wait_for("the old pod removed", lambda: len(pods := rank_pods(server)) == 1 and
-                          old_pod not in pods and pods, timeout=120)
-    for s in streams:
-        s.join(600)
-    probe.stop()
-
-    assert all(s.completed for s in streams), [vars(s) for s in streams]
-    assert all(s.done_at > changed_at for s in streams), "the streams ran across the change"
-    assert probe.failures == [] and probe.ok > 0, probe.failures
-    print(f"weights change: {len(seen)} polls, the longest probe took {probe.longest:.2f} s")
-    assert_served_throughout(seen, ingress)
+    change_under_load(api, grpc_port, lambda: server.kube.merge_patch(
+        "LLMService", NS, NAME, {"spec": {"quantization": {"weights": "int8"}}}), NUM_STREAMS, NUM_TOKENS,
+        "weights change")
+    wait_for("the old pod removed", lambda: len(pods := rank_pods(server)) == 1 and old_pod not in pods, timeout=120)
     with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:  # requests after it: the new weights
         (model,) = pbg.InferenceStub(channel).ListModels(pb.ListModelsRequest(), timeout=30).models
     assert model.weights == "int8"

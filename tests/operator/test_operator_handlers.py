@@ -157,6 +157,11 @@ def test_model_change_adds_a_group_and_keeps_the_old_ones_while_their_use_is_unk
     command = new["spec"]["containers"][0]["command"]
     assert "--node-name=gamma-g2-r0" in command
     assert f"--labels=cpuserve.dev/revision={new['metadata']['labels']['cpuserve.dev/revision']}" in command
+    # the old groups serve until the new one takes over: the service stays Ready, and says it is rolling
+    wait_for("observedGeneration 2", lambda: api.get(LLMS, NS, "gamma")["status"]["observedGeneration"] == 2)
+    assert api.get(LLMS, NS, "gamma")["status"]["readyReplicas"] == 2
+    assert (condition(api, "gamma", "Ready")["status"], condition(api, "gamma", "Progressing")["status"]) == \
+        ("True", "True")
     set_ready(api, "gamma-g2-r0")
     time.sleep(RESYNC_SECONDS * 1.5)  # a timer pass or more
     assert children(api, "gamma")["pods"] == [*pods[:2], "gamma-g2-r0", "gamma-head"], "one group more at most"

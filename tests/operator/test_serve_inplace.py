@@ -23,7 +23,7 @@ from cpuserve.v1 import inference_pb2 as pb
 from cpuserve.v1 import inference_pb2_grpc as pbg
 from llmservice_factory import make_body
 from ray_head import RayHead
-from serve_load import Probe, assert_served_throughout, replicas, running, start_streams, watch_change
+from serve_load import change_under_load, replicas, running, start_streams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 NUM_STREAMS, NUM_TOKENS = 8, 96
@@ -102,25 +102,11 @@ def test_a_model_change_keeps_serving_throughout(head, ports, tmp_path):
 
     api = ServeApi(head.dashboard, head.token)
     apply(api, document(1, ports))
-    (old,) = wait_for("1 replica running", lambda: running(api, 1), timeout=420, interval=1)
-    (ingress,) = [r for r, _ in replicas(api)["Ingress"]]
+    wait_for("1 replica running", lambda: running(api, 1), timeout=420, interval=1)
     new_model = tmp_path / "smollm2-b.gguf"  # the same weights under another name: another model to Serve
     new_model.symlink_to(default_model_path())
-    probe = Probe(ports["grpc"])
-    probe.start()
-    streams = start_streams(ports["grpc"], 100, NUM_STREAMS, NUM_TOKENS)
-    changed_at = time.monotonic()
-    assert apply(api, document(1, ports, weights="int8", model=new_model)).applied
-    seen = watch_change(api, lambda: (now := running(api, 1)) and now != [old])
-    for s in streams:
-        s.join(600)
-    probe.stop()
-
-    assert all(s.completed for s in streams), [vars(s) for s in streams]
-    assert all(s.done_at > changed_at for s in streams), "the streams ran across the change"
-    assert probe.failures == [] and probe.ok > 0, probe.failures
-    print(f"model change: {len(seen)} polls, the longest probe took {probe.longest:.2f} s")
-    assert_served_throughout(seen, ingress)
+    change_under_load(api, ports["grpc"], lambda: apply(api, document(1, ports, weights="int8", model=new_model)),
+                      NUM_STREAMS, NUM_TOKENS, "model change")
     with grpc.insecure_channel(f"127.0.0.1:{ports['grpc']}") as channel:  # requests after it: the new model
         stub = pbg.InferenceStub(channel)
         # the old replica's last report counts for STALE_AFTER_S after it stopped
