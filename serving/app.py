@@ -78,9 +78,12 @@ def _server(config: ServeConfig):
              "runtime_env": {"env_vars": preload} if preload else {}}
     if selector and not group:
         actor["label_selector"] = selector
-    router = RequestRouterConfig(request_router_class="cpuserve.serving.router:LLMRouter",
-                                 request_router_kwargs={"prefix_affinity": config.prefix_affinity},
-                                 request_routing_stats_period_s=1.0)
+    if config.router == "serve":  # Serve's default class, PowerOfTwoChoicesRequestRouter
+        router = RequestRouterConfig()
+    else:
+        router = RequestRouterConfig(request_router_class="cpuserve.serving.router:LLMRouter",
+                                     request_router_kwargs={"prefix_affinity": config.router == "prefix"},
+                                     request_routing_stats_period_s=1.0)
     return serve.deployment(LLMServer, name=SERVER_DEPLOYMENT).options(
         num_replicas=config.replicas, **group, ray_actor_options=actor, request_router_config=router,
         # admission happens at the ingress; this only caps what one replica accepts

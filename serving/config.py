@@ -97,10 +97,12 @@ class ServeConfig(BaseSettings):
     node_labels: str | None = Field(None, pattern=r"^[^=,\s]+=[^=,\s]+(,[^=,\s]+=[^=,\s]+)*$")
     """Ray node labels every rank of a replica must run on, "key=value,...": a Ray label selector (the operator
     names the rank pods' revision here, so replicas of a new model start only on pods made for it)."""
-    prefix_affinity: bool = True
-    """Send a request whose prompt starts like an earlier one to the replica that served that one (its KV cache
-    holds the prefix), unless that replica is busier than the others (serving/router.py); False: Serve's power of
-    two choices."""
+    router: Literal["prefix", "power-of-two", "serve"] = "prefix"
+    """How the Ingress picks an LLMServer replica. prefix: a request whose prompt starts like an earlier one goes
+    to the replica that got that one (its KV cache holds the prefix) unless it is the busier by more than 4
+    requests, others to the least busy (serving/router.py); power-of-two: the less busy of two random replicas;
+    both only among the replicas serving the model a request names (two models run while one changes in place).
+    serve: Ray Serve's own default router, unchanged: power of two choices over every replica, blind to models."""
 
     # -- admission ----------------------------------------------------------------------------------------
     max_queued_requests: int = Field(64, ge=0)

@@ -11,7 +11,7 @@ extension point (`ray.serve.request_router.RequestRouter`, set as the deployment
     prompt (token ids | text | chat messages)
       -> full chunks of CHUNK_TOKENS tokens (text: CHUNK_TOKENS x CHARS_PER_TOKEN characters)
       -> hash chain h1 = hash(0, c1), h2 = hash(h1, c2), ...      (as the engine hashes its KV blocks)
-    per replica: an LRU set of the hashes routed to it, bounded by its KV pool (routing stats "kv_tokens")
+    per replica: an LRU set of the hashes routed to it, bounded by 4x its KV pool (routing stats "kv_tokens")
     match(replica) = how many of h1, h2, ... it holds, from the start
 
 The index is what this router sent, not what each engine still caches: a prefix the engine evicted still counts
@@ -29,6 +29,9 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 CHUNK_TOKENS = 64
 CHARS_PER_TOKEN = 4  # text prompts are chunked before tokenization (the ingress has no tokenizer)
 UNBOUNDED_CHUNKS = 1 << 20  # a replica that has not reported its KV pool yet
+# The index keeps this many times a replica's KV pool: a text chunk may hold fewer tokens than CHUNK_TOKENS (long
+# words), and a prefix the engine has evicted is best sent back to the same replica, which caches it again.
+INDEX_OVER_KV = 4
 
 
 def prefix_chain(request: dict[str, Any]) -> list[int]:
@@ -142,7 +145,7 @@ class LLMRouter(RequestRouter):
         if not self.prefix_affinity or request is None or replica is None:
             return
         kv_tokens = replica.routing_stats.get("kv_tokens")
-        capacity = kv_tokens // CHUNK_TOKENS if kv_tokens else UNBOUNDED_CHUNKS
+        capacity = INDEX_OVER_KV * kv_tokens // CHUNK_TOKENS if kv_tokens else UNBOUNDED_CHUNKS
         self.index.add(replica_id.unique_id, prefix_chain(request), capacity)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:

@@ -1,11 +1,14 @@
 """serving/router.py's parts as plain functions: the prompt's chunk hash chain, what each replica was sent, the
-preference ranks of one request, and the replicas serving a named model."""
+preference ranks of one request, and the replicas serving a named model; and which router each `router` setting
+gives the LLMServer deployment."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import pytest
 
+from cpuserve.serving.app import _server
+from cpuserve.serving.config import ServeConfig
 from cpuserve.serving.router import CHARS_PER_TOKEN, CHUNK_TOKENS, PrefixIndex, prefix_chain, rank_replicas, serving_model
 
 TEXT_CHUNK = CHUNK_TOKENS * CHARS_PER_TOKEN
@@ -68,3 +71,13 @@ def test_a_named_model_goes_to_the_replicas_serving_it():
     assert serving_model([old, new, starting], "b") == [new]
     assert serving_model([old, starting], "b") == [starting], "one that has not reported yet may serve it"
     assert serving_model([old], "b") == [old], "none does: the replica refuses it, naming its model"
+
+
+@pytest.mark.parametrize("router,cls,kwargs", [
+    ("prefix", "cpuserve.serving.router:LLMRouter", {"prefix_affinity": True}),
+    ("power-of-two", "cpuserve.serving.router:LLMRouter", {"prefix_affinity": False}),
+    ("serve", "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter", {}),  # Serve's default
+])
+def test_the_router_setting_picks_the_deployments_request_router(router, cls, kwargs):
+    config = _server(ServeConfig(router=router))._deployment_config.request_router_config
+    assert (config.request_router_class, config.request_router_kwargs) == (cls, kwargs)
