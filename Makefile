@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install protos kernels serve generate test bench bench-peers bench-serving clean tools
+.PHONY: install protos kernels serve generate test fuzz soak bench bench-peers bench-serving clean tools
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,19 @@ generate: install
 test: install tools
 	$(BIN)/python -m pytest -v -rs --durations=25 tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
+
+# The long form of tests/serving/fuzz (hypothesis and schemathesis against a real Serve app): FUZZ_SCALE times the
+# examples `make test` runs, schemathesis' coverage phase too, from a random seed each time (a failure prints the
+# line that replays it); about 20 minutes at the default 10 on 2 busy cores.
+FUZZ_SCALE ?= 10
+fuzz: install
+	CPUSERVE_FUZZ_SCALE=$(FUZZ_SCALE) $(BIN)/python -m pytest -v -rs --durations=10 tests/serving/fuzz
+
+# 30 minutes of mixed traffic on `cpuserve serve` (64 streams, half gRPC half HTTP SSE, cancels, deadlines, bursts past
+# the admission bound), then its checks: outcomes, greedy tokens, KV pool, memory growth, metrics (bench/soak.py). It
+# runs itself at nice 10; `make test` runs a 2-minute form (tests/bench/test_soak.py).
+soak: install
+	$(BIN)/python bench/soak.py --duration 1800
 
 # Benchmarks need llama.cpp (compiled by pip, ~10 minutes on 2 cores).
 bench: install

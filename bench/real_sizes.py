@@ -72,17 +72,29 @@ def bandwidth_share(tok_s: float | None, path: str, bandwidth_gb_s: float) -> fl
     return None if not tok_s else tok_s * bytes_per_token(path) / 1e9 / bandwidth_gb_s
 
 
-def measure(sizes: list[str], cfg: dict, cache_dir: str, compare, peer_engines, log=print) -> dict:
-    """Decode at every batch of cfg, cpuserve and llama.cpp on each size's file (compare / peer_engines are
-    bench/engine.py's), plus each file's bytes per token and the memory bandwidth, sampled before and after each
-    size's measures (a shared machine's bandwidth moves by 1.5x within minutes: the median of the samples is used)."""
+FILE_PEERS = ("llama.cpp", "vllm", "vllm-bf16")  # peers that read the file itself or a folder made from it
+PEER_KEYS = {"llama.cpp": "llama_cpp", "vllm": "vllm", "vllm-bf16": "vllm_bf16"}
+
+
+def measure(sizes: list[str], cfg: dict, cache_dir: str, compare, peer_engines, log=print,
+            peers: tuple[str, ...] = ("llama.cpp",)) -> dict:
+    """Decode at every batch of cfg, cpuserve and each of peers (of FILE_PEERS) on each size's file (compare /
+    peer_engines are bench/engine.py's), and prefill of cfg's prompt for all but llama.cpp (without its AMX repack,
+    which dies on our Xeons, a 3B prefill takes it minutes); plus each file's bytes per token and the memory
+    bandwidth, sampled before and after each size's measures (a shared machine's bandwidth moves by 1.5x within
+    minutes: the median of the samples is used). vLLM reads a Hugging Face folder made from the file (peer_vllm.py):
+    the same shapes and values."""
     raw = {"bandwidth_samples_gb_s": [], "real_files": {}}
+    peers = [p for p in peers if p in FILE_PEERS]
     for size in sizes:
         path = synthetic_real(size, cache_dir, log)
         raw["real_files"][size] = {"path": path, "bytes_per_token": bytes_per_token(path)}
         raw["bandwidth_samples_gb_s"].append(memory_bandwidth(cfg["threads"]))
-        engines = peer_engines(["llama.cpp"], dict(cfg, model=path, prefill_len=0), f"_q4km_{size}")
-        raw.update(compare(engines, [("decode", (b,), list(engines)) for b in cfg["batches"]], cfg["reps"]))
+        suffix = f"_q4km_{size}"
+        engines = peer_engines(peers, dict(cfg, model=path), suffix)
+        measures = [("prefill", (), [n for n in engines if n != "llama_cpp" + suffix])] if cfg["prefill_len"] else []
+        measures += [("decode", (b,), list(engines)) for b in cfg["batches"]]
+        raw.update(compare(engines, measures, cfg["reps"]))
         raw["bandwidth_samples_gb_s"].append(memory_bandwidth(cfg["threads"]))
     raw["bandwidth_gb_s"] = statistics.median(raw["bandwidth_samples_gb_s"])
     return raw
@@ -95,8 +107,11 @@ def rows(raw: dict, peer_rows, row) -> list[dict]:
     for size, info in raw.get("real_files", {}).items():
         # keys apart from engine.py's own synthetic 1B ("cpuserve_1b"), whose rows would otherwise repeat these
         ours, theirs = raw.get(f"cpuserve_q4km_{size}", {}), raw.get(f"llama_cpp_q4km_{size}", {"error": "skipped"})
-        out += peer_rows(dict(raw, llama_cpp=theirs), ours, "llama_cpp", raw["sizes"]["batches"],
-                         prefix=f"{size.upper()} Q4_K_M ")
+        for key in PEER_KEYS.values():
+            answer = raw.get(f"{key}_q4km_{size}")
+            if answer is not None or key == "llama_cpp":
+                out += peer_rows(dict(raw, **{key: answer or theirs}), ours, key, raw["sizes"]["batches"],
+                                 prefix=f"{size.upper()} Q4_K_M ")
         shares = [bandwidth_share(_b1(answer), info["path"], bandwidth) for answer in (ours, theirs)]
         samples = raw.get("bandwidth_samples_gb_s", [bandwidth])
         share = row(f"{size.upper()} Q4_K_M decode b1 share of bandwidth", shares[0], shares[1], theirs,

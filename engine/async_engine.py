@@ -38,6 +38,7 @@ class AsyncLLMEngine:
         self.error: BaseException | None = None
         # wall time of each step (schedule + run + postprocess), drained by serving's metrics; bounded
         self._step_times: collections.deque[float] = collections.deque(maxlen=4096)
+        self._beat = time.monotonic()  # the engine thread's last pass through its loop (idle: at least every second)
         self._thread = threading.Thread(target=self._loop, name="cpuserve-engine", daemon=True)
         self._thread.start()
 
@@ -92,6 +93,11 @@ class AsyncLLMEngine:
         if reason:
             raise EngineDeadError(f"replica group down: {reason}")
 
+    def seconds_without_progress(self) -> float:
+        """Since the engine thread last went round its loop: about 0 while it steps or waits idle (it wakes every
+        second); a step that hangs (a rank stopped mid-collective) makes it grow."""
+        return time.monotonic() - self._beat
+
     @property
     def num_streams(self) -> int:
         """Requests being streamed to a consumer right now."""
@@ -122,6 +128,7 @@ class AsyncLLMEngine:
     def _loop(self) -> None:
         try:
             while not self._stopped:
+                self._beat = time.monotonic()
                 self._drain_commands()
                 if not self.engine.has_unfinished_requests():
                     self._wakeup.wait(timeout=1.0)

@@ -17,7 +17,7 @@ from cpuserve.engine.config import ACTIVATION_FORMATS, GROUP_SIZES, KV_CACHE_DTY
 # Subcommands owned by other packages: each module offers register(subparsers).
 _PLUGINS = ("cpuserve.serving.cli", "cpuserve.operator.cli")
 # The extra that installs what each subcommand imports (an install with the operator extra alone has no torch)
-_EXTRAS = {"generate": "engine", "bench": "engine", "serve": "serve", "operator": "operator"}
+_EXTRAS = {"generate": "engine", "bench": "engine", "serve": "serve", "drain": "serve", "operator": "operator"}
 
 # EngineConfig fields that every subcommand starting an engine offers as flags, with their help; the type and the
 # default come from EngineConfig itself (choices: the tuples in engine/config.py)

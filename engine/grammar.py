@@ -60,7 +60,10 @@ def grammar_of(kind: str, spec: str) -> str:
             raise InvalidRequest(PARAM, f"{PARAM}: the JSON schema is not valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise InvalidRequest(PARAM, f"{PARAM}: a JSON schema is an object, not {type(schema).__name__}")
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        except (TypeError, ValueError) as e:  # a value serde cannot take: an integer past 64 bits, ...
+            raise InvalidRequest(PARAM, f"{PARAM}: the JSON schema is not usable: {e}") from None
     elif kind == "regex":
         grammar = llguidance.LLMatcher.grammar_from_regex(spec)
     else:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from cpuserve.engine.errors import InvalidRequest
 from cpuserve.engine.grammar import StructuredOutput, grammar_of
+
+
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what a torch.Generator's manual_seed takes
 
 
 @dataclass(slots=True)
@@ -34,16 +38,20 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")
-        _check(self.temperature >= 0, "temperature", self.temperature, ">= 0 (0 = greedy)")
+        _check(_finite(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
+               "a finite number >= 0 (0 = greedy)")
         _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k, "an integer >= 0 (0 = off)")
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
         _check(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
-        _check(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "> 0 (1 = off)")
+        _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+               self.repetition_penalty, "a finite number > 0 (1 = off)")
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "in [-2, 2]")
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty, "in [-2, 2]")
         _check(isinstance(self.logit_bias, dict) and all(
             isinstance(t, int) and t >= 0 and isinstance(b, (int, float)) and -100 <= b <= 100
             for t, b in self.logit_bias.items()), "logit_bias", self.logit_bias, "{token id >= 0: bias in [-100, 100]}")
+        _check(self.seed is None or isinstance(self.seed, int) and SEED_MIN <= self.seed <= SEED_MAX, "seed", self.seed,
+               f"None or an integer in [{SEED_MIN}, {SEED_MAX}]")
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", self.logprobs, "None or in [0, 20]")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "a list of non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
@@ -58,6 +66,10 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:

@@ -27,6 +27,8 @@ TLS_DIR = "/etc/cpuserve/tls"
 API_KEYS_DIR = "/etc/cpuserve/api-keys"
 AGENT_PORT = 52365
 OBJECT_STORE_BYTES = 256 * MIB
+# After a pod's preStop drain, the time its `ray start --block` takes to stop Ray's processes on SIGTERM
+RAY_STOP_SECONDS = 15
 
 
 def model_path(spec: LLMServiceSpec) -> str | None:
@@ -91,10 +93,11 @@ def _pod(name: str, pod_name: str, labels: dict[str, str], spec: LLMServiceSpec,
     pull = settings.image_pull_policy
     vols, mounts = _volumes(spec, head)
     container.update(image=image, imagePullPolicy=pull, env=_env(name, spec), volumeMounts=mounts,
-                     securityContext=_container_security())
+                     securityContext=_container_security(), lifecycle=_drain_on_stop(spec, head))
     pod_spec: dict[str, Any] = {
         "hostname": pod_name, "subdomain": naming.headless_name(name), "enableServiceLinks": False,
-        "automountServiceAccountToken": False, "restartPolicy": "Always", "terminationGracePeriodSeconds": 30,
+        "automountServiceAccountToken": False, "restartPolicy": "Always",
+        "terminationGracePeriodSeconds": spec.drain_timeout_seconds + RAY_STOP_SECONDS,
         "securityContext": {"runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID, "fsGroup": UID,
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container], "volumes": vols,
@@ -102,6 +105,14 @@ def _pod(name: str, pod_name: str, labels: dict[str, str], spec: LLMServiceSpec,
     if spec.model.source == "url":
         pod_spec["initContainers"] = [_fetch_container(spec, image, pull, copy.deepcopy(container["resources"]))]
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod_name, "labels": labels}, "spec": pod_spec}
+
+
+def _drain_on_stop(spec: LLMServiceSpec, head: bool) -> dict[str, Any]:
+    """preStop, as `cpuserve serve` on SIGTERM: the head's Ingress refuses new requests and the running ones finish,
+    up to drainTimeoutSeconds; a rank pod keeps its rank serving them meanwhile (when the whole service goes, every
+    pod gets SIGTERM at once, and a rank stopping early would fail the requests the head is draining)."""
+    command = ["cpuserve", "drain", f"--timeout-s={spec.drain_timeout_seconds}"] + ([] if head else ["--wait-only"])
+    return {"preStop": {"exec": {"command": command}}}
 
 
 def _resources(cpus: int, memory: str) -> dict[str, Any]:
@@ -126,8 +137,9 @@ def build_head_pod(name: str, spec: LLMServiceSpec, settings: OperatorSettings) 
                   {"name": "gcs", "containerPort": naming.RAY_GCS_PORT},
                   {"name": "dashboard", "containerPort": DASHBOARD_PORT}],
         "resources": _resources(r.head_cpus, f"{int(r.head_memory_gb * GIB) // MIB}Mi"),
+        # /health runs a token through an idle replica (or answers at once when its step is stalled): give it time
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http", "scheme": scheme},
-                           "periodSeconds": 5, "failureThreshold": 3},
+                           "periodSeconds": 5, "timeoutSeconds": 10, "failureThreshold": 3},
         "livenessProbe": {"tcpSocket": {"port": "gcs"}, "initialDelaySeconds": 30, "periodSeconds": 10},
     }
     labels = {**naming.base_labels(name), naming.LABEL_COMPONENT: "head"}

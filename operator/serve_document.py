@@ -53,6 +53,8 @@ def serve_fields(spec: LLMServiceSpec) -> dict[str, Any]:
                   socket_resource=naming.SOCKET_RESOURCE,
                   # each rank pod is its own Ray node offering one socket unit: a group's bundles land on k pods
                   placement_strategy="STRICT_SPREAD")
+    if b.max_queued_tokens is not None:  # only when set: the args of a service that never set it stay as they were
+        fields["max_queued_tokens"] = b.max_queued_tokens
     if (path := model_path(spec)) is not None:
         fields["model"] = path
     if spec.security.api_keys is not None:

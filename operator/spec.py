@@ -106,6 +106,10 @@ class BatchingSpec(Spec):
     """Token budget of one engine step (prefill chunks + decodes)."""
     max_queued_requests: int = Field(256, ge=0, le=1_000_000)
     """Requests waiting beyond which new ones are refused."""
+    max_queued_tokens: int | None = Field(None, ge=1, le=1_000_000_000)
+    """Prompt tokens one replica group holds admitted but not yet prefilled; a request that would pass it is refused
+    (HTTP 503 with Retry-After, gRPC RESOURCE_EXHAUSTED). It bounds the time to first token. Omitted: 10 s of
+    prefill at the measured rate (975 tokens/s per core x cpusPerRank x ranksPerReplica)."""
 
 
 class PortsSpec(Spec):
@@ -168,3 +172,7 @@ class LLMServiceSpec(Spec):
     """TLS, API keys and Ray authentication, from Secrets."""
     image: str | None = Field(None, min_length=1, max_length=512, pattern=r"^[^\s]+$")
     """Serving image; defaults to the operator's."""
+    drain_timeout_seconds: int = Field(30, ge=0, le=3600)
+    """When a pod stops, how long its running requests may take to finish (`cpuserve serve --drain-timeout-s`): the
+    head refuses new requests (503 / gRPC UNAVAILABLE) and each rank pod waits for them, up to this, in their
+    preStop; terminationGracePeriodSeconds adds the time Ray takes to stop."""

@@ -31,6 +31,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="YAML (or JSON) file of ServeConfig fields, snake_case or camelCase; flags "
                                     "override it (example: serving/serve.example.yaml) (default: none)")
     p.set_defaults(func=_serve)
+    drain_timeout = ServeConfig.model_fields["drain_timeout_s"].default
+    d = subparsers.add_parser("drain", help="drain a running app: new requests refused, running ones finish (a "
+                                            "Kubernetes pod's preStop)",
+                              description="Tells the app's Ingress to refuse new requests (503 / gRPC UNAVAILABLE, "
+                                          "/health 503) and waits until no request runs or the timeout passes. "
+                                          "Exits 0 either way; 1 when no app answers.")
+    d.add_argument("--timeout-s", type=float, default=drain_timeout,
+                   help=f"seconds to wait for the running requests at most (default: {drain_timeout:g})")
+    d.add_argument("--ray-address", default="auto", help="the Ray cluster that runs the app (default: auto, the one "
+                                                        "this node belongs to)")
+    d.add_argument("--wait-only", action="store_true",
+                   help="only wait for the running requests, refusing nothing (a rank pod's preStop: the head pod "
+                        "drains; this pod's rank keeps serving until they end) (default: off)")
+    d.set_defaults(func=_drain_command)
 
 
 def config_from_args(args: argparse.Namespace):
@@ -78,6 +92,27 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         print("shutting down", file=sys.stderr, flush=True)
         stop_serving()
+    return 0
+
+
+def _drain_command(args: argparse.Namespace) -> int:
+    import ray
+
+    from cpuserve.serving.drain import drain_serving
+    from cpuserve.serving.ray_env import RAY_ENV
+
+    for name, value in RAY_ENV.items():
+        os.environ.setdefault(name, value)
+    try:
+        ray.init(address=args.ray_address, log_to_driver=False, logging_level="WARNING")
+        left = drain_serving(args.timeout_s, refuse=not args.wait_only)
+    except Exception as e:  # noqa: BLE001 (no app, or it is failing: nothing to wait for)
+        print(f"drain: no serving app answers on {args.ray_address} ({e!r})", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        ray.shutdown()
+    print(f"drain: {left} request(s) still running after {args.timeout_s:g} s" if left else "drain: no request runs",
+          file=sys.stderr, flush=True)
     return 0
 
 

@@ -155,6 +155,11 @@ class ServeConfig(BaseSettings):
     drain_timeout_s: float = Field(30.0, ge=0, le=3600)
     """On SIGTERM or Ctrl-C, `cpuserve serve` refuses new requests (503 / gRPC UNAVAILABLE, /health 503) and waits
     this long at most for the running ones to finish before it stops (`cpuserve drain` does the same in a pod)."""
+    health_timeout_s: float = Field(30.0, gt=0, le=3600)
+    """An engine making no progress this long is unhealthy: /health (and gRPC Health) runs one token through an idle
+    engine and answers 503 when none comes in this time, or at once while a step has run longer; Serve's own health
+    check then replaces the replica. Above the longest step the model takes (a prefill chunk of
+    max_num_batched_tokens)."""
     access_log: bool = False
     """Ray Serve's per-request access log (off: it costs CPU per request)."""
 

@@ -11,6 +11,7 @@ replica's generator and aborts the request in its engine.
 # no `from __future__ import annotations`: FastAPI must see the real `Request` annotation
 
 import asyncio
+import contextvars
 import uuid
 from typing import Any, AsyncIterator
 
@@ -31,6 +32,7 @@ from cpuserve.serving.direct_http import DirectHTTP, bind
 from cpuserve.serving.metrics import build_serving_metrics
 from cpuserve.serving.names import ENGINE_APP_NAME, SERVER_DEPLOYMENT
 from cpuserve.serving.openai_api import ChatRequest, CompletionRequest, parse_body
+from cpuserve.serving.openapi_doc import build_openapi
 from cpuserve.serving.openai_responses import completion_body, sse, usage
 from cpuserve.serving.protocol import (GRPC_CODE, HTTP_STATUS, NOT_FOUND, RESOURCE_EXHAUSTED, TOO_LARGE,
                                        UNAUTHENTICATED, UNAVAILABLE, RequestError, merge_samples, total)
@@ -48,7 +50,7 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     # unknown paths and methods answer in OpenAI's error shape too
     kind = NOT_FOUND if exc.status_code == 404 else "invalid_request_error"
     body = RequestError(f"{request.method} {request.url.path}: {exc.detail}", None, kind).to_dict()
-    return JSONResponse({"error": body}, status_code=exc.status_code)
+    return JSONResponse({"error": body}, status_code=exc.status_code, headers=exc.headers)  # 405's Allow
 
 
 def bearer_token(authorization: str) -> str | None:
@@ -58,6 +60,19 @@ def bearer_token(authorization: str) -> str | None:
     if scheme.lower() != "bearer":
         return None
     return token.strip() or None
+
+
+async def _disconnected(request: Request, poll_s: float = 0.5) -> None:
+    """Returns once the HTTP client has gone (its body is read by then: only the disconnect is left to receive)."""
+    try:
+        while not await request.is_disconnected():
+            await asyncio.sleep(poll_s)
+    except Exception:  # noqa: BLE001 (a server that cannot tell: never say gone)
+        await asyncio.Event().wait()
+
+
+async def _result(response: Any) -> Any:
+    return await response
 
 
 def _error_response(e: RequestError) -> JSONResponse:
@@ -95,6 +110,8 @@ class IngressCore:
         self.max_in_flight = c.replicas * c.max_num_seqs + c.max_queued_requests
         self.num_in_flight = 0
         self.draining = False
+        self.openapi_doc = build_openapi(c.max_request_bytes, bool(self.api_keys))
+        self._health: asyncio.Task | None = None  # the health probe in flight: /health and gRPC Health share it
 
     @property
     def model(self) -> str:
@@ -146,9 +163,14 @@ class IngressCore:
             timer.finished = True
             self.metrics.refused.labels(model=label, limit="requests").inc()
             raise RequestError(f"overloaded: {e}", None, RESOURCE_EXHAUSTED, 1) from None
-        except (RayActorError, DeploymentUnavailableError) as e:
+        except RayActorError as e:  # its process died (killed, out of memory): Serve starts another
             reason = "error"
-            raise RequestError(f"no replica could serve the request: {e}", None, UNAVAILABLE) from None
+            raise RequestError(f"the LLMServer replica serving this request is gone ({type(e).__name__}); Serve "
+                               "starts another: retry the request", None, UNAVAILABLE) from None
+        except DeploymentUnavailableError as e:
+            reason = "error"
+            raise RequestError(f"no LLMServer replica is available ({e}): retry the request", None,
+                               UNAVAILABLE) from None
         finally:
             self.num_in_flight -= 1
             responses.cancel()  # a no-op once finished; otherwise aborts the request on its replica
@@ -160,10 +182,30 @@ class IngressCore:
         first = await anext(stream)  # RequestError here: nothing was sent to the client yet
         return internal["request_id"], first, stream
 
-    async def drain(self) -> int:
+    async def _start_unless_gone(self, request: Request, model: str | None, internal: dict[str, Any]):
+        """_start, given up (the request aborted on its replica) when the HTTP client leaves before the first token:
+        a request queued behind others would otherwise hold its place and get its prompt prefilled for nobody.
+        (gRPC needs none of this: grpc.aio cancels the handler when its client goes.)"""
+        start = asyncio.ensure_future(self._start(model, internal))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({start, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not start.done():  # cancelled here, its stream's cleanup aborts the request and counts it aborted
+                start.cancel()
+        try:
+            return await start
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():  # this handler itself is being cancelled
+                raise
+            return None
+
+    async def drain(self, refuse: bool = True) -> int:
         """From now on refuse new requests (503 / UNAVAILABLE) and fail /health; returns the requests in flight,
-        which run to their end. `cpuserve serve` calls this on SIGTERM, `cpuserve drain` in a pod's preStop."""
-        self.draining = True
+        which run to their end. `cpuserve serve` calls this on SIGTERM, `cpuserve drain` in the head pod's preStop.
+        refuse=False only counts them (a rank pod's preStop waits for them while the head drains)."""
+        self.draining = self.draining or refuse
         return self.num_in_flight
 
     async def report_stats(self, stats: dict[str, Any]) -> None:
@@ -186,7 +228,7 @@ class IngressCore:
     async def _read_body(self, request: Request) -> bytes:
         limit = self.config.max_request_bytes
         length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > limit:
+        if length and length.isascii() and length.isdigit() and int(length) > limit:
             raise RequestError(f"body is {length} bytes; the limit is {limit}", "body", TOO_LARGE)
         body = bytearray()
         async for part in request.stream():  # chunked uploads: stop reading past the limit
@@ -200,9 +242,12 @@ class IngressCore:
             self._authorize_http(request)
             parsed = parse_body(await self._read_body(request), cls)
             internal = parsed.to_internal()
-            rid, first, stream = await self._start(parsed.model, internal)
+            started = await self._start_unless_gone(request, parsed.model, internal)
         except RequestError as e:
             return _error_response(e)
+        if started is None:  # nobody is there to read an answer
+            return Response(status_code=499)
+        rid, first, stream = started
         rid = ("chatcmpl-" if chat else "cmpl-") + rid
         headers = {"x-cpuserve-replica": first.get("replica", "")}
         model = first.get("model", self.model)  # the model that serves it
@@ -269,6 +314,10 @@ class IngressCore:
             {"id": info["name"], "object": "model", "created": 0, "owned_by": "cpuserve",
              "max_model_len": info["max_model_len"]} for info in await self._models()]})
 
+    @api.get("/openapi.json")
+    async def openapi(self) -> Response:
+        return JSONResponse(self.openapi_doc)
+
     @api.get("/health")
     async def health(self) -> Response:
         ok, message = await self._is_healthy()
@@ -276,13 +325,24 @@ class IngressCore:
                             status_code=200 if ok else 503)
 
     async def _is_healthy(self) -> tuple[bool, str]:
+        """A replica's probe (LLMServer.probe: real work, bounded); concurrent health requests share one probe."""
         if self.draining:
             return False, f"shutting down: {self.num_in_flight} request(s) finishing"
+        if self._health is None or self._health.done():
+            self._health = asyncio.get_running_loop().create_task(self._probe(), context=contextvars.Context())
+        return await asyncio.shield(self._health)
+
+    async def _probe(self) -> tuple[bool, str]:
+        timeout = self.config.health_timeout_s + 5  # the replica's own bound, and the hop to it
+        response = self.llm.probe.remote()
         try:
-            await self.llm.info.remote()
+            reason = await asyncio.wait_for(_result(response), timeout)
+        except asyncio.TimeoutError:
+            response.cancel()
+            return False, f"no LLMServer replica answered the health probe within {timeout:g} s"
         except Exception as e:  # noqa: BLE001 (any failure means not serving)
             return False, f"no LLMServer replica answers: {e!r}"[:500]
-        return True, f"serving {self.model}"
+        return (False, reason) if reason else (True, f"serving {self.model}")
 
     # -- gRPC (method names are the rpc names; requests arrive as raw bytes, see grpc_api) ------------------
     def _grpc_fail(self, context: Any, e: RequestError) -> None:
@@ -354,11 +414,16 @@ class IngressCore:
     async def ListModels(self, request: bytes, grpc_context: Any) -> Any:  # noqa: N802
         try:
             self._authorize_grpc(grpc_context)
+            grpc_api.parse(request, pb.ListModelsRequest)  # bytes that are no message: INVALID_ARGUMENT, as elsewhere
         except RequestError as e:
             self._grpc_fail(grpc_context, e)
         return pb.ListModelsResponse(models=[pb.ModelInfo(**info) for info in await self._models()])
 
     async def Health(self, request: bytes, grpc_context: Any) -> Any:  # noqa: N802
+        try:
+            grpc_api.parse(request, pb.HealthRequest)
+        except RequestError as e:
+            self._grpc_fail(grpc_context, e)
         ok, message = await self._is_healthy()
         status = pb.SERVING_STATUS_SERVING if ok else pb.SERVING_STATUS_NOT_SERVING
         return pb.HealthResponse(status=status, message=message)

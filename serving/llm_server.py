@@ -43,6 +43,7 @@ class LLMServer:
         self._ids = itertools.count()
         self.num_queued_tokens = 0  # prompt tokens of admitted requests still waiting for their first token
         self._stats_task: asyncio.Task | None = None
+        self._probe: asyncio.Task | None = None  # the health probe in flight: callers share it
         self._ingress = None
         options = self.config.engine_options()
         cores = None
@@ -252,11 +253,45 @@ class LLMServer:
                 "num_preemptions": s.num_preemptions, "num_draft_tokens": s.num_draft_tokens,
                 "num_accepted_tokens": s.num_accepted_tokens, "step_times": self.engine.pop_step_times()}
 
+    # -- health ---------------------------------------------------------------------------------------------
+    async def probe(self) -> str | None:
+        """Why this replica cannot serve now, or None. Real work, bounded by health_timeout_s: an idle engine runs
+        one greedy token through every rank; a busy one is healthy while its steps go on. Concurrent calls share
+        one probe, so probes never pile up in the engine."""
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.get_running_loop().create_task(self._run_probe(), context=contextvars.Context())
+        return await asyncio.shield(self._probe)
+
+    async def _run_probe(self) -> str | None:
+        timeout = self.config.health_timeout_s
+        try:
+            self._check_progress()
+            if self.engine.num_streams:  # busy and stepping: its requests are the proof of work
+                return None
+            ids = self.tokenizer.encode("ok")
+            stream = self.engine.generate(ids, SamplingParams(max_tokens=1, temperature=0),
+                                          f"health-{self.replica_id}-{next(self._ids)}")
+            await asyncio.wait_for(_consume(stream), timeout)  # a timeout cancels it: the request is aborted
+        except EngineDeadError as e:
+            return str(e)
+        except asyncio.TimeoutError:
+            return f"the engine produced no token in {timeout:g} s (health_timeout_s): a step is stalled"
+        return None
+
+    def _check_progress(self) -> None:
+        """Raises EngineDeadError when the engine thread or a rank died, or a step has run past health_timeout_s."""
+        self.engine.check_health()
+        stalled, timeout = self.engine.seconds_without_progress(), self.config.health_timeout_s
+        if stalled > timeout:
+            raise EngineDeadError(f"the engine has made no progress for {stalled:.1f} s (health_timeout_s="
+                                  f"{timeout:g}): a step is stalled")
+
     # -- Ray Serve hooks ----------------------------------------------------------------------------------
     async def check_health(self) -> None:
         # Serve calls this on every replica soon after start: a good place to start the stats loop
         self._ensure_stats_task()
-        self.engine.check_health()  # raises when the engine thread died or a rank of the group is down
+        # raises when the engine thread died, a rank of the group is down or a step stalled: Serve replaces the replica
+        self._check_progress()
 
     def _ensure_stats_task(self) -> None:
         if self._ingress is not None and self._stats_task is None:
@@ -283,6 +318,11 @@ class LLMServer:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+async def _consume(stream: AsyncIterator[Any]) -> None:
+    async for _ in stream:
+        pass
 
 
 def _unavailable(e: EngineDeadError) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from cpuserve.serving.json_body import load_object
 from cpuserve.serving.protocol import DEFAULT_MAX_TOKENS, RequestError
 from cpuserve.serving.request_model import ApiRequest, to_internal
 from cpuserve.serving.tools import Tool, ToolCall
@@ -106,7 +107,8 @@ class _Sampling(_Strict):
         for name in self.model_extra or {}:
             if name not in IGNORED_FIELDS:
                 why = UNSUPPORTED.get(name, "this server does not implement it, and it could change the result")
-                raise RequestError(f"{name}: {why}", name)
+                label = name if name.isidentifier() else json.dumps(name)  # "" or "max tokens" quoted
+                raise RequestError(f"{label}: {why}", name)
 
     def structured(self) -> list[tuple[str, str, Any]]:
         """Every structured-output form given, as (client field, engine kind, value); request_model allows one."""
@@ -140,7 +142,7 @@ class _Sampling(_Strict):
     def _logit_bias(self) -> dict[int, float] | None:
         if self.logit_bias is None:
             return None
-        bad = [k for k in self.logit_bias if not k.isdigit()]
+        bad = [k for k in self.logit_bias if not (k.isascii() and k.isdigit())]  # "²".isdigit(), int("²") fails
         if bad:
             raise RequestError(f"logit_bias: key {bad[0]!r} is not a token id (a decimal integer)", "logit_bias")
         return {int(k): float(v) for k, v in self.logit_bias.items()}
@@ -180,16 +182,7 @@ class ChatRequest(_Sampling):
 
 def parse_body(body: bytes, cls: type[_Sampling]) -> _Sampling:
     """Bytes of an HTTP body -> a validated request, or RequestError naming what is wrong."""
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise RequestError(f"body is not valid UTF-8 (byte {e.start})", "body") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise RequestError(f"body is not valid JSON: {e}", "body") from None
-    if not isinstance(data, dict):
-        raise RequestError(f"body must be a JSON object, not {type(data).__name__}", "body")
+    data = load_object(body)
     try:
         parsed = cls.model_validate(data)
     except ValidationError as e:

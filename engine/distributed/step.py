@@ -14,15 +14,15 @@ the sampler (sampler.sample_candidates: the candidates in a -inf row of the full
 of every runner, sample_scheduled). That is exact when every row's pick depends on its global top num_candidates
 logits only; the sampler says how many each row needs (sampler.num_top_logits: greedy 1, top-k k, and the whole
 row for a logit bias, a penalty, a grammar, logprobs, top-p or min-p without top-k), and a step with any whole-row
-request gathers the full shards (num_candidates = FULL). The sampler's noise is drawn over the full vocab from the request's generator on rank 0,
-so seeded streams match a single rank's.
+request gathers the full shards (num_candidates = FULL). Rank 0 draws from that full-vocab row with the request's
+generator, as one rank does, so seeded streams match a single rank's.
 """
 
 from __future__ import annotations
 
 import torch
 
-from cpuserve.engine.sampler import WHOLE_ROW, num_top_logits
+from cpuserve.engine.sampler import WHOLE_ROW, num_top_logits, top_k_ids
 from cpuserve.engine.scheduler_output import SamplingInputs, ScheduledRequest, SchedulerOutput
 
 KIND_STOP, KIND_SAMPLE, KIND_SCORE = 0, 1, 2
@@ -67,8 +67,8 @@ def local_candidates(logits: torch.Tensor, k: int, vocab_start: int) -> torch.Te
     """[S, 2k] float32: this shard's top-k values, then their global token ids (exact in fp32 below 2**24). Among equal
     logits the lowest ids come first, as the sampler's top-k takes them: the union of the shards' candidates then
     holds a row's global top k."""
-    values, ids = torch.sort(logits, dim=-1, descending=True, stable=True)
-    values, ids = values[:, :k], ids[:, :k]  # [S, k] each
+    ids = top_k_ids(logits, k)  # [S, k]
+    values = logits.gather(-1, ids)
     return torch.cat([values, (ids + vocab_start).float()], dim=-1)
 
 

@@ -42,11 +42,22 @@ def greedy_tokens(targets: list[int], samplers: list) -> list[list[int]]:
     return tokens
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token drawn from probs [V] (non-negative, summing to about 1): where one uniform number falls in their
+    running sum (fp64), so a token with probability 0 is never drawn. One random number per draw whatever the row,
+    so a seeded request's stream of random numbers never depends on the batch. (An exponential race, argmax p / E
+    with one E ~ Exp(1) per vocabulary entry, drew 49152 numbers a row for SmolLM2: 2.7 ms a row, a 32-row step of
+    sampled requests twice as long as a greedy one.)"""
+    cdf = probs.to(torch.float64).cumsum(0)
+    point = torch.rand(1, dtype=torch.float64, generator=generator) * cdf[-1]
+    return min(int(torch.searchsorted(cdf, point, right=True)), probs.numel() - 1)
+
+
 def accept_or_resample(probs: torch.Tensor, draft_token: int | None, generator: torch.Generator | None) -> int:
     """One sampled row: draft_token kept with probability probs[draft_token], else a draw from probs without it.
 
     probs [V], the row's final distribution (sums to 1). draft_token None: a plain draw (the row after a wholly
-    accepted draft). Draws use the request's generator: an exponential race, as sampler._sample_row.
+    accepted draft). Draws use the request's generator, as sampler._sample_row's (draw).
     """
     if draft_token is not None:
         p_draft = float(probs[draft_token])
@@ -56,5 +67,4 @@ def accept_or_resample(probs: torch.Tensor, draft_token: int | None, generator: 
         probs[draft_token] = 0.0
         if not probs.sum() > 0:  # p(d) was 1 up to rounding: nothing else to draw
             return draft_token
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / noise).argmax())
+    return draw(probs, generator)

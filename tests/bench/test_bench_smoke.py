@@ -112,6 +112,29 @@ def test_a_speed_ratio_pairs_the_repetitions_that_ran_back_to_back(bench):
     assert rows[0]["ratio"] == 1.5
 
 
+def test_real_size_rows_against_vllm_hold_the_amx_targets_and_nothing_else(bench):
+    """--only-real --real-sizes 3b --peers vllm: the 3B file's prefill and b32 against vLLM (paired ratios, the issue's
+    1.2x target), llama.cpp's rows saying it was skipped, no row of the default model."""
+    def entry(*runs):
+        return {"median": sorted(runs)[len(runs) // 2], "runs": list(runs)}
+
+    raw = {"sizes": dict(SIZES, batches=[32]), "cpuserve": {"error": "skipped"}, "bandwidth_gb_s": 20.0,
+           "real_files": {"3b": {"path": "unused.gguf", "bytes_per_token": 2_000_000_000}},
+           "cpuserve_q4km_3b": {"prefill": entry(300, 310, 320), "decode": {"32": entry(100, 90, 110)},
+                                "peak_rss_mb": 3000},
+           "vllm_q4km_3b": {"prefill": entry(200, 250, 200), "decode": {"32": entry(100, 100, 100)},
+                            "peak_rss_mb": 8000}}
+    for key in ("llama_cpp", "hf", "vllm", "openvino"):
+        raw[key] = {"error": "skipped"}
+    rows = {r["measure"]: r for r in bench.build_rows(raw)}
+    assert not [m for m in rows if not m.startswith("3B ")], list(rows)
+    prefill = rows["3B Q4_K_M prefill vs vLLM-CPU W8A8"]
+    assert prefill["ratio"] == 1.5 and prefill["met"] == "met" and prefill["cpuserve"] == 310
+    b32 = rows["3B Q4_K_M decode b32 vs vLLM-CPU W8A8"]
+    assert b32["ratio"] == 1.0 and b32["met"] == "NOT MET"
+    assert rows["3B Q4_K_M decode b32 vs llama.cpp"]["peer"] == "n/a (skipped)"
+
+
 def test_linear_kernels_table_compares_ours_with_torchs_on_equal_bits():
     spec = importlib.util.spec_from_file_location("cpuserve_bench_linear", os.path.join(BENCH, "linear.py"))
     module = importlib.util.module_from_spec(spec)

@@ -10,7 +10,7 @@ from cpuserve.engine.cli import build_parser
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--temperature", "-1"], "--temperature=-1.0 is invalid: must be >= 0"),
+    (["--temperature", "-1"], "--temperature=-1.0 is invalid: must be a finite number >= 0"),
     (["--top-p", "0"], "--top-p=0.0 is invalid: must be in (0, 1]"),
     (["--top-k", "-2"], "--top-k=-2 is invalid"),
     (["--max-tokens", "0"], "--max-tokens=0 is invalid"),

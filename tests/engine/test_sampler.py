@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import ctypes
 from dataclasses import dataclass, fields
 
@@ -10,8 +11,9 @@ import torch
 
 from cpuserve.engine.distributed import step
 from cpuserve.engine.sampler import (OUTPUT_FIELDS, TOP_K_FIELDS, WHOLE_ROW, apply_penalties, logits_to_probs,
-                                     num_top_logits, sample, sample_candidates, sample_scheduled)
+                                     num_top_logits, sample, sample_candidates, sample_scheduled, top_k_ids)
 from cpuserve.engine.sampling_params import SamplingParams
+from cpuserve.engine.spec.verify import draw as draw_token
 from cpuserve.engine.scheduler_output import SamplingInputs, ScheduledRequest
 
 from sampling_examples import examples
@@ -222,3 +224,45 @@ def test_top_k_keeps_exactly_k_tokens_the_lowest_ids_among_equal_logits():
     values, ids = step.split_candidates(shards)
     row = torch.full((8,), float("-inf")).scatter_(0, ids[0], values[0])
     assert torch.equal(logits_to_probs(row, params), whole)
+
+
+def test_top_k_ids_are_a_stable_sorts_first_k_on_rows_full_of_ties():
+    """top_k_ids (no whole-row sort) keeps what a stable descending sort keeps first, in its order: the largest
+    logits, the lowest ids among equals, -inf rows included."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        vocab = int(torch.randint(5, 300, (1,), generator=g))
+        rows = torch.randint(-4, 4, (3, vocab), generator=g).float()  # eight values: ties everywhere
+        if trial % 5 == 0:
+            rows[0, : vocab // 2] = float("-inf")
+        k = int(torch.randint(1, vocab, (1,), generator=g))
+        expected = torch.sort(rows, dim=-1, descending=True, stable=True).indices[..., :k]
+        assert torch.equal(top_k_ids(rows, k), expected), (trial, vocab, k)
+        assert torch.equal(top_k_ids(rows[1], k), expected[1])
+
+
+def test_a_draw_never_takes_a_token_of_probability_zero():
+    g = torch.Generator().manual_seed(1)
+    probs = torch.zeros(1000)
+    probs[[3, 500, 999]] = torch.tensor([0.2, 0.5, 0.3])
+    counts = collections.Counter(draw_token(probs, g) for _ in range(3000))
+    assert set(counts) == {3, 500, 999}
+    assert abs(counts[500] / 3000 - 0.5) < 0.05
+
+
+@pytest.mark.parametrize("kwargs,param", [  # found by tests/serving/fuzz
+    ({"seed": 2**64}, "seed"),  # was accepted, then torch's manual_seed overflowed in make_request ("prompt" named)
+    ({"seed": -(2**63) - 1}, "seed"),
+    ({"temperature": float("inf")}, "temperature"),  # was accepted: logits / inf sampled uniformly
+    ({"temperature": float("nan")}, "temperature"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+])
+def test_values_past_what_the_sampler_holds_are_refused(kwargs, param):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == param and str(e.value).startswith(param)
+
+
+@pytest.mark.parametrize("seed", [-(2**63), 2**64 - 1])
+def test_every_seed_taken_is_one_a_generator_takes(seed):
+    torch.Generator().manual_seed(SamplingParams(seed=seed).seed)

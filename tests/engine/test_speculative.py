@@ -4,6 +4,7 @@ request leaves in the prefix cache hold the same KV bits as without speculation.
 
 from __future__ import annotations
 
+import collections
 import json
 
 import pytest
@@ -131,3 +132,43 @@ def test_cached_blocks_hold_decodings_kv_bits_and_nothing_of_rejected_drafts(llm
         ids_a, ids_b = (torch.tensor(b) for b in blocks)
         assert torch.equal(kv_a.kv[ids_a], kv_b.kv[ids_b])
         assert torch.equal(kv_a.scale[ids_a], kv_b.scale[ids_b])
+
+
+def chi2_homogeneity_p(a: collections.Counter, b: collections.Counter, min_expected: float = 5.0) -> float:
+    """p-value that two samples' counts come from one distribution (Pearson's chi-square, cells expected below
+    min_expected in either sample pooled into one)."""
+    na, nb = sum(a.values()), sum(b.values())
+    big, rest = [], [0, 0]
+    for key in set(a) | set(b):
+        pooled = (a[key] + b[key]) / (na + nb)
+        if min(pooled * na, pooled * nb) >= min_expected:
+            big.append((a[key], b[key]))
+        else:
+            rest[0], rest[1] = rest[0] + a[key], rest[1] + b[key]
+    cells = big + ([tuple(rest)] if sum(rest) else [])
+    stat = 0.0
+    for ca, cb in cells:
+        pooled = (ca + cb) / (na + nb)
+        stat += (ca - pooled * na) ** 2 / (pooled * na) + (cb - pooled * nb) ** 2 / (pooled * nb)
+    df = len(cells) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def test_sampled_tokens_are_distributed_as_without_speculation(llm_spec, llm_int4):
+    """Speculative sampling on the real model: a prompt the drafter continues ("a b c d e" repeated), three tokens
+    drawn at temperature 1.5 from the top 3 (a small vocabulary), 400 requests with drafts against 400 without. The
+    first token and the three together are distributed alike (chi-square, p > 0.001; the engines' seeds are fixed,
+    so a run repeats its result), and drafts were both accepted and rejected on the way."""
+    ids = llm_spec.tokenizer.encode("a b c d e a b c d e a b c d e a b c", add_special_tokens=False)
+    params = SamplingParams(max_tokens=3, temperature=1.5, top_k=3, ignore_eos=True)
+    stats = llm_spec.engine.scheduler
+    drafted, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
+    # batches of 16, the fixture's spec_max_batch: every step may draft
+    with_drafts = [tuple(o.token_ids) for _ in range(25) for o in llm_spec.generate([ids] * 16, params)]
+    drafted, accepted = stats.num_draft_tokens - drafted, stats.num_accepted_tokens - accepted
+    assert 0 < accepted < drafted, (drafted, accepted)
+    without = [tuple(o.token_ids) for _ in range(25) for o in llm_int4.generate([ids] * 16, params)]
+    assert chi2_homogeneity_p(collections.Counter(t[0] for t in with_drafts),
+                              collections.Counter(t[0] for t in without)) > 1e-3
+    assert chi2_homogeneity_p(collections.Counter(with_drafts), collections.Counter(without)) > 1e-3

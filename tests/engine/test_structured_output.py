@@ -98,7 +98,9 @@ def test_apply_bitmask_matches_unpacked_bits(vocab):
 def test_bad_specs_name_the_field():
     for kind, spec in [("json_schema", "{not json"), ("json_schema", '{"type": "foo"}'),
                        ("json_schema", '{"type": "string", "minLength": 5, "maxLength": 2}'), ("regex", "("),
-                       ("grammar", "start: undefined_rule"), ("xml", "")]:
+                       ("grammar", "start: undefined_rule"), ("xml", ""),
+                       # an integer past 64 bits: llguidance raised a TypeError ("sampling" named; found by fuzzing)
+                       ("json_schema", '{"type": "integer", "maximum": 1180591620717411303424}')]:
         with pytest.raises(InvalidRequest) as e:
             SamplingParams(structured_output={"kind": kind, "spec": spec})
         assert e.value.param == "structured_output", (kind, spec)

@@ -79,8 +79,9 @@ def test_strict_field_validation_refuses_unknown_fields(server):
 def test_crd_schema_defaults_are_applied_on_create(server):
     server.kube.create(llmservice("defaults", batching={}))
     spec = server.kube.get("LLMService", NS, "defaults")["spec"]
-    assert spec["batching"] == BatchingSpec().model_dump(by_alias=True)  # the pydantic model's own defaults
+    assert spec["batching"] == BatchingSpec().model_dump(by_alias=True, exclude_none=True)  # the model's defaults
     assert spec["replicas"] == 1 and spec["ranksPerReplica"] == 1 and spec["model"]["format"] == "gguf"
+    assert spec["drainTimeoutSeconds"] == 30
 
 
 def test_crd_schema_refuses_invalid_values(server):
@@ -98,6 +99,20 @@ def test_crd_cel_rule_refuses_token_scales_without_int8_weights(server):
     assert server.kube.get("LLMService", NS, "tokens")["spec"]["quantization"]["activations"] == "int8-token"
     server.kube.create(llmservice("groups", quantization={"weights": "int8"}))
     assert server.kube.get("LLMService", NS, "groups")["spec"]["quantization"]["activations"] == "int8"
+
+
+def test_max_queued_tokens_is_bounded_and_has_no_stored_default(server):
+    """spec.batching.maxQueuedTokens: the schema refuses 0 naming the field; a value is stored; left out, it stays out
+    (serving then derives it from the replica's cores) while the other batching defaults are filled in."""
+    err = refused(server.kube.create, llmservice("queued0", batching={"maxQueuedTokens": 0}))
+    assert (err.status, err.reason) == (422, "Invalid") and "spec.batching.maxQueuedTokens" in err.message, err.message
+    err = refused(server.kube.create, llmservice("queued-text", batching={"maxQueuedTokens": "many"}))
+    assert err.status == 422 and "spec.batching.maxQueuedTokens" in err.message, err.message
+    server.kube.create(llmservice("queued", batching={"maxQueuedTokens": 4096}))
+    assert server.kube.get("LLMService", NS, "queued")["spec"]["batching"]["maxQueuedTokens"] == 4096
+    server.kube.create(llmservice("unqueued", batching={"maxNumSeqs": 8}))
+    batching = server.kube.get("LLMService", NS, "unqueued")["spec"]["batching"]
+    assert "maxQueuedTokens" not in batching and batching["maxQueuedRequests"] == 256
 
 
 def test_status_subresource(server):

@@ -9,6 +9,7 @@ import pytest
 from cpuserve.operator import naming
 from cpuserve.operator.children import build_children
 from cpuserve.operator.memory import GIB, MIB, bytes_per_parameter, plan_memory
+from cpuserve.operator.pods import RAY_STOP_SECONDS
 from cpuserve.operator.settings import OperatorSettings
 from cpuserve.operator.validation import validate
 from cpuserve.serving.names import ENGINE_METRICS_PORT_ENV
@@ -135,6 +136,21 @@ def test_head_runs_only_ray_and_is_untouched_by_serving_changes():
     init = head["spec"]["initContainers"][0]
     assert init["command"][3:] == ["--url", URL_MODEL["url"], "--dest", "/models/model", "--sha256", "a" * 64]
     assert head["spec"]["containers"][0]["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    assert head["spec"]["containers"][0]["readinessProbe"]["timeoutSeconds"] == 10  # the probe does real work
+
+
+def test_pods_drain_on_stop_as_cpuserve_serve_does():
+    """preStop: the head drains (new requests refused, running ones finish), each rank pod waits for the running ones
+    without refusing; the grace period is drainTimeoutSeconds plus the time Ray takes to stop."""
+    for spec, timeout in (({}, 30), ({"drainTimeoutSeconds": 120}, 120), ({"drainTimeoutSeconds": 0}, 0)):
+        head, *ranks = by_kind(children(make_body(replicas=1, ranksPerReplica=2, **spec)), "Pod")
+        assert head["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"] == [
+            "cpuserve", "drain", f"--timeout-s={timeout}"]
+        for rank in ranks:
+            assert rank["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"] == [
+                "cpuserve", "drain", f"--timeout-s={timeout}", "--wait-only"]
+        for pod in (head, *ranks):
+            assert pod["spec"]["terminationGracePeriodSeconds"] == timeout + RAY_STOP_SECONDS
 
 
 def pod_hashes(**spec):
@@ -146,6 +162,7 @@ def pod_hashes(**spec):
     ({"replicas": 1}, set()),  # group 1 goes; nothing else changes
     # the engine's args: a new revision, the replicas roll onto new rank pods with a surge (rollout.py); not the head
     ({"batching": {"maxNumSeqs": 8, "maxQueuedRequests": 16}}, {"chat-g0-r0", "chat-g1-r0"}),
+    ({"batching": {"maxQueuedTokens": 4096}}, {"chat-g0-r0", "chat-g1-r0"}),  # LLMServer enforces it
     ({"quantization": {"weights": "int8"}}, {"chat-g0-r0", "chat-g1-r0"}),  # rank memory changes too
     ({"resources": {"headCpus": 2}}, {"chat-head"}),
 ])

@@ -32,6 +32,8 @@ BAD_SPECS = [  # (spec, path of the offending field as jsonschema reports it)
     ({"model": {"source": "embedded"}, "security": {"apiKeys": {"key": "k"}}}, "name"),  # required in apiKeys
     ({"model": {"source": "embedded"}, "placement": {"mode": "scatter"}}, "mode"),
     ({"model": {"source": "embedded"}, "batching": {"maxNumSeqs": 0}}, "maxNumSeqs"),
+    ({"model": {"source": "embedded"}, "batching": {"maxQueuedTokens": 0}}, "maxQueuedTokens"),
+    ({"model": {"source": "embedded"}, "drainTimeoutSeconds": -1}, "drainTimeoutSeconds"),
     ({"model": {"source": "embedded"}, "gpus": 1}, "spec"),           # unknown field
 ]
 

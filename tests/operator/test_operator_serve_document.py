@@ -72,7 +72,9 @@ EXTREMES = [
     {"replicas": 0, "ranksPerReplica": 1, "resources": {"cpusPerRank": 1, "kvCacheGb": 0.001}},
     {"replicas": 256, "ranksPerReplica": 2, "resources": {"cpusPerRank": 512, "kvCacheGb": 0.5}},
     {"batching": {"maxNumSeqs": 1, "maxNumBatchedTokens": 16, "maxQueuedRequests": 0}},
-    {"batching": {"maxNumSeqs": 4096, "maxNumBatchedTokens": 1_048_576, "maxQueuedRequests": 1_000_000}},
+    {"batching": {"maxNumSeqs": 4096, "maxNumBatchedTokens": 1_048_576, "maxQueuedRequests": 1_000_000,
+                  "maxQueuedTokens": 1_000_000_000}},
+    {"batching": {"maxQueuedTokens": 1}},
     {"ports": {"grpc": 1024, "http": 65535, "metrics": 1025}},
     {"model": URL_MODEL, "security": SECURITY},
     {"model": {"source": "pvc", "claimName": "models", "path": "llama/model.gguf", "numParameters": 8_000_000_000}},
@@ -103,6 +105,8 @@ def test_serving_accepts_the_fields_for_every_value_the_crd_allows(spec):
     ({"replicas": 3}, True),  # num_replicas and user_config only: no replica restarts
     ({"batching": {"maxNumSeqs": 8}}, False),  # args: Serve replaces LLMServer replicas, a new one first
     ({"quantization": {"weights": "int8"}}, False),
+    ({"batching": {"maxQueuedTokens": 4096}}, False),  # a replica's admission bound: new args
+    ({"drainTimeoutSeconds": 120}, True),  # the pods' preStop only
     ({"quantization": {"weights": "int8", "activations": "int8-token"}}, False),  # the engine's scheme: new args
     ({"model": {"source": "pvc", "claimName": "models", "path": "b.gguf", "numParameters": 10**9}}, False),
 ])
@@ -115,6 +119,13 @@ def test_what_a_change_touches(change, lightweight):
     assert ingress_before["args"] == ingress_after["args"]
     assert (engine_before["args"] == engine_after["args"]) is lightweight
     assert before["http_options"] == after["http_options"] and before["grpc_options"] == after["grpc_options"]
+
+
+def test_max_queued_tokens_reaches_the_args_only_when_set():
+    # the engine's application (LLMServer refuses a prompt past it)
+    assert "max_queued_tokens" not in document()[0]["applications"][1]["args"]  # the serving default applies
+    args = document(batching={"maxQueuedTokens": 4096})[0]["applications"][1]["args"]
+    assert args["max_queued_tokens"] == 4096 and ServeConfig.for_another_host(**args).queued_tokens_limit == 4096
 
 
 def test_is_deployed_compares_what_the_head_reports():

@@ -25,10 +25,16 @@ BASE_CONFIG = dict(replicas=1, cpus_per_rank=2, kv_cache_gb=0.25, max_num_seqs=1
 @pytest.fixture(scope="module")
 def serving(request):
     """The running app's ServeConfig; the app and Ray stop when the module's tests are done."""
+    fields = {**BASE_CONFIG, **getattr(request.module, "SERVE_CONFIG", {}), **getattr(request, "param", {})}
+    yield from run_app(fields)
+
+
+def run_app(fields: dict):
+    """Start a Serve app of these ServeConfig fields on free ports, yield its config once /health answers, stop it
+    (a generator for fixtures of any scope: tests/serving/fuzz runs one app for its whole package)."""
     from cpuserve.serving.app import start_serving, stop_serving
     from cpuserve.serving.config import ServeConfig
 
-    fields = {**BASE_CONFIG, **getattr(request.module, "SERVE_CONFIG", {}), **getattr(request, "param", {})}
     for attempt in range(3):  # a port picked here may be taken before the proxies bind it (Ray's GCS picks one too)
         config = ServeConfig(**fields, grpc_port=free_port(), http_port=free_port(), metrics_port=free_port())
         try:

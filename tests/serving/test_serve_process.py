@@ -203,3 +203,45 @@ def test_sigkill_of_the_serving_process_leaves_no_process_behind(tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def gcs_address(proc: subprocess.Popen) -> str:
+    """The address of the Ray cluster `cpuserve serve` started (its raylet's --gcs-address): other runs on this machine
+    have clusters of their own, so `auto` could find theirs."""
+    for p in psutil.Process(proc.pid).children(recursive=True):
+        for arg in p.cmdline() if p.name() == "raylet" else ():
+            if arg.startswith("--gcs-address="):
+                return arg.split("=", 1)[1]
+    raise AssertionError("no raylet under cpuserve serve")
+
+
+def run_drain(address: str, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([CPUSERVE, "drain", f"--ray-address={address}", "--timeout-s=60", *flags],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+
+
+def test_cpuserve_drain_as_a_pods_prestop(tmp_path):
+    """`cpuserve drain --wait-only` (a rank pod's preStop) returns once the running stream ends and refuses nothing;
+    `cpuserve drain` (the head's) refuses new requests while the running one runs to its end, and returns after."""
+    proc, ports, err = start_serve(tmp_path)
+    try:
+        address = gcs_address(proc)
+        running = Stream(ports["http"])
+        waited = run_drain(address, "--wait-only")
+        assert waited.returncode == 0 and "drain: no request runs" in waited.stderr, waited.stderr
+        running.join(timeout=30)
+        assert running.result == ("length", Stream.MAX_TOKENS), running.result
+        assert _healthy(ports["http"])  # nothing refused
+        running = Stream(ports["http"])
+        draining = threading.Thread(target=lambda: setattr(draining, "result", run_drain(address)), daemon=True)
+        draining.start()
+        refused = refused_while_draining(ports)
+        draining.join(timeout=120)
+        assert draining.result.returncode == 0 and "drain: no request runs" in draining.result.stderr
+        assert not running.is_alive() and running.result == ("length", Stream.MAX_TOKENS), running.result
+        assert refused["http"] == (503, "server_error") and refused["grpc"] == grpc.StatusCode.UNAVAILABLE, refused
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0, _read(err)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -99,6 +99,27 @@ HTTP_CASES = [  # (id, path, body: dict | raw bytes, status, param)
     ("empty messages", "chat/completions", {"messages": []}, 400, "messages"),
     ("invalid UTF-8", "completions", b'{"prompt": "caf\xe9"}', 400, "body"),
     ("oversized body", "completions", {"prompt": "x" * 70_000}, 413, "body"),
+    # found by tests/serving/fuzz: JSON that Python's parser takes but the standard does not, and values past what
+    # the engine's types hold
+    ("nested past the parser's recursion", "completions", b'{"prompt": "hi", "metadata": ' + b"[" * 5000 +
+     b"]" * 5000 + b"}", 400, "body"),
+    ("nested past the limit", "completions", b'{"prompt": "hi", "metadata": ' + b"[" * 100 + b"]" * 100 + b"}", 400,
+     "metadata"),
+    ("5000-digit integer", "completions", b'{"prompt": "hi", "seed": ' + b"1" * 5000 + b"}", 400, "body"),
+    ("NaN", "completions", b'{"prompt": "hi", "temperature": NaN}', 400, "body"),
+    ("number past a double", "completions", b'{"prompt": "hi", "temperature": 1e400}', 400, "body"),
+    ("lone surrogate in the prompt", "completions", b'{"prompt": "a\\ud800"}', 400, "prompt"),
+    ("lone surrogate in a message", "chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400,
+     "messages.0.content"),
+    ("lone surrogate in a field name", "completions", b'{"prompt": "hi", "\\ud800": 1}', 400, "body"),
+    ("seed past 64 bits", "completions", {"prompt": "hi", "seed": 2**64}, 400, "seed"),
+    ("integer past 64 bits in a JSON schema", "completions", {"prompt": "hi", "guided_json": {
+        "type": "integer", "maximum": 2**70}}, 400, "guided_json"),
+    ("empty field name", "completions", {"prompt": "hi", "": 1}, 400, ""),
+    ("logit_bias key a superscript digit", "completions", {"prompt": "hi", "logit_bias": {"\u00b2": 1}}, 400,
+     "logit_bias"),
+    ("logit_bias key an Arabic-Indic digit", "completions", {"prompt": "hi", "logit_bias": {"\u0663": 1}}, 400,
+     "logit_bias"),
     # structured outputs: a spec that cannot compile names the field that carried it
     ("bad JSON schema", "chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "foo"}}}}, 400, "response_format"),
@@ -194,6 +215,9 @@ GRPC_CASES = [  # (id, request: message | raw bytes, code, field named in the de
     ("logit_bias over 100", _text("hi", logit_bias={42: 500}), "INVALID_ARGUMENT", "logit_bias"),
     ("logit_bias token out of range", _text("hi", logit_bias={10_000_000: 1}), "INVALID_ARGUMENT", "logit_bias"),
     ("empty stop string", _text("hi", stop=[""]), "INVALID_ARGUMENT", "stop"),
+    ("temperature infinite", _text("hi", temperature=float("inf")), "INVALID_ARGUMENT", "temperature"),
+    ("repetition_penalty infinite", _text("hi", repetition_penalty=float("inf")), "INVALID_ARGUMENT",
+     "repetition_penalty"),
     ("no chat messages", pb.GenerateRequest(chat=pb.ChatMessages()), "INVALID_ARGUMENT", "chat.messages"),
     ("unknown role", pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="robot", content="x")])),
      "INVALID_ARGUMENT", "role"),
@@ -257,6 +281,19 @@ def test_grpc_message_over_grpc_limit_then_serves(grpc_stub):
     with pytest.raises(grpc.RpcError) as info:
         list(grpc_stub.Generate(_text("x" * (5 << 20)), timeout=60))
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert grpc_stub.Complete(_text("Hello", max_tokens=2, temperature=0), timeout=60).usage.completion_tokens == 2
+
+
+def test_grpc_bytes_that_are_no_message(serving, grpc_stub):
+    """Every rpc parses its request: ListModels and Health answered OK to any bytes before (found by fuzzing)."""
+    channel = grpc.insecure_channel(f"127.0.0.1:{serving.grpc_port}")
+    for name in ("Tokenize", "ListModels", "Health"):
+        rpc = channel.unary_unary(f"/cpuserve.v1.Inference/{name}", request_serializer=None,
+                                  response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as info:
+            rpc(b"\xff\xff\xff\xff", timeout=60)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request" in info.value.details(), name
+    channel.close()
     assert grpc_stub.Complete(_text("Hello", max_tokens=2, temperature=0), timeout=60).usage.completion_tokens == 2
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import grpc
@@ -47,12 +48,17 @@ class FakeEngine:
     hold = False
     hold_first = False
     dead = False
+    stalled_s = 0.0  # what seconds_without_progress says
 
     def __init__(self) -> None:
         self.tokenizer = FakeTokenizer()
         self.max_model_len = MAX_MODEL_LEN
         self.num_streams = 0
+        self.num_generate = 0  # requests started
         self.release = asyncio.Event()
+
+    def seconds_without_progress(self) -> float:
+        return self.stalled_s
 
     @classmethod
     def from_config(cls, **options: Any) -> "FakeEngine":
@@ -69,6 +75,7 @@ class FakeEngine:
         if len(ids) >= self.max_model_len:
             raise InvalidRequest("prompt", f"prompt is {len(ids)} tokens: the context holds {self.max_model_len}")
         self.num_streams += 1
+        self.num_generate += 1
         try:
             for n in range(1, params.max_tokens + 1):
                 if (self.hold and n > 1) or self.hold_first:
@@ -114,6 +121,7 @@ class FakeHandle:
         self.server = server
         self.generate = Remote(lambda request: Responses(server.generate(request)))
         self.info = Remote(server.info)
+        self.probe = Remote(server.probe)
         self.tokenize = Remote(server.tokenize)
 
     def options(self, stream: bool = False) -> "FakeHandle":
@@ -146,13 +154,16 @@ def make_ingress(**fields: Any) -> tuple[IngressCore, FakeEngine]:
     return IngressCore(config.model_dump(), FakeHandle(server)), server.engine
 
 
-def http_request(body: bytes | dict) -> Request:
+def http_request(body: bytes | dict, leaves_after_s: float | None = None) -> Request:
+    """A request whose client stays (or leaves leaves_after_s after sending its body)."""
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    sent = False
+    sent, start = False, time.monotonic()
 
     async def receive():
         nonlocal sent
-        if sent:
+        if sent:  # as a server's receive: the disconnect at once once it happened, else wait
+            if leaves_after_s is None or time.monotonic() < start + leaves_after_s:
+                await asyncio.Event().wait()
             return {"type": "http.disconnect"}
         sent = True
         return {"type": "http.request", "body": raw, "more_body": False}
@@ -195,7 +206,7 @@ def test_http_bad_input_names_the_field(path, body, status, param):
 def test_http_error_bodies():
     ingress, _ = make_ingress()
     _, body = asyncio.run(post(ingress, "completions", {"prompt": "hi", "temperature": -1}))
-    assert body == {"error": {"message": "temperature=-1.0 is invalid: must be >= 0 (0 = greedy)",
+    assert body == {"error": {"message": "temperature=-1.0 is invalid: must be a finite number >= 0 (0 = greedy)",
                               "type": "invalid_request_error", "param": "temperature", "code": None}}
     # the engine's "prompt" is chat's "messages", in the param and the message
     _, body = asyncio.run(post(ingress, "chat", {"messages": [{"role": "user", "content": "w" * 80}]}))
@@ -324,3 +335,44 @@ def test_a_draining_ingress_refuses_new_requests_and_lets_running_ones_finish():
     assert status == 503 and body["error"]["type"] == "server_error" and "shutting down" in body["error"]["message"]
     assert code == grpc.StatusCode.UNAVAILABLE and health == 503
     assert rest[-1]["finish_reason"] == "length" and rest[-1]["completion_tokens"] == 3
+
+
+def test_health_runs_one_token_through_an_idle_engine_and_concurrent_probes_share_it():
+    ingress, engine = make_ingress(health_timeout_s=0.3)
+
+    async def probes(n: int):
+        return [(r.status_code, json.loads(r.body)["message"]) for r in
+                await asyncio.gather(*(ingress.health() for _ in range(n)))]
+
+    assert asyncio.run(probes(5)) == [(200, "serving SmolLM2-135M-Instruct")] * 5 and engine.num_generate == 1
+    engine.hold_first = True  # the step never ends: the probe's token never comes
+    start = time.monotonic()
+    stuck = asyncio.run(probes(5))
+    assert time.monotonic() - start < 2 and engine.num_generate == 2 and engine.num_streams == 0  # aborted
+    assert stuck == [(503, "the engine produced no token in 0.3 s (health_timeout_s): a step is stalled")] * 5
+    engine.stalled_s = 0.5  # past health_timeout_s: unhealthy at once, no request sent
+    (status, message), = asyncio.run(probes(1))
+    assert status == 503 and "no progress for 0.5 s" in message and "stalled" in message and engine.num_generate == 2
+
+
+def test_serves_health_check_fails_a_stalled_engine():
+    server = LLMServer(ServeConfig(metrics_port=0, health_timeout_s=5), engine_cls=FakeEngine)
+    asyncio.run(server.check_health())
+    server.engine.stalled_s = 6.0
+    with pytest.raises(EngineDeadError, match="no progress for 6.0 s"):
+        asyncio.run(server.check_health())
+
+
+def test_a_client_leaving_before_its_first_token_aborts_its_queued_request():
+    ingress, engine = make_ingress()
+    engine.hold_first = True  # queued: no first token comes
+
+    async def scenario():
+        response = await ingress.completions(http_request({"prompt": "hi", "stream": True}, leaves_after_s=0.3))
+        await asyncio.sleep(0.1)  # the replica's side of the cancellation
+        return response.status_code
+
+    start = time.monotonic()
+    assert asyncio.run(scenario()) == 499 and time.monotonic() - start < 3
+    assert engine.num_streams == 0 and ingress.num_in_flight == 0  # aborted in the engine, out of the admission count
+    assert ingress.metrics.requests.labels(model=ingress.model, finish_reason="abort")._value.get() == 1

@@ -1,0 +1,99 @@
+"""The soak's checks (bench/soak.py): each returns (name, passed, detail)."""
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from soak_clients import GREEDY_TOKENS, Result
+
+MODEL = 'model="SmolLM2-135M-Instruct"'
+MAX_GROWTH = 0.05  # RssAnon + VmSwap, from the baseline to the end
+# ... or this much: Ray's small daemons (raylet ~12 MiB) move by a MiB or two as their allocators warm up, where 5%
+# is under a MiB; a per-request leak grows with the requests, past this in a long run
+NOISE_KB = 2048
+
+
+def scrape(port: int) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+def check_outcomes(results: list[Result]) -> tuple[str, bool, str]:
+    bad = [r for r in results if r.outcome in ("failed", "hung")]
+    detail = f"{len(results)} requests; {len(bad)} failed or hung"
+    if bad:
+        detail += ": " + "; ".join(sorted({f"{r.proto} {r.outcome}: {r.detail}" for r in bad})[:5])
+    return "outcomes", not bad, detail
+
+
+def check_greedy(results: list[Result], prompts: list[str]) -> tuple[str, bool, str]:
+    """Completed greedy samples against the engine alone (as a single-rank replica runs it, one thread)."""
+    from cpuserve.engine.llm import LLM
+    from cpuserve.engine.sampling_params import SamplingParams
+
+    llm = LLM(weights="int4", kv_cache="int8", kv_cache_gb=0.1, num_threads=1, show_progress=False)
+    alone = llm.generate(prompts, SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0, ignore_eos=True))
+    ids = [a.token_ids for a in alone]
+    texts = ["".join(llm.tokenizer.decode([t], skip_special_tokens=False) for t in a) for a in ids]
+    done = [r for r in results if r.greedy is not None and r.outcome == "completed"]
+    wrong = [r for r in done if (r.ids != ids[r.greedy] if r.proto == "grpc" else r.text != texts[r.greedy])]
+    by_proto = {p: sum(r.proto == p for r in done) for p in ("grpc", "http")}
+    detail = f"{by_proto['grpc']} gRPC (tokens) and {by_proto['http']} HTTP (text) samples; {len(wrong)} differ"
+    return "greedy = engine alone", bool(done) and not wrong, detail
+
+
+def check_kv_free(port: int, timeout: float = 60) -> tuple[str, bool, str]:
+    """Once the clients are gone: no block used, nothing running or waiting (replicas report every 0.5 s)."""
+    names = ("cpuserve_kv_cache_usage_ratio", "cpuserve_num_requests_running", "cpuserve_num_requests_waiting")
+    deadline = time.monotonic() + timeout
+    while True:
+        m = scrape(port)
+        values = {n: m.get(f"{n}{{{MODEL}}}") for n in names}
+        if all(v == 0 for v in values.values()) or time.monotonic() > deadline:
+            return "KV pool free", all(v == 0 for v in values.values()), ", ".join(f"{n} {v}" for n, v in values.items())
+
+
+def check_metrics(before: dict[str, float], after: dict[str, float], results: list[Result]) -> tuple[str, bool, str]:
+    """The server's counters moved as the client counted: finished (stop + length), aborted (cancelled, deadline),
+    errors (failed), refused (both limits)."""
+    def delta(name: str, labels: str) -> float:
+        key = f"{name}{{{labels}}}"
+        return after.get(key, 0) - before.get(key, 0)
+
+    requests = lambda reason: delta("cpuserve_requests_total", f'finish_reason="{reason}",{MODEL}')  # noqa: E731
+    server = {"completed": requests("stop") + requests("length"), "cancelled": requests("abort"),
+              "failed": requests("error"),
+              "refused": sum(delta("cpuserve_requests_refused_total", f'limit="{k}",{MODEL}') for k in
+                             ("requests", "tokens"))}
+    count = lambda *outcomes: sum(r.outcome in outcomes for r in results)  # noqa: E731
+    client = {"completed": count("completed"), "cancelled": count("cancelled", "deadline"),
+              "failed": count("failed", "hung"), "refused": count("refused")}
+    detail = ", ".join(f"{k}: server {server[k]:g} / client {client[k]}" for k in client)
+    # a client that left may have left after the server sent its last token (still unread in the socket): the
+    # server counts it finished, the client cancelled; every other count is exact
+    same = server["failed"] == client["failed"] and server["refused"] == client["refused"] and \
+        server["completed"] + server["cancelled"] == client["completed"] + client["cancelled"] and \
+        client["completed"] <= server["completed"] <= client["completed"] + client["cancelled"]
+    return "metrics = client", same, detail
+
+
+def check_memory(baseline: dict[int, tuple[str, int]], end: dict[int, tuple[str, int]],
+                 min_kb: int = 0) -> tuple[str, bool, str]:
+    """Each process alive at both points and holding min_kb at the baseline: RssAnon + VmSwap grew less than
+    MAX_GROWTH (or than NOISE_KB)."""
+    both = [(pid, baseline[pid][0], baseline[pid][1], end[pid][1]) for pid in baseline
+            if pid in end and baseline[pid][1] >= min_kb]
+    growth = sorted(((e - b) / b if b else 0.0, name, pid, b, e) for pid, name, b, e in both)
+    over = [g for g in growth if g[0] >= MAX_GROWTH and g[4] - g[3] >= NOISE_KB]
+    worst = growth[-3:][::-1]
+    detail = f"{len(both)} processes" + (f" of {min_kb // 1024} MiB or more" if min_kb else "") + "; largest growth: " + "; ".join(
+        f"{name} {b / 1024:.0f} -> {e / 1024:.0f} MiB ({g:+.1%})" for g, name, _, b, e in worst)
+    gone = len(baseline) - len(both)
+    if gone:
+        detail += f"; {gone} process(es) of the baseline ended"
+    return "memory (RssAnon+VmSwap)", bool(both) and not over, detail
