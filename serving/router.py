@@ -93,20 +93,25 @@ def serving_model(replicas: list[RunningReplica], model: str | None) -> list[Run
 def rank_replicas(replicas: list[str], loads: dict[str, float], matches: dict[str, int], sizes: dict[str, int],
                   imbalance: float) -> list[list[str]]:
     """The preference ranks of one request (Serve takes the least busy replica with room in the first rank that has
-    one): the replicas holding the longest prefix of its prompt, unless busier than the least busy by more than
-    `imbalance`; else every replica, least busy first and, among equals, the one holding the fewest prefixes.
+    one, the first of equals): the replicas holding the longest prefix of its prompt, unless busier than the least
+    busy by more than `imbalance`; else every replica, least busy first and, among equals, the one holding the
+    fewest prefixes. Ties left are broken at random, as Serve's power of two choices does: requests routed at the
+    same moment see the same loads (each replica's count rises only once a request is sent), and a fixed order would
+    send a burst to one replica.
 
     Args:
         loads: ongoing requests per replica; matches: chunks of the prompt each holds; sizes: chunks each holds.
     """
+    draw = {r: random.random() for r in replicas}
     best = max(matches.values(), default=0)
     if best:
         lightest = min(loads.values())
         holders = [r for r in replicas if matches[r] == best and loads[r] - lightest <= imbalance]
         if holders:
             rest = [r for r in replicas if r not in holders]
-            return [holders, rest] if rest else [holders]
-    return [sorted(replicas, key=lambda r: (loads[r], sizes[r]))]
+            ranks = [holders, rest] if rest else [holders]
+            return [sorted(rank, key=lambda r: (loads[r], draw[r])) for rank in ranks]
+    return [sorted(replicas, key=lambda r: (loads[r], sizes[r], draw[r]))]
 
 
 class LLMRouter(RequestRouter):

@@ -50,13 +50,20 @@ def test_the_index_matches_from_the_start_and_forgets_the_least_recent():
     ({"a": 0, "b": 0}, {"a": 3, "b": 0}, {"a": 9, "b": 0}, [["a"], ["b"]]),  # the holder first
     ({"a": 4, "b": 0}, {"a": 3, "b": 0}, {"a": 9, "b": 0}, [["a"], ["b"]]),  # busier, within the imbalance
     ({"a": 5, "b": 0}, {"a": 3, "b": 0}, {"a": 9, "b": 0}, [["b", "a"]]),  # too busy: the least busy
-    ({"a": 1, "b": 0}, {"a": 3, "b": 3}, {"a": 9, "b": 9}, [["a", "b"]]),  # both hold it: Serve takes the lighter
+    ({"a": 1, "b": 0}, {"a": 3, "b": 3}, {"a": 9, "b": 9}, [["b", "a"]]),  # both hold it: the lighter first
     ({"a": 0, "b": 0}, {"a": 2, "b": 3}, {"a": 9, "b": 9}, [["b"], ["a"]]),  # the longest prefix wins
     ({"a": 0, "b": 0}, {"a": 0, "b": 0}, {"a": 9, "b": 2}, [["b", "a"]]),  # new prefix: the smaller holder
     ({"a": 0, "b": 1}, {"a": 0, "b": 0}, {"a": 9, "b": 2}, [["a", "b"]]),  # ... unless busier
 ])
 def test_rank_replicas(loads, matches, sizes, expected):
     assert rank_replicas(["a", "b"], loads, matches, sizes, imbalance=4) == expected
+
+
+@pytest.mark.parametrize("matches,sizes", [({"a": 0, "b": 0}, {"a": 2, "b": 2}), ({"a": 3, "b": 3}, {"a": 9, "b": 2})])
+def test_equals_come_first_at_random(matches, sizes):
+    """Requests routed at the same moment see the same loads: a fixed order would send them all to one replica."""
+    firsts = [rank_replicas(["a", "b"], {"a": 0, "b": 0}, matches, sizes, imbalance=4)[0][0] for _ in range(200)]
+    assert 60 < firsts.count("a") < 140, firsts.count("a")  # binomial(200, 0.5): outside this about 1 in 10^7
 
 
 @dataclass
