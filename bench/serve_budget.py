@@ -107,6 +107,7 @@ async def measure(target, levels: list[int], args, engine_here: bool) -> dict[in
             after, tokens = snapshot(engine_here), sum(level.tokens)
             rows[n] = {**level.row(), "tokens": tokens, "wall_s": level.wall, "load_1min_before": load,
                        "ms_per_token": 1e3 * level.wall / tokens if tokens else float("nan"),
+                       "messages": sum(level.messages),
                        "cpu": budget(before, after, tokens, level.wall) if tokens else {}}
             print(f"  {n:>3} streams: {rows[n]['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
         return rows
@@ -116,10 +117,16 @@ def report(results: dict) -> str:
     lines = []
     for label, by_n in results.items():
         for n, row in by_n.items():
-            lines += [f"### {label}, {n} streams: {row['tok_s']:.1f} tok/s, {row['ms_per_token']:.2f} ms of wall "
-                      f"per token, TTFT p50 {row['ttft_p50']:.0f} ms, load before {row['load_1min_before']:.2f}",
-                      "| process / thread | CPU us per token | % of one core |", "|---|---:|---:|"]
+            per_message = row["tokens"] / row["messages"] if row.get("messages") else None  # tokens per message
+            head = (f"### {label}, {n} streams: {row['tok_s']:.1f} tok/s, {row['ms_per_token']:.2f} ms of wall per "
+                    f"token, TTFT p50 {row['ttft_p50']:.0f} ms, load before {row['load_1min_before']:.2f}")
+            if per_message:  # the client counted them: CPU per streamed message too
+                head += f", {row['messages']} streamed messages ({per_message:.2f} tokens each)"
+            extra = " CPU us per message |" if per_message else ""
+            lines += [head, "| process / thread | CPU us per token | % of one core |" + extra,
+                      "|---|---:|---:|" + "---:|" * bool(per_message)]
             lines += [f"| {kind} | {c['us_per_token']:.0f} | {100 * c['core_share']:.1f} |"
+                      + (f" {c['us_per_token'] * per_message:.0f} |" if per_message else "")
                       for kind, c in row["cpu"].items()]
             lines.append("")
     return "\n".join(lines)

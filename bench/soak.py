@@ -97,7 +97,7 @@ async def drive(ports: dict[str, int], args, results: list[Result], memory: dict
             while not b.stop.is_set():
                 plan = make_plan(rng, proto)
                 send = grpc_stream(stub, plan, b) if proto == "grpc" else http_stream(session, url, plan, b)
-                r = await bounded(send, b, proto, "stream")
+                r = await bounded(send, b, proto, "stream", whole=False)
                 results.append(r)
                 if r.outcome == "refused":
                     await asyncio.sleep(r.retry_after)

@@ -252,11 +252,12 @@ def _http_refusal(r: Result, status: int, body: bytes, headers) -> Result:
     return r
 
 
-async def bounded(coro, b: Bounds, proto: str, kind: str) -> Result:
+async def bounded(coro, b: Bounds, proto: str, kind: str, whole: bool = True) -> Result:
     """The request's Result, or a `hung` one when nothing came within the hang bound, or a `failed` one on an
-    exception (a dropped connection is an outcome to count, not a crash)."""
+    exception (a dropped connection is an outcome to count, not a crash). whole=False: a stream, which bounds each
+    of its messages itself (a long stream whose tokens keep coming is not hung however long it runs)."""
     try:
-        return await within(coro, b)
+        return await (within(coro, b) if whole else coro)
     except Hung as e:
         return Result(proto, kind, outcome="hung", detail=str(e))
     except Stopped:

@@ -15,16 +15,12 @@ import time
 from typing import Any, AsyncIterator
 
 from cpuserve.engine.config import EngineConfig
-from cpuserve.engine.errors import InvalidRequest
+from cpuserve.engine.errors import EngineDeadError, InvalidRequest
 from cpuserve.engine.llm_engine import EngineStats, LLMEngine
 from cpuserve.engine.outputs import StepOutput
 from cpuserve.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped on an error; no request can make progress."""
 
 
 class AsyncLLMEngine:

@@ -17,3 +17,11 @@ class InvalidRequest(ValueError):
 
     def __reduce__(self):  # pickles whole (the default would rebuild it from the message alone)
         return type(self), (self.param, self.message)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped on an error (or a step has stalled); no request can make progress.
+
+    Defined here, not beside the engine: a failed health check carries it to Serve's controller, which must import
+    its module to unpickle it; the engine's own module would load torch there (+124 MiB, measured).
+    """

@@ -26,7 +26,7 @@ from cpuserve.serving.config import ServeConfig
 from cpuserve.serving.direct_http import bind
 from cpuserve.serving.names import APP_NAME, GRPC_SERVICER, INGRESS_DEPLOYMENT, SERVER_DEPLOYMENT
 from cpuserve.serving.ports import free_port
-from cpuserve.serving.ray_env import RAY_ENV
+from cpuserve.serving.ray_env import RAY_ENV, without_intel_openmp_preload
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,8 @@ def start_serving(config: ServeConfig, blocking_timeout_s: float = 600) -> None:
         else:
             split = _split_cores(config)
             # address="local": always a cluster of our own, never one another process left running on this machine
-            with on_cores(split[1] if split else None):  # Ray's processes, started here, on the serving cores
+            # Ray's processes, started here: on the serving cores, on Ray's own allocator
+            with on_cores(split[1] if split else None), without_intel_openmp_preload():
                 ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1",
                          log_to_driver=False,
                          num_cpus=max(config.replicas * config.cpus_per_replica, len(os.sched_getaffinity(0))),

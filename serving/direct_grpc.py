@@ -16,19 +16,14 @@ from typing import Any
 import grpc
 
 from cpuserve.serving import grpc_api
-from cpuserve.serving.protocol import GRPC_CODE, RequestError
-
-
-def _status(e: RequestError) -> grpc.StatusCode:
-    return getattr(grpc.StatusCode, GRPC_CODE[e.kind])
-
+from cpuserve.serving.protocol import RequestError
 
 def _unary(method):
     async def call(request: bytes, context: grpc.aio.ServicerContext) -> Any:
         try:
             return await method(request, context)
         except RequestError as e:
-            await context.abort(_status(e), e.message)
+            await context.abort(grpc_api.status_code(e), e.message)
     return call
 
 
@@ -38,7 +33,7 @@ def _streaming(method):
             async for response in method(request, context):
                 yield response
         except RequestError as e:
-            await context.abort(_status(e), e.message)
+            await context.abort(grpc_api.status_code(e), e.message)
     return call
 
 

@@ -11,9 +11,10 @@ import json
 from typing import Any
 
 import grpc
+import msgspec
 from google.protobuf.message import DecodeError
 
-from cpuserve.serving.protocol import DEFAULT_MAX_TOKENS, RequestError, total
+from cpuserve.serving.protocol import DEFAULT_MAX_TOKENS, Chunk, GenerateRequest, RequestError, Usage, total
 from cpuserve.serving.request_model import ApiRequest, to_internal
 from cpuserve.serving.tools import parse_tool_calls
 from cpuserve.v1 import inference_pb2 as pb
@@ -63,9 +64,9 @@ def parse(raw: bytes, cls: type) -> Any:
         raise RequestError(f"request is not a valid {cls.__name__} message", "request") from None
 
 
-def generate_request(req: Any, max_request_bytes: int) -> tuple[str, dict[str, Any]]:
-    """GenerateRequest -> (model name, the internal request dict of serving/protocol.py), through the request
-    model HTTP shares (request_model.py): this function only reads proto fields."""
+def generate_request(req: Any, max_request_bytes: int) -> tuple[str, GenerateRequest]:
+    """A proto GenerateRequest -> (model name, the replicas' GenerateRequest of serving/protocol.py), through the
+    request model HTTP shares (request_model.py): this function only reads proto fields."""
     which = req.WhichOneof("prompt")
     if which is None:
         raise RequestError("prompt: set one of text, token_ids or chat", "prompt")
@@ -139,42 +140,52 @@ def _structured(so: Any) -> tuple[str, str, Any]:
     return param, kind, list(so.choice.choices) if kind == "choice" else getattr(so, kind)
 
 
-def _usage(chunk: dict[str, Any]) -> Any:
-    return pb.Usage(prompt_tokens=chunk["prompt_tokens"], completion_tokens=chunk["completion_tokens"],
-                    cached_tokens=chunk["cached_tokens"], draft_tokens=chunk.get("draft_tokens", 0),
-                    accepted_draft_tokens=chunk.get("accepted_tokens", 0))
+def status_code(e: RequestError) -> grpc.StatusCode:
+    """The gRPC status of a refused request (its message is the details)."""
+    return getattr(grpc.StatusCode, e.grpc_code_name)
 
 
-def _logprobs(chunk: dict[str, Any]) -> list[Any]:
-    return [pb.TokenLogprobs(token_id=lp[0], logprob=lp[2], top=[pb.TopLogprob(token_id=t[0], logprob=t[2])
-                                                                  for t in lp[3]])
-            for lp in chunk.get("logprobs", [])]
+def _usage(u: Chunk | Usage) -> Any:
+    return pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                    cached_tokens=u.cached_tokens, draft_tokens=u.draft_tokens, accepted_draft_tokens=u.accepted_tokens)
 
 
-def generate_response(request_id: str, chunk: dict[str, Any], tool_calls: list[dict[str, Any]] | None = None) -> Any:
-    return pb.GenerateResponse(request_id=request_id, text=chunk["text"], token_ids=chunk["ids"],
-                               logprobs=_logprobs(chunk), finish_reason=FINISH_REASONS[chunk["finish_reason"]],
-                               usage=_usage(chunk), index=chunk.get("index", 0), tool_calls=_tool_calls(tool_calls))
+def _logprobs(chunk: Chunk) -> list[Any]:
+    if chunk.logprobs is None:
+        return []
+    return [pb.TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob,
+                             top=[pb.TopLogprob(token_id=t.token_id, logprob=t.logprob) for t in lp.top])
+            for lp in chunk.logprobs]
 
 
-def complete_response(request_id: str, samples: list[dict[str, Any]],
-                      tool_calls: list[dict[str, Any]] | None = None) -> Any:
+def generate_response(request_id: str, chunk: Chunk, tool_calls: list[dict[str, Any]] | None = None) -> Any:
+    response = pb.GenerateResponse(request_id=request_id, text=chunk.text, token_ids=chunk.ids,
+                                   finish_reason=FINISH_REASONS[chunk.finish_reason], usage=_usage(chunk),
+                                   index=chunk.index)
+    if chunk.logprobs is not None:  # set only when there are some: an empty list still costs its conversion
+        response.logprobs.extend(_logprobs(chunk))
+    if tool_calls:
+        response.tool_calls.extend(_tool_calls(tool_calls))
+    return response
+
+
+def complete_response(request_id: str, samples: list[Chunk], tool_calls: list[dict[str, Any]] | None = None) -> Any:
     """samples: each sample's chunks merged, in index order (one for n = 1)."""
     first = samples[0]
-    extra = [pb.Sample(index=i, text=m["text"], token_ids=m["ids"], logprobs=_logprobs(m),
-                       finish_reason=FINISH_REASONS[m["finish_reason"]]) for i, m in enumerate(samples)]
-    return pb.CompleteResponse(request_id=request_id, text=first["text"], token_ids=first["ids"],
-                               logprobs=_logprobs(first), finish_reason=FINISH_REASONS[first["finish_reason"]],
+    extra = [pb.Sample(index=i, text=m.text, token_ids=m.ids, logprobs=_logprobs(m),
+                       finish_reason=FINISH_REASONS[m.finish_reason]) for i, m in enumerate(samples)]
+    return pb.CompleteResponse(request_id=request_id, text=first.text, token_ids=first.ids,
+                               logprobs=_logprobs(first), finish_reason=FINISH_REASONS[first.finish_reason],
                                usage=_usage(total(samples) if len(samples) > 1 else first),
                                samples=extra if len(samples) > 1 else [], tool_calls=_tool_calls(tool_calls))
 
 
-def split_tool_calls(merged: dict[str, Any], tool_format: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def split_tool_calls(merged: Chunk, tool_format: str) -> tuple[Chunk, list[dict[str, Any]]]:
     """A request's whole output -> (its chunk with only the text before the calls, the calls in OpenAI's shape);
     a request that stopped by calling tools finishes with "tool_calls"."""
-    text, calls = parse_tool_calls(tool_format, merged["text"])
-    reason = "tool_calls" if calls and merged["finish_reason"] == "stop" else merged["finish_reason"]
-    return {**merged, "text": text or "", "finish_reason": reason}, calls
+    text, calls = parse_tool_calls(tool_format, merged.text)
+    reason = "tool_calls" if calls and merged.finish_reason == "stop" else merged.finish_reason
+    return msgspec.structs.replace(merged, text=text or "", finish_reason=reason), calls
 
 
 def _tool_calls(calls: list[dict[str, Any]] | None) -> list[Any]:

@@ -13,9 +13,9 @@ replica's generator and aborts the request in its engine.
 import asyncio
 import contextvars
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, TypeVar
 
-import grpc
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, start_http_server
@@ -33,15 +33,17 @@ from cpuserve.serving.metrics import build_serving_metrics
 from cpuserve.serving.names import ENGINE_APP_NAME, SERVER_DEPLOYMENT
 from cpuserve.serving.openai_api import ChatRequest, CompletionRequest, parse_body
 from cpuserve.serving.openapi_doc import build_openapi
-from cpuserve.serving.openai_responses import completion_body, sse, usage
-from cpuserve.serving.protocol import (GRPC_CODE, HTTP_STATUS, NOT_FOUND, RESOURCE_EXHAUSTED, TOO_LARGE,
-                                       UNAUTHENTICATED, UNAVAILABLE, RequestError, merge_samples, total)
+from cpuserve.serving.openai_responses import completion_body, error_event, error_response, sse, usage
+from cpuserve.serving.protocol import (NOT_FOUND, RESOURCE_EXHAUSTED, TOO_LARGE, UNAUTHENTICATED, UNAVAILABLE, Chunk,
+                                       GenerateRequest, ModelInfo, ReplicaStats, RequestError, decode, merge_samples,
+                                       total)
 from cpuserve.serving.ray_env import own_data_plane
 from cpuserve.serving.telemetry import EngineStatsAggregator, RequestTimer
 from cpuserve.serving.tool_stream import ToolCallStream
 from cpuserve.serving.tools import parse_tool_calls
 from cpuserve.v1 import inference_pb2 as pb
 
+T = TypeVar("T")
 api = FastAPI(title="cpuserve", docs_url=None, redoc_url=None, openapi_url=None)
 
 
@@ -75,9 +77,9 @@ async def _result(response: Any) -> Any:
     return await response
 
 
-def _error_response(e: RequestError) -> JSONResponse:
-    headers = {"Retry-After": str(e.retry_after)} if e.retry_after is not None else None
-    return JSONResponse({"error": e.to_dict()}, status_code=HTTP_STATUS[e.kind], headers=headers)
+async def _merged(first: list[Chunk], stream: AsyncIterator[list[Chunk]]) -> list[Chunk]:
+    """A non-streamed answer: the chunks of every message merged, per sample."""
+    return merge_samples(first + [c async for chunks in stream for c in chunks])
 
 
 class IngressCore:
@@ -118,23 +120,23 @@ class IngressCore:
         """The name of the model most recently reported (before any report: the config's)."""
         return next(iter(self.engine_stats.models()), self.config.model_name)
 
-    async def _served(self) -> dict[str, dict[str, Any]]:
-        """name -> model info of the models the replicas serve (asked of one replica before any report)."""
+    async def _served(self) -> dict[str, ModelInfo]:
+        """name -> info of the models the replicas serve (asked of one replica before any report)."""
         models = self.engine_stats.models()
         if not models:
             info = await self.llm.info.remote()
-            models = {info["name"]: info}
+            models = {info.name: info}
         return models
 
     # -- the request path shared by HTTP and gRPC ----------------------------------------------------------
-    async def _run(self, model: str | None, internal: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """Chunk dicts of one request; raises RequestError before the first chunk if it is refused."""
+    async def _run(self, model: str | None, request: GenerateRequest) -> AsyncIterator[list[Chunk]]:
+        """The chunks of one request, a streamed message's at a time; raises RequestError before the first message
+        if it is refused, and at the message that ends the stream with an error."""
         served = await self._served()
         if model and model not in served:
             raise RequestError(f"model={model!r} is not served here; available: {sorted(served)!r}", "model",
                                NOT_FOUND)
-        if model:  # the router sends it to a replica serving it
-            internal["model"] = model
+        request.model = model or None  # the router sends a request naming a model to a replica serving it
         label = model or next(iter(served))
         if self.draining:
             raise RequestError("the server is shutting down: running requests finish, new ones go elsewhere", None,
@@ -144,21 +146,27 @@ class IngressCore:
             raise RequestError(f"{self.num_in_flight} requests are running or waiting, the limit (replicas x "
                                "max_num_seqs + max_queued_requests): retry in 1 s", None, RESOURCE_EXHAUSTED, 1)
         self.num_in_flight += 1
-        timer = RequestTimer(self.metrics, label)
-        responses = self.llm.options(stream=True).generate.remote(internal)
+        timer = RequestTimer(self.engine_stats.request_metrics, label)
+        # the replica sends protocol.encode's bytes: plain pickle wraps them (Ray's default, cloudpickle, costs more)
+        responses = self.llm.options(stream=True, request_serialization="pickle",
+                                     response_serialization="pickle").generate.remote(request)
         reason = "abort"  # unless the stream says otherwise: the client left or the deadline passed
         try:
-            async for chunk in responses:
-                if "error" in chunk:
-                    error = RequestError.from_dict(chunk["error"], chunk.get("retry_after"))
+            async for data in responses:
+                message = decode(data)
+                for chunk in message.chunks:
+                    timer.on_chunk(chunk)
+                    reason = chunk.finish_reason or reason
+                if message.error is not None:
+                    error = message.error
                     timer.finished = error.kind != UNAVAILABLE  # refused requests are not served requests
                     if error.kind == RESOURCE_EXHAUSTED:  # the replica's queue of prompt tokens is full
                         self.metrics.refused.labels(model=label, limit="tokens").inc()
                     reason = "error"
+                    if message.chunks:  # what came before the error still goes out
+                        yield message.chunks
                     raise error
-                timer.on_chunk(chunk)
-                reason = chunk["finish_reason"] or reason
-                yield chunk
+                yield message.chunks
         except BackPressureError as e:
             timer.finished = True
             self.metrics.refused.labels(model=label, limit="requests").inc()
@@ -176,26 +184,29 @@ class IngressCore:
             responses.cancel()  # a no-op once finished; otherwise aborts the request on its replica
             timer.finish(reason)
 
-    async def _start(self, model: str | None, internal: dict[str, Any]):
-        internal.setdefault("request_id", uuid.uuid4().hex[:16])
-        stream = self._run(model, internal)
+    async def _start(self, model: str | None, request: GenerateRequest):
+        if request.request_id is None:
+            request.request_id = uuid.uuid4().hex[:16]
+        stream = self._run(model, request)
         first = await anext(stream)  # RequestError here: nothing was sent to the client yet
-        return internal["request_id"], first, stream
+        return request.request_id, first, stream
 
-    async def _start_unless_gone(self, request: Request, model: str | None, internal: dict[str, Any]):
-        """_start, given up (the request aborted on its replica) when the HTTP client leaves before the first token:
-        a request queued behind others would otherwise hold its place and get its prompt prefilled for nobody.
-        (gRPC needs none of this: grpc.aio cancels the handler when its client goes.)"""
-        start = asyncio.ensure_future(self._start(model, internal))
+    async def _unless_gone(self, request: Request, work: Awaitable[T]) -> T | None:
+        """`work`'s result, or None once the HTTP client has left first (noticed within 0.5 s): `work` is cancelled,
+        so the request it waits on is aborted on its replica and counted aborted. A queued request would otherwise
+        keep its place and get its prompt prefilled for nobody, and a non-streamed one would run to max_tokens. Serve's
+        HTTP proxy cancels the handler itself when its client leaves; the Ingress's own server (direct_http) does
+        not. (gRPC needs none of this: grpc.aio cancels the handler when its client goes.)"""
+        task = asyncio.ensure_future(work)
         gone = asyncio.ensure_future(_disconnected(request))
         try:
-            await asyncio.wait({start, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            if not start.done():  # cancelled here, its stream's cleanup aborts the request and counts it aborted
-                start.cancel()
+            if not task.done():  # cancelled here, its stream's cleanup aborts the request and counts it aborted
+                task.cancel()
         try:
-            return await start
+            return await task
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling():  # this handler itself is being cancelled
                 raise
@@ -208,16 +219,16 @@ class IngressCore:
         self.draining = self.draining or refuse
         return self.num_in_flight
 
-    async def report_stats(self, stats: dict[str, Any]) -> None:
+    async def report_stats(self, stats: ReplicaStats) -> None:
         """Each LLMServer replica calls this every stats_interval_s."""
         self.engine_stats.update(stats)
 
-    async def _model_info(self, name: str | None = None) -> dict[str, Any]:
+    async def _model_info(self, name: str | None = None) -> ModelInfo:
         """The info of model `name`, or of the model most recently reported."""
         served = await self._served()
         return served.get(name) or next(iter(served.values()))
 
-    async def _models(self) -> list[dict[str, Any]]:
+    async def _models(self) -> list[ModelInfo]:
         return [await self._model_info(name) for name in await self._served()]
 
     # -- HTTP ------------------------------------------------------------------------------------------------
@@ -242,25 +253,27 @@ class IngressCore:
             self._authorize_http(request)
             parsed = parse_body(await self._read_body(request), cls)
             internal = parsed.to_internal()
-            started = await self._start_unless_gone(request, parsed.model, internal)
+            started = await self._unless_gone(request, self._start(parsed.model, internal))
         except RequestError as e:
-            return _error_response(e)
+            return error_response(e)
         if started is None:  # nobody is there to read an answer
             return Response(status_code=499)
         rid, first, stream = started
         rid = ("chatcmpl-" if chat else "cmpl-") + rid
-        headers = {"x-cpuserve-replica": first.get("replica", "")}
-        model = first.get("model", self.model)  # the model that serves it
-        tool_format = (await self._model_info(model))["tool_format"] if internal.get("tools") else None
+        headers = {"x-cpuserve-replica": first[0].replica}
+        model = first[0].model or self.model  # the model that serves it
+        tool_format = (await self._model_info(model)).tool_format if internal.tools else None
         include_usage = parsed.stream_options is not None and parsed.stream_options.include_usage
         if parsed.stream:  # with tools, calls stream as the model writes them
             tools = ToolCallStream(tool_format) if tool_format else None
             return StreamingResponse(self._sse(rid, model, first, stream, chat, include_usage, tools, n=parsed.n),
                                      media_type="text/event-stream", headers=headers)
         try:
-            samples = merge_samples([first] + [c async for c in stream])
+            samples = await self._unless_gone(request, _merged(first, stream))
         except RequestError as e:
-            return _error_response(e)
+            return error_response(e)
+        if samples is None:
+            return Response(status_code=499)
         if len(samples) > 1:  # n samples: one choice each
             body = completion_body(rid, model, samples[0], chat, final=True)
             body["choices"] = [completion_body(rid, model, m, chat, final=True)["choices"][0] for m in samples]
@@ -268,31 +281,38 @@ class IngressCore:
             return JSONResponse(body, headers=headers)
         merged, calls = samples[0], None
         if tool_format:
-            merged["text"], calls = parse_tool_calls(tool_format, merged["text"])
+            text, calls = parse_tool_calls(tool_format, merged.text)
+            merged = msgspec.structs.replace(merged, text=text)  # None when the answer is only calls
         return JSONResponse(completion_body(rid, model, merged, chat, final=True, tool_calls=calls),
                             headers=headers)
 
-    async def _sse(self, rid: str, model: str, first: dict, stream: AsyncIterator[dict], chat: bool,
+    async def _sse(self, rid: str, model: str, first: list[Chunk], stream: AsyncIterator[list[Chunk]], chat: bool,
                    include_usage: bool, tools: ToolCallStream | None = None, n: int = 1) -> AsyncIterator[bytes]:
-        chunk, text_offsets, last = first, {}, {}  # per sample index: where its text is, its latest chunk
+        """One write per streamed message: the events of its chunks (every sample's that was ready) together."""
+        chunks, text_offsets, last = first, [0] * n, {}  # per sample index: where its text is, its latest chunk
         try:
             while True:
-                index, deltas = chunk.get("index", 0), None
-                if tools is not None:
-                    chunk, deltas = tools.apply(chunk)
-                yield sse(completion_body(rid, model, chunk, chat, final=False,
-                                          text_offset=text_offsets.get(index, 0), tool_calls=deltas))
-                last[index] = chunk
-                if chunk["finish_reason"] and sum(c["finish_reason"] is not None for c in last.values()) == n:
+                events = []
+                for chunk in chunks:
+                    deltas = None
+                    if tools is not None:
+                        chunk, deltas = tools.apply(chunk)
+                    events.append(sse(completion_body(rid, model, chunk, chat, final=False,
+                                                      text_offset=text_offsets[chunk.index], tool_calls=deltas)))
+                    last[chunk.index] = chunk
+                    text_offsets[chunk.index] += len(chunk.text)
+                done = len(last) == n and all(c.finish_reason is not None for c in last.values())
+                if done and include_usage:
+                    events.append(sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                                       "model": model, "choices": [], "usage": usage(total(list(last.values())))}))
+                if done:
+                    events.append(sse("[DONE]"))
+                yield b"".join(events)
+                if done:
                     break
-                text_offsets[index] = text_offsets.get(index, 0) + len(chunk["text"])
-                chunk = await anext(stream)
-            if include_usage:
-                yield sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                           "model": model, "choices": [], "usage": usage(total(list(last.values())))})
-            yield sse("[DONE]")
+                chunks = await anext(stream)
         except RequestError as e:  # after the 200 header: report in-stream, as OpenAI does
-            yield sse({"error": e.to_dict()})
+            yield error_event(e)
         finally:
             await stream.aclose()
 
@@ -309,10 +329,10 @@ class IngressCore:
         try:
             self._authorize_http(request)
         except RequestError as e:
-            return _error_response(e)
+            return error_response(e)
         return JSONResponse({"object": "list", "data": [
-            {"id": info["name"], "object": "model", "created": 0, "owned_by": "cpuserve",
-             "max_model_len": info["max_model_len"]} for info in await self._models()]})
+            {"id": info.name, "object": "model", "created": 0, "owned_by": "cpuserve",
+             "max_model_len": info.max_model_len} for info in await self._models()]})
 
     @api.get("/openapi.json")
     async def openapi(self) -> Response:
@@ -346,7 +366,7 @@ class IngressCore:
 
     # -- gRPC (method names are the rpc names; requests arrive as raw bytes, see grpc_api) ------------------
     def _grpc_fail(self, context: Any, e: RequestError) -> None:
-        context.set_code(getattr(grpc.StatusCode, GRPC_CODE[e.kind]))
+        context.set_code(grpc_api.status_code(e))
         context.set_details(e.message)
         if e.retry_after is not None:
             context.set_trailing_metadata((("retry-after", str(e.retry_after)),))
@@ -366,22 +386,22 @@ class IngressCore:
             model, internal = grpc_api.generate_request(grpc_api.parse(request, pb.GenerateRequest),
                                                         self.config.max_request_bytes)
             rid, first, stream = await self._start(model, internal)
-            tool_format = (await self._model_info(first.get("model")))["tool_format"] if internal.get("tools") else None
+            tool_format = (await self._model_info(first[0].model)).tool_format if internal.tools else None
             return rid, first, stream, tool_format
         except RequestError as e:
             self._grpc_fail(grpc_context, e)
 
     async def Generate(self, request: bytes, grpc_context: Any) -> AsyncIterator[Any]:  # noqa: N802
-        rid, first, stream, tool_format = await self._grpc_start(request, grpc_context)
+        rid, chunks, stream, tool_format = await self._grpc_start(request, grpc_context)
         tools = ToolCallStream(tool_format) if tool_format else None  # calls stream in pieces as written
         try:
-            chunk = first
-            while chunk is not None:
-                deltas = None
-                if tools is not None:
-                    chunk, deltas = tools.apply(chunk)
-                yield grpc_api.generate_response(rid, chunk, deltas)
-                chunk = await anext(stream, None)
+            while chunks is not None:
+                for chunk in chunks:
+                    deltas = None
+                    if tools is not None:
+                        chunk, deltas = tools.apply(chunk)
+                    yield grpc_api.generate_response(rid, chunk, deltas)
+                chunks = await anext(stream, None)
         except RequestError as e:
             self._grpc_fail(grpc_context, e)
         finally:
@@ -390,7 +410,7 @@ class IngressCore:
     async def Complete(self, request: bytes, grpc_context: Any) -> Any:  # noqa: N802
         rid, first, stream, tool_format = await self._grpc_start(request, grpc_context)
         try:
-            samples = merge_samples([first] + [c async for c in stream])
+            samples = merge_samples(first + [c async for chunks in stream for c in chunks])
         except RequestError as e:
             self._grpc_fail(grpc_context, e)
         if tool_format:
@@ -409,7 +429,7 @@ class IngressCore:
         except RequestError as e:
             self._grpc_fail(grpc_context, e)
         ids = await self.llm.tokenize.remote(req.text, req.add_special_tokens)
-        return pb.TokenizeResponse(token_ids=ids, max_model_len=(await self._model_info(req.model))["max_model_len"])
+        return pb.TokenizeResponse(token_ids=ids, max_model_len=(await self._model_info(req.model)).max_model_len)
 
     async def ListModels(self, request: bytes, grpc_context: Any) -> Any:  # noqa: N802
         try:
@@ -417,7 +437,8 @@ class IngressCore:
             grpc_api.parse(request, pb.ListModelsRequest)  # bytes that are no message: INVALID_ARGUMENT, as elsewhere
         except RequestError as e:
             self._grpc_fail(grpc_context, e)
-        return pb.ListModelsResponse(models=[pb.ModelInfo(**info) for info in await self._models()])
+        return pb.ListModelsResponse(models=[pb.ModelInfo(**msgspec.structs.asdict(info))
+                                             for info in await self._models()])
 
     async def Health(self, request: bytes, grpc_context: Any) -> Any:  # noqa: N802
         try:

@@ -9,20 +9,25 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import copy
+import dataclasses
 import itertools
 import logging
 import math
 import os
 from typing import Any, AsyncIterator
 
-from cpuserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from cpuserve.engine.async_engine import AsyncLLMEngine
+from cpuserve.engine.errors import EngineDeadError
+from cpuserve.engine.outputs import StepOutput
 from cpuserve.engine.sampling_params import SamplingParams
 from cpuserve.serving.affinity import engine_cores, on_cores
 from cpuserve.serving.config import ServeConfig
 from cpuserve.serving.engine_metrics import engine_metrics_port, serve_engine_metrics
 from cpuserve.serving.names import APP_NAME, ENGINE_APP_NAME, INGRESS_DEPLOYMENT
 from cpuserve.serving.pacing import paced
-from cpuserve.serving.protocol import RESOURCE_EXHAUSTED, UNAVAILABLE, RequestError, chunk_from_step
+from cpuserve.serving.protocol import (RESOURCE_EXHAUSTED, UNAVAILABLE, Chunk, GenerateRequest, Logprob, Message,
+                                       ModelInfo, ReplicaStats, RequestError, RoutingStats, TopLogprob, encode)
 from cpuserve.serving.tools import MISTRAL, format_of, prepare_messages, template_knows_tools, tool_grammar
 
 log = logging.getLogger(__name__)
@@ -79,103 +84,133 @@ class LLMServer:
         self._knows_tools = template_knows_tools(template)
 
     # -- requests -------------------------------------------------------------------------------------------
-    async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """Chunk dicts of one request; the first is {"error": ...} if the request is refused. With request["n"] > 1
-        the chunks of n samples interleave, each with its "index".
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[bytes]:
+        """What the ingress's handle streams: `messages`, each encoded for the wire (protocol.encode)."""
+        async for message in self.messages(request):
+            yield encode(message)
+
+    async def messages(self, request: GenerateRequest) -> AsyncIterator[Message]:
+        """The Messages of one request: its chunks as they come, or, once, the error that refuses or ends it. With
+        n > 1 samples a message carries every sample's chunk that is ready, each with its index.
 
         Closing this generator early (client gone, deadline) aborts the request in the engine, which frees
         its KV blocks at the next step.
         """
         self._ensure_stats_task()
-        request_id = request.get("request_id") or f"{self.replica_id}-{next(self._ids)}"
-        if request.get("model", self.config.model_name) != self.config.model_name:  # the router knew no better
-            yield RequestError(f"model={request['model']!r}: this replica serves {self.config.model_name!r} (the "
-                               "model is changing); retry in 1 s", "model", UNAVAILABLE, 1).to_chunk()
+        request_id = request.request_id or f"{self.replica_id}-{next(self._ids)}"
+        if request.model not in (None, self.config.model_name):  # the router knew no better
+            yield Message([], RequestError(f"model={request.model!r}: this replica serves {self.config.model_name!r} "
+                                           "(the model is changing); retry in 1 s", "model", UNAVAILABLE, 1))
             return
-        if request.get("n", 1) == 1:
-            async for chunk in self._generate_one(request, request_id):
-                yield chunk
+        if request.n > 1:
+            async for message in self._samples(request, request_id):
+                yield message
             return
-        async for chunk in self._generate_samples(request, request_id, request["n"]):
-            yield chunk
+        try:
+            async for chunk in self._stream(request, request_id):
+                yield Message([chunk])
+        except RequestError as e:
+            yield Message([], e)
 
-    async def _generate_samples(self, request: dict[str, Any], request_id: str,
-                                n: int) -> AsyncIterator[dict[str, Any]]:
+    async def _samples(self, request: GenerateRequest, request_id: str) -> AsyncIterator[Message]:
         """n samples of one prompt. The first runs its prefill alone; the others start once it produced a token,
         so the prefix cache hands them the prompt's KV blocks instead of computing them again."""
-        def sample(i: int) -> AsyncIterator[dict[str, Any]]:
-            sampling = dict(request["sampling"])
-            if sampling.get("seed") is not None:  # seeded samples still differ from each other
-                sampling["seed"] += i
-            return self._generate_one({**request, "sampling": sampling}, f"{request_id}-{i}")
+        def sample(i: int) -> AsyncIterator[Chunk]:
+            return self._stream(request, f"{request_id}-{i}", index=i)
 
         streams = [sample(0)]
-        first = await anext(streams[0])
-        yield {**first, "index": 0}
-        if "error" in first:
+        try:
+            first = await anext(streams[0])
+        except RequestError as e:
+            yield Message([], e)
             return
-        streams += [sample(i) for i in range(1, n)]
-        queue: asyncio.Queue = asyncio.Queue()
+        yield Message([first])
+        streams += [sample(i) for i in range(1, request.n)]
+        ready: asyncio.Queue = asyncio.Queue()
 
-        async def pump(i: int, stream: AsyncIterator[dict[str, Any]]) -> None:
+        async def pump(stream: AsyncIterator[Chunk]) -> None:
             try:
                 async for chunk in stream:
-                    await queue.put({**chunk, "index": i})
+                    ready.put_nowait(chunk)
+            except RequestError as e:
+                ready.put_nowait(e)
             finally:
-                await queue.put(None)
+                ready.put_nowait(None)
 
-        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        tasks = [asyncio.create_task(pump(s)) for s in streams]
         try:
-            for _ in range(n):
-                while (chunk := await queue.get()) is not None:
-                    yield chunk
+            num_open = request.n
+            while num_open:
+                chunks, item = [], await ready.get()
+                while True:  # every chunk that is ready goes out in this message
+                    if item is None:
+                        num_open -= 1
+                    elif isinstance(item, RequestError):
+                        yield Message(chunks, item)
+                        return
+                    else:
+                        chunks.append(item)
+                    if ready.empty():
+                        break
+                    item = ready.get_nowait()
+                if chunks:
+                    yield Message(chunks)
         finally:  # the client left, or all are done: cancelling a pump closes its stream, which aborts its request
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _generate_one(self, request: dict[str, Any], request_id: str) -> AsyncIterator[dict[str, Any]]:
+    async def _stream(self, request: GenerateRequest, request_id: str, index: int = 0) -> AsyncIterator[Chunk]:
+        """One sample's chunks; RequestError when it is refused (before its first chunk) or its replica fails."""
+        params = request.sampling
         try:
+            if params.seed is not None and index:  # seeded samples still differ from each other
+                params = dataclasses.replace(params, seed=params.seed + index)
             prompt = self._prompt(request)
-            sampling = dict(request["sampling"])
-            if request.get("tools"):
-                self._tool_sampling(request, sampling)
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt  # as the engine would
             num_tokens = len(ids)
-            if "max_tokens" not in sampling:  # OpenAI chat's default: fill the rest of the context
-                sampling["max_tokens"] = max(1, self.engine.max_model_len - num_tokens)
+            if request.tools:
+                params = self._tool_sampling(request, params)
+            if request.fill_context:  # OpenAI chat's default: fill the rest of the context
+                params = copy.copy(params)
+                params.max_tokens = max(1, self.engine.max_model_len - num_tokens)
             self._admit(num_tokens)
             try:
                 # tokens that pile up while Ray sends the previous message (or within the stream interval) go out
                 # as one message
-                stream = paced(self.engine.generate(ids, SamplingParams(**sampling), request_id,
-                                                    priority=request.get("priority", 0)), self._stream_interval)
+                stream = paced(self.engine.generate(ids, params, request_id, priority=request.priority),
+                               self._stream_interval)
                 first = await anext(stream)
             finally:  # prefilled (or refused, or gone): no longer queued
                 self.num_queued_tokens -= num_tokens
-        except RequestError as e:
-            yield e.to_chunk()
-            return
         except ValueError as e:  # InvalidRequest names the field: empty prompt, too long, bad token id, ...
-            chat = "messages" in request
-            rename = {**request.get("rename", {}), **({"prompt": "messages"} if chat else {})}
-            error = RequestError.from_value_error(e, "messages" if chat else "prompt", rename=rename)
-            yield {"error": error.to_dict()}
-            return
+            chat = request.messages is not None
+            rename = {**request.rename, **({"prompt": "messages"} if chat else {})}
+            raise RequestError.from_value_error(e, "messages" if chat else "prompt", rename=rename) from None
         except EngineDeadError as e:
-            yield _unavailable(e)
-            return
+            raise _unavailable(e) from None
         # the first chunk names the replica, so clients (and tests) can see where a request ran
-        chunk = {**chunk_from_step(first, self._token_text), "replica": self.replica_id,
-                 "model": self.config.model_name}
-        if request.get("echo"):  # completions' echo: the prompt's text comes first
-            chunk["text"] = self._prompt_text(prompt, sampling) + chunk["text"]
+        chunk = self._chunk(first, index)
+        chunk.replica, chunk.model = self.replica_id, self.config.model_name  # and the model that serves it
+        if request.echo:  # completions' echo: the prompt's text comes first
+            chunk.text = self._prompt_text(prompt, params) + chunk.text
         yield chunk
         try:
             async for step in stream:
-                yield chunk_from_step(step, self._token_text)
-        except EngineDeadError as e:  # mid-stream (a rank died): end this stream with the error, not an exception
-            yield _unavailable(e)
+                yield self._chunk(step, index)
+        except EngineDeadError as e:  # mid-stream (a rank died): end this stream with the error
+            raise _unavailable(e) from None
+
+    def _chunk(self, step: StepOutput, index: int) -> Chunk:
+        """A StepOutput as the wire's Chunk; logprobs carry token texts (the ingress has no tokenizer)."""
+        logprobs = None
+        if step.logprobs is not None:
+            text = self._token_text
+            logprobs = [Logprob(lp.token_id, text(lp.token_id), lp.logprob,
+                                [TopLogprob(t, text(t), p) for t, p in lp.top]) for lp in step.logprobs]
+        return Chunk(step.new_token_ids, step.new_text, step.finish_reason if step.finished else None,
+                     step.num_prompt_tokens, step.num_generated_tokens, step.num_cached_tokens, step.num_draft_tokens,
+                     step.num_accepted_tokens, logprobs, step.queue_time, index)
 
     def _admit(self, num_tokens: int) -> None:
         """Queue a prompt of num_tokens, or refuse it when the replica's queue would pass max_queued_tokens."""
@@ -193,29 +228,31 @@ class LLMServer:
         shared = self.engine.num_streams / c.stream_messages_per_s if c.stream_messages_per_s else 0.0
         return max(c.stream_interval_ms / 1000, shared)
 
-    def _prompt_text(self, prompt: str | list[int], sampling: dict[str, Any]) -> str:
+    def _prompt_text(self, prompt: str | list[int], params: SamplingParams) -> str:
         if isinstance(prompt, str):
             return prompt
-        return self.tokenizer.decode(prompt, skip_special_tokens=sampling.get("skip_special_tokens", True))
+        return self.tokenizer.decode(prompt, skip_special_tokens=params.skip_special_tokens)
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _tool_sampling(self, request: dict[str, Any], sampling: dict[str, Any]) -> None:
+    def _tool_sampling(self, request: GenerateRequest, params: SamplingParams) -> SamplingParams:
         """A required or named tool call is enforced by a grammar of the model's own call format."""
+        changes: dict[str, Any] = {}
         if self.tool_format == MISTRAL:
-            sampling["skip_special_tokens"] = False  # [TOOL_CALLS] is a special token: keep it to parse
-        choice = request["tool_choice"]
-        if choice != "auto":
+            changes["skip_special_tokens"] = False  # [TOOL_CALLS] is a special token: keep it to parse
+        choice = request.tool_choice
+        if choice is not None:
             token = self.tokenizer.token_to_id("[TOOL_CALLS]")
-            spec = tool_grammar(self.tool_format, request["tools"], choice["name"], request["parallel_tool_calls"],
+            spec = tool_grammar(self.tool_format, request.tools, choice.name, request.parallel_tool_calls,
                                 token if token is not None and self.tokenizer.is_special(token) else None)
-            sampling["structured_output"] = {"kind": "grammar", "spec": spec}
-            request.setdefault("rename", {})["structured_output"] = "tool_choice"
+            changes["structured_output"] = {"kind": "grammar", "spec": spec}
+            request.rename["structured_output"] = "tool_choice"
+        return dataclasses.replace(params, **changes) if changes else params
 
-    def _prompt(self, request: dict[str, Any]) -> str | list[int]:
-        if "messages" in request:
-            messages, tools = request["messages"], request.get("tools") or []
+    def _prompt(self, request: GenerateRequest) -> str | list[int]:
+        if request.messages is not None:
+            messages, tools = request.messages, request.tools or []
             if tools or any(m["role"] == "tool" or "tool_calls" in m for m in messages):
                 messages = prepare_messages(messages, tools, self._knows_tools)
             variables = {"tools": tools} if tools and self._knows_tools else {}
@@ -225,33 +262,33 @@ class LLMServer:
                 raise RequestError(f"messages: the chat template rejected them: {e}", "messages") from None
             # the template writes BOS itself
             return self.tokenizer.encode(text, add_special_tokens=False)
-        return request["prompt"]
+        return request.prompt
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    async def info(self) -> dict[str, Any]:
+    async def info(self) -> ModelInfo:
         return self._info()
 
-    def _info(self) -> dict[str, Any]:
+    def _info(self) -> ModelInfo:
         c = self.config
-        return {"name": c.model_name, "max_model_len": self.engine.max_model_len, "weights": c.weights,
-                "kv_cache": c.kv_cache, "replicas": c.replicas, "tool_format": self.tool_format}
+        return ModelInfo(name=c.model_name, max_model_len=self.engine.max_model_len, weights=c.weights,
+                         kv_cache=c.kv_cache, replicas=c.replicas, tool_format=self.tool_format)
 
     def record_routing_stats(self) -> dict[str, Any]:
         """What serving/router.py routes by (Serve polls it every request_routing_stats_period_s): the model, and the
         KV pool's tokens, which bound the prefixes this replica can hold."""
-        s = self.engine.stats()
-        return {"model": self.config.model_name, "kv_tokens": s.num_blocks * self.config.block_size}
+        kv_tokens = self.engine.stats().num_blocks * self.config.block_size
+        return RoutingStats(model=self.config.model_name, kv_tokens=kv_tokens).to_dict()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> ReplicaStats:
         """Engine gauges plus the step times since the last call (what the ingress turns into metrics)."""
         s = self.engine.stats()
-        return {"replica_id": self.replica_id, "model": self._info(), "num_running": s.num_running,
-                "num_waiting": s.num_waiting,
-                "num_used_blocks": s.num_blocks - s.num_free_blocks, "num_blocks": s.num_blocks,
-                "num_preemptions": s.num_preemptions, "num_draft_tokens": s.num_draft_tokens,
-                "num_accepted_tokens": s.num_accepted_tokens, "step_times": self.engine.pop_step_times()}
+        return ReplicaStats(replica_id=self.replica_id, model=self._info(), num_running=s.num_running,
+                            num_waiting=s.num_waiting, num_used_blocks=s.num_blocks - s.num_free_blocks,
+                            num_blocks=s.num_blocks, num_preemptions=s.num_preemptions,
+                            num_draft_tokens=s.num_draft_tokens, num_accepted_tokens=s.num_accepted_tokens,
+                            step_times=self.engine.pop_step_times())
 
     # -- health ---------------------------------------------------------------------------------------------
     async def probe(self) -> str | None:
@@ -325,6 +362,6 @@ async def _consume(stream: AsyncIterator[Any]) -> None:
         pass
 
 
-def _unavailable(e: EngineDeadError) -> dict[str, Any]:
+def _unavailable(e: EngineDeadError) -> RequestError:
     """This replica cannot serve; Serve's health check restarts it (and its group), so a retry succeeds."""
-    return {"error": RequestError(f"{e}; this replica restarts: retry the request", None, UNAVAILABLE).to_dict()}
+    return RequestError(f"{e}; this replica restarts: retry the request", None, UNAVAILABLE)

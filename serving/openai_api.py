@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cpuserve.serving.json_body import load_object
-from cpuserve.serving.protocol import DEFAULT_MAX_TOKENS, RequestError
+from cpuserve.serving.protocol import DEFAULT_MAX_TOKENS, GenerateRequest, RequestError
 from cpuserve.serving.request_model import ApiRequest, to_internal
 from cpuserve.serving.tools import Tool, ToolCall
 
@@ -153,7 +153,7 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = None
     echo: bool = False
 
-    def to_internal(self) -> dict[str, Any]:
+    def to_internal(self) -> GenerateRequest:
         max_tokens = DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
         return to_internal(self.api_request(max_tokens, self.logprobs, prompt=self.prompt, echo=self.echo))
 
@@ -167,7 +167,7 @@ class ChatRequest(_Sampling):
     tool_choice: Any = None  # none / auto / required / a named function: checked by tools.check_tools
     parallel_tool_calls: bool = True
 
-    def to_internal(self) -> dict[str, Any]:
+    def to_internal(self) -> GenerateRequest:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         top = (self.top_logprobs or 0) if self.logprobs else None
         if self.top_logprobs is not None and not self.logprobs:

@@ -13,6 +13,7 @@ import socket
 from pathlib import Path
 
 RAY_WORKER_PORTS_END = 20000  # Ray's default max_worker_port is 19999
+_handed_out: set[int] = set()  # ports this process picked: free until their servers bind them, so never twice
 
 
 def _ephemeral_start(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> int:
@@ -23,13 +24,18 @@ def _ephemeral_start(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
 def free_port(host: str = "127.0.0.1", tries: int = 200) -> int:
-    """A port nothing on `host` listens on now, outside the kernel's ephemeral range and Ray's worker ports."""
+    """A port nothing on `host` listens on now and not handed out before by this process, outside the kernel's
+    ephemeral range and Ray's worker ports."""
     end = _ephemeral_start()
     if end - RAY_WORKER_PORTS_END < 1000:  # a machine whose ephemeral range starts low: the kernel's pick
         return _bound_port(host, 0)
     for _ in range(tries):
+        port = random.randrange(RAY_WORKER_PORTS_END, end)
+        if port in _handed_out:  # picked before and maybe not bound yet (a config's three ports, picked in a row)
+            continue
         try:
-            return _bound_port(host, random.randrange(RAY_WORKER_PORTS_END, end))
+            _handed_out.add(_bound_port(host, port))
+            return port
         except OSError:
             continue
     raise RuntimeError(f"no free port on {host} in {RAY_WORKER_PORTS_END}-{end - 1} after {tries} tries")

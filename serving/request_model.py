@@ -1,5 +1,6 @@
 """One request model for both APIs: an HTTP body (openai_api.py) and a gRPC GenerateRequest (grpc_api.py) are each
-read into an ApiRequest, and `to_internal` validates it and builds the internal request dict (protocol.py).
+read into an ApiRequest, and `to_internal` validates it and builds the GenerateRequest the replicas take
+(protocol.py), its SamplingParams included.
 
 The readers only translate wire shapes (JSON types, proto fields); every rule about values lives here, in
 SamplingParams (ranges) and in tools.check_tools, so both APIs refuse the same request with the same message
@@ -14,7 +15,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from cpuserve.serving.protocol import MAX_N, RequestError, check_sampling, structured_output
+from cpuserve.serving.protocol import (MAX_N, GenerateRequest, RequestError, ToolChoice, build_sampling,
+                                       structured_output)
 from cpuserve.serving.tools import check_tools
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
@@ -40,8 +42,8 @@ class ApiRequest:
     rename: dict[str, str] = field(default_factory=dict)  # engine field -> the client's (chat: top_logprobs)
 
 
-def to_internal(req: ApiRequest) -> dict[str, Any]:
-    """The internal request dict of serving/protocol.py, or RequestError naming the client's field."""
+def to_internal(req: ApiRequest) -> GenerateRequest:
+    """The request the replicas take, or RequestError naming the client's field."""
     if not 1 <= req.n <= MAX_N:
         raise RequestError(f"n={req.n} is invalid: must be in [1, {MAX_N}]", "n")
     sampling, rename = dict(req.sampling), dict(req.rename)
@@ -52,23 +54,21 @@ def to_internal(req: ApiRequest) -> dict[str, Any]:
         param, kind, value = req.structured[0]
         sampling["structured_output"] = structured_output(kind, value, param)
         rename["structured_output"] = param
-    internal: dict[str, Any] = {}
+    fields: dict[str, Any] = {}
     if req.messages is not None:
-        internal["messages"] = _messages(req.messages, req.messages_field)
+        fields["messages"] = _messages(req.messages, req.messages_field)
     else:
-        internal["prompt"] = req.prompt
-    internal.update(_tools(req, bool(req.structured)))
+        fields["prompt"] = req.prompt
+    fields.update(_tools(req, bool(req.structured)))
     if req.echo:
         if req.messages is not None:
             raise RequestError("echo: only completions echo their prompt", "echo")
         if sampling.get("logprobs") is not None:
             raise RequestError("echo: echo with logprobs would need the prompt's logprobs, which this server does "
                                "not compute; drop one of echo and logprobs", "echo")
-        internal["echo"] = True
-    internal.update(sampling=check_sampling(sampling, rename), priority=req.priority, rename=rename, n=req.n)
-    if req.request_id:
-        internal["request_id"] = req.request_id
-    return internal
+        fields["echo"] = True
+    return GenerateRequest(sampling=build_sampling(sampling, rename), fill_context="max_tokens" not in sampling,
+                           priority=req.priority, rename=rename, n=req.n, request_id=req.request_id or None, **fields)
 
 
 def _tools(req: ApiRequest, structured: bool) -> dict[str, Any]:
@@ -85,7 +85,7 @@ def _tools(req: ApiRequest, structured: bool) -> dict[str, Any]:
         raise RequestError("n: tool calling takes n=1", "n")
     tools = [{"type": "function", "function": {k: v for k, v in t["function"].items() if v is not None}}
              for t in req.tools]
-    return {"tools": tools, "tool_choice": "auto" if choice == "auto" else {"name": only},  # name None = any
+    return {"tools": tools, "tool_choice": None if choice == "auto" else ToolChoice(only),  # name None = any
             "parallel_tool_calls": req.parallel_tool_calls}
 
 

@@ -11,7 +11,7 @@ extension point (`ray.serve.request_router.RequestRouter`, set as the deployment
     prompt (token ids | text | chat messages)
       -> full chunks of CHUNK_TOKENS tokens (text: CHUNK_TOKENS x CHARS_PER_TOKEN characters)
       -> hash chain h1 = hash(0, c1), h2 = hash(h1, c2), ...      (as the engine hashes its KV blocks)
-    per replica: an LRU set of the hashes routed to it, bounded by 4x its KV pool (routing stats "kv_tokens")
+    per replica: an LRU set of the hashes routed to it, bounded by 4x its KV pool (protocol.RoutingStats.kv_tokens)
     match(replica) = how many of h1, h2, ... it holds, from the start
 
 The index is what this router sent, not what each engine still caches: a prefix the engine evicted still counts
@@ -26,6 +26,8 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from cpuserve.serving.protocol import GenerateRequest, RoutingStats
+
 CHUNK_TOKENS = 64
 CHARS_PER_TOKEN = 4  # text prompts are chunked before tokenization (the ingress has no tokenizer)
 UNBOUNDED_CHUNKS = 1 << 20  # a replica that has not reported its KV pool yet
@@ -34,13 +36,13 @@ UNBOUNDED_CHUNKS = 1 << 20  # a replica that has not reported its KV pool yet
 INDEX_OVER_KV = 4
 
 
-def prefix_chain(request: dict[str, Any]) -> list[int]:
+def prefix_chain(request: GenerateRequest) -> list[int]:
     """The hash chain of a request's prompt over its full chunks (empty when shorter than one chunk)."""
-    if "messages" in request:  # the chat template is applied in the replica: hash what decides the prompt
-        prompt: str | list[int] = json.dumps(request.get("tools") or [], sort_keys=True) + "".join(
-            json.dumps(m, sort_keys=True) for m in request["messages"])
+    if request.messages is not None:  # the chat template is applied in the replica: hash what decides the prompt
+        prompt: str | list[int] = json.dumps(request.tools or [], sort_keys=True) + "".join(
+            json.dumps(m, sort_keys=True) for m in request.messages)
     else:
-        prompt = request.get("prompt") or ""
+        prompt = request.prompt or ""
     unit = CHUNK_TOKENS * CHARS_PER_TOKEN if isinstance(prompt, str) else CHUNK_TOKENS
     chain, h = [], 0
     for start in range(0, len(prompt) - unit + 1, unit):
@@ -84,10 +86,11 @@ def serving_model(replicas: list[RunningReplica], model: str | None) -> list[Run
     no replica is known to, all are returned and the replica refuses a model it does not serve."""
     if not model:
         return replicas
-    known = [r for r in replicas if r.routing_stats.get("model") == model]
+    reported = [(r, RoutingStats.of(r.routing_stats).model) for r in replicas]
+    known = [r for r, serves in reported if serves == model]
     if known:
         return known
-    return [r for r in replicas if "model" not in r.routing_stats] or replicas
+    return [r for r, serves in reported if serves is None] or replicas
 
 
 def rank_replicas(replicas: list[str], loads: dict[str, float], matches: dict[str, int], sizes: dict[str, int],
@@ -132,7 +135,7 @@ class LLMRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         """Ranks of replicas, most preferred first; Serve takes the least busy of the first rank that has room."""
         request = _request_of(pending_request)
-        candidates = serving_model(candidate_replicas, request.get("model") if request else None)
+        candidates = serving_model(candidate_replicas, request.model if request else None)
         if not self.prefix_affinity or request is None or len(candidates) < 2:
             return [random.sample(candidates, min(2, len(candidates)))]
         chain = prefix_chain(request)
@@ -149,7 +152,7 @@ class LLMRouter(RequestRouter):
         replica = self.curr_replicas.get(replica_id)
         if not self.prefix_affinity or request is None or replica is None:
             return
-        kv_tokens = replica.routing_stats.get("kv_tokens")
+        kv_tokens = RoutingStats.of(replica.routing_stats).kv_tokens
         capacity = INDEX_OVER_KV * kv_tokens // CHUNK_TOKENS if kv_tokens else UNBOUNDED_CHUNKS
         self.index.add(replica_id.unique_id, prefix_chain(request), capacity)
 
@@ -170,8 +173,8 @@ class LLMRouter(RequestRouter):
         return {r: (top + self.imbalance + 1 if v is None else v) for r, v in loads.items()}
 
 
-def _request_of(pending_request: PendingRequest | None) -> dict[str, Any] | None:
-    """LLMServer.generate's request dict, or None for the other methods (info, tokenize)."""
-    if pending_request is None or not pending_request.args or not isinstance(pending_request.args[0], dict):
+def _request_of(pending_request: PendingRequest | None) -> GenerateRequest | None:
+    """LLMServer.generate's request, or None for the other methods (info, tokenize, probe)."""
+    if pending_request is None or not pending_request.args or not isinstance(pending_request.args[0], GenerateRequest):
         return None
     return pending_request.args[0]

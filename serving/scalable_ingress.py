@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from cpuserve.serving.ingress import Ingress, IngressCore
+from cpuserve.serving.protocol import ModelInfo
 
 
 class ScalableIngress(Ingress):
@@ -25,6 +28,6 @@ class ScalableIngress(Ingress):
         self._replicas = limits["replicas"]
         self.max_in_flight = max(limits["replicas"], 1) * limits["max_num_seqs"] + limits["max_queued_requests"]
 
-    async def _model_info(self, name: str | None = None) -> dict[str, Any]:
+    async def _model_info(self, name: str | None = None) -> ModelInfo:
         info = await IngressCore._model_info(self, name)  # the LLMServer's: its config says 1 when scaled in place
-        return info if self._replicas is None else {**info, "replicas": self._replicas}
+        return info if self._replicas is None else msgspec.structs.replace(info, replicas=self._replicas)

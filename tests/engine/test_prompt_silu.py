@@ -87,3 +87,11 @@ def test_the_layers_that_take_it(monkeypatch):
     assert not coded_layer(4, 32, None, n=112).has_prompt_silu_kernel()  # halves not whole column blocks
     monkeypatch.setenv("CPUSERVE_PROMPT_GEMM", "int8")
     assert not LAYERS["q4_1"]().has_prompt_silu_kernel()
+
+
+def test_a_long_prompt_through_wide_panels_and_spans_gives_the_two_steps_bits(mode):
+    """150 rows x 4608 inputs: past the 1 MB budget, so panels of several gate/up pairs over x packed in tile order,
+    and K in three spans (the sums leave the tiles between them); the fused epilogue still gives the two steps' bits."""
+    m = kquant_layer("Q4_K", n=512, k=4608)
+    x = make_x(150, 4608)
+    assert torch.equal(fused(m, x), two_steps(m, x))

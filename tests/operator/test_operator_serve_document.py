@@ -179,6 +179,7 @@ def test_the_ingress_reports_the_replicas_applied_in_place():
     import asyncio
 
     from cpuserve.serving.ingress import IngressCore
+    from cpuserve.serving.protocol import ModelInfo
     from cpuserve.serving.scalable_ingress import ScalableIngress
 
     class Ingress(IngressCore):  # the core with ScalableIngress's two methods, outside Ray Serve's wrapper
@@ -190,9 +191,10 @@ def test_the_ingress_reports_the_replicas_applied_in_place():
         class info:  # noqa: N801 (a DeploymentHandle method: .remote())
             @staticmethod
             async def remote():
-                return {"name": "m", "max_model_len": 8, "weights": "int4", "kv_cache": "int8", "replicas": 1}
+                return ModelInfo(name="m", max_model_len=8, weights="int4", kv_cache="int8", replicas=1,
+                                 tool_format="hermes")
 
     ingress = Ingress(ServeConfig(metrics_port=0).model_dump(), llm_server=Server())
-    assert asyncio.run(ingress._model_info())["replicas"] == 1
+    assert asyncio.run(ingress._model_info()).replicas == 1
     ingress.reconfigure({"replicas": 3})
-    assert asyncio.run(ingress._model_info())["replicas"] == 3
+    assert asyncio.run(ingress._model_info()).replicas == 3

@@ -25,6 +25,19 @@ def test_never_a_port_another_socket_listens_on(monkeypatch):
         assert ports.free_port() != taken
 
 
+def test_never_a_port_it_handed_out_before_even_while_nothing_binds_it(monkeypatch):
+    # a config's gRPC, HTTP and metrics ports are picked in a row and bound later: the random draw repeating a port
+    # made two of them equal in a CI run (ServeConfig: "ports must differ")
+    # two free ports below the kernel's ephemeral range, where no other process is handed one meanwhile
+    monkeypatch.setattr(ports, "_ephemeral_start", lambda: 32768)
+    monkeypatch.setattr(ports, "_handed_out", set())
+    first, other = ports.free_port(), ports.free_port()
+    draws = iter([first, first, first])
+    monkeypatch.setattr(ports.random, "randrange", lambda a, b: next(draws, other))
+    monkeypatch.setattr(ports, "_handed_out", set())
+    assert [ports.free_port(), ports.free_port()] == [first, other]
+
+
 def test_reads_the_kernels_range_and_falls_back_to_linuxs_default(tmp_path):
     path = tmp_path / "ip_local_port_range"
     path.write_text("40000\t60999\n")

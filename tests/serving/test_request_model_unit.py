@@ -1,13 +1,17 @@
 """The two readers of serving/request_model.py without a server: the same request written as an HTTP body and as a
-GenerateRequest becomes the same internal request (test_serving_bad_input.py checks that bad ones fail alike)."""
+proto GenerateRequest becomes the same protocol.GenerateRequest for the replicas (test_serving_bad_input.py checks
+that bad ones fail alike)."""
 
 from __future__ import annotations
 
 import json
 
+import msgspec
+
 from cpuserve.engine.sampling_params import SamplingParams
 from cpuserve.serving.grpc_api import generate_request
 from cpuserve.serving.openai_api import ChatRequest, parse_body
+from cpuserve.serving.protocol import GenerateRequest, ToolChoice
 from cpuserve.v1 import inference_pb2 as pb
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -15,17 +19,16 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
                                             "parameters": SCHEMA}}
 
 
-def both(http: dict, grpc_fields: dict) -> tuple[dict, dict]:
+def both(http: dict, grpc_fields: dict) -> tuple[GenerateRequest, GenerateRequest]:
     from_http = parse_body(json.dumps(http).encode(), ChatRequest).to_internal()
     _, from_grpc = generate_request(pb.GenerateRequest(**grpc_fields), 1 << 20)
     return from_http, from_grpc
 
 
-def same(a: dict, b: dict) -> None:
-    """Equal as the replica sees them: sampling as SamplingParams (defaults filled in), the rest as given."""
-    assert SamplingParams(**a.pop("sampling")) == SamplingParams(**b.pop("sampling"))
-    a.pop("rename"), b.pop("rename")  # chat's top_logprobs is HTTP's own name
-    assert a == b
+def same(a: GenerateRequest, b: GenerateRequest) -> None:
+    """Equal as the replica sees them, but for the names errors give (chat's top_logprobs is HTTP's own name)."""
+    assert isinstance(a.sampling, SamplingParams)
+    assert msgspec.structs.replace(a, rename={}) == msgspec.structs.replace(b, rename={})
 
 
 def test_a_tool_call_request_reads_the_same_on_both_apis():
@@ -49,7 +52,7 @@ def test_a_tool_call_request_reads_the_same_on_both_apis():
                                                              parameters=json.dumps(SCHEMA)))],
             "tool_choice": pb.ToolChoice(function="get_weather"), "parallel_tool_calls": False}
     a, b = both(http, grpc)
-    assert a["tool_choice"] == {"name": "get_weather"} and a["parallel_tool_calls"] is False
+    assert a.tool_choice == ToolChoice("get_weather") and a.parallel_tool_calls is False
     same(a, b)
 
 
@@ -60,5 +63,5 @@ def test_a_structured_request_reads_the_same_on_both_apis():
             "sampling": pb.SamplingParameters(max_tokens=16),
             "structured_output": pb.StructuredOutput(json_schema=json.dumps(SCHEMA))}
     a, b = both(http, grpc)
-    assert a["n"] == 2 and json.loads(a["sampling"]["structured_output"]["spec"]) == SCHEMA
+    assert a.n == 2 and json.loads(a.sampling.structured_output.spec) == SCHEMA
     same(a, b)

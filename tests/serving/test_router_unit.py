@@ -7,30 +7,36 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from cpuserve.engine.sampling_params import SamplingParams
 from cpuserve.serving.app import _server
 from cpuserve.serving.config import ServeConfig
+from cpuserve.serving.protocol import GenerateRequest, RoutingStats
 from cpuserve.serving.router import CHARS_PER_TOKEN, CHUNK_TOKENS, PrefixIndex, prefix_chain, rank_replicas, serving_model
 
 TEXT_CHUNK = CHUNK_TOKENS * CHARS_PER_TOKEN
 
 
+def chain_of(**request) -> list[int]:
+    return prefix_chain(GenerateRequest(sampling=SamplingParams(), **request))
+
+
 def test_the_chain_covers_full_chunks_and_shares_the_common_prefix():
     ids = list(range(3 * CHUNK_TOKENS + 5))
-    chain = prefix_chain({"prompt": ids})
+    chain = chain_of(prompt=ids)
     assert len(chain) == 3 and len(set(chain)) == 3
-    other = prefix_chain({"prompt": ids[:2 * CHUNK_TOKENS] + [9] * CHUNK_TOKENS})
+    other = chain_of(prompt=ids[:2 * CHUNK_TOKENS] + [9] * CHUNK_TOKENS)
     assert other[:2] == chain[:2] and other[2] != chain[2]
-    assert prefix_chain({"prompt": ids[:CHUNK_TOKENS - 1]}) == []  # shorter than a chunk: nothing to route by
-    assert len(prefix_chain({"prompt": "x" * (2 * TEXT_CHUNK + 1)})) == 2  # text: characters per chunk
+    assert chain_of(prompt=ids[:CHUNK_TOKENS - 1]) == []  # shorter than a chunk: nothing to route by
+    assert len(chain_of(prompt="x" * (2 * TEXT_CHUNK + 1))) == 2  # text: characters per chunk
 
 
 def test_chat_requests_sharing_a_system_prompt_share_its_chunks():
     system = {"role": "system", "content": "You answer questions about our product. " * 40}
-    a = prefix_chain({"messages": [system, {"role": "user", "content": "How do I reset it?"}]})
-    b = prefix_chain({"messages": [system, {"role": "user", "content": "Where is the manual?"}]})
+    a = chain_of(messages=[system, {"role": "user", "content": "How do I reset it?"}])
+    b = chain_of(messages=[system, {"role": "user", "content": "Where is the manual?"}])
     shared = len(f'[]{{"content": "{system["content"]}"') // TEXT_CHUNK
     assert shared >= 5 and a[:shared] == b[:shared]
-    tools = prefix_chain({"messages": [system], "tools": [{"type": "function", "function": {"name": "f"}}]})
+    tools = chain_of(messages=[system], tools=[{"type": "function", "function": {"name": "f"}}])
     assert tools[0] != a[0], "tools change the prompt from its start"
 
 
@@ -73,7 +79,8 @@ class Replica:  # what serving_model reads of Serve's RunningReplica
 
 
 def test_a_named_model_goes_to_the_replicas_serving_it():
-    old, new, starting = Replica("old", {"model": "a"}), Replica("new", {"model": "b"}), Replica("starting")
+    old, new = Replica("old", RoutingStats(model="a").to_dict()), Replica("new", RoutingStats(model="b").to_dict())
+    starting = Replica("starting")
     assert serving_model([old, new], None) == [old, new]
     assert serving_model([old, new, starting], "b") == [new]
     assert serving_model([old, starting], "b") == [starting], "one that has not reported yet may serve it"

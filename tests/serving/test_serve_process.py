@@ -3,8 +3,10 @@ what it leaves behind when it stops."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -158,14 +160,15 @@ def refused_while_draining(ports: dict[str, int]) -> dict:
     return {"health": health.status_code, "http": (rsp.status_code, rsp.json()["error"]["type"]), "grpc": code}
 
 
-def start_serve(tmp_path: Path) -> tuple[subprocess.Popen, dict[str, int], Any]:
-    """`cpuserve serve` in a session of its own on free ports, once /health answers 200: (process, ports, stderr)."""
+def start_serve(tmp_path: Path, ray_auth: dict[str, str] | None = None) -> tuple[subprocess.Popen, dict[str, int], Any]:
+    """`cpuserve serve` in a session of its own on free ports, once /health answers 200: (process, ports, stderr).
+    ray_auth: Ray's token auth variables (default: auth off)."""
     ports = {"grpc": free_port(), "http": free_port(), "metrics": free_port()}
     err = (tmp_path / "stderr").open("w+")
     proc = subprocess.Popen([CPUSERVE, "serve", "--grpc-port", str(ports["grpc"]), "--http-port", str(ports["http"]),
                              "--metrics-port", str(ports["metrics"]), "--kv-cache-gb", "0.25"],
                             stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
-                            env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+                            env={**os.environ, **(ray_auth or {"RAY_AUTH_MODE": "disabled"})})
     deadline = time.monotonic() + 180
     while not _healthy(ports["http"]):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -215,29 +218,72 @@ def gcs_address(proc: subprocess.Popen) -> str:
     raise AssertionError("no raylet under cpuserve serve")
 
 
-def run_drain(address: str, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([CPUSERVE, "drain", f"--ray-address={address}", "--timeout-s=60", *flags],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+def pods_prestop(drain_timeout_s: int, token: str) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """The preStop command of the head pod and of a rank pod as the operator renders them for an LLMService of
+    drainTimeoutSeconds=drain_timeout_s, each with its container's environment as a kubelet gives it: its secret
+    reference read from the Ray token Secret the operator makes (holding `token`), its field reference resolved,
+    PATH as the image sets it (cpuserve first)."""
+    from cpuserve.operator.children import build_children
+    from cpuserve.operator.security import build_ray_token_secret
+    from cpuserve.operator.settings import OperatorSettings
+    from cpuserve.operator.validation import validate
+
+    body = {"apiVersion": "cpuserve.dev/v1alpha1", "kind": "LLMService",
+            "metadata": {"name": "chat", "namespace": "default", "uid": "uid-1", "generation": 1},
+            "spec": {"model": {"source": "embedded"}, "replicas": 1, "drainTimeoutSeconds": drain_timeout_s}}
+    settings = OperatorSettings()
+    spec, findings = validate(body, settings)
+    assert findings == []
+    secret = build_ray_token_secret("chat", token)
+    out = {}
+    for pod in (m for m in build_children(body, spec, settings, False) if m["kind"] == "Pod"):
+        (container,) = pod["spec"]["containers"]
+        env = {"PATH": f"{Path(CPUSERVE).parent}:{os.environ['PATH']}"}
+        for item in container["env"]:
+            ref = item.get("valueFrom", {})
+            if "secretKeyRef" in ref:
+                assert ref["secretKeyRef"]["name"] == secret["metadata"]["name"], ref
+                env[item["name"]] = base64.b64decode(secret["data"][ref["secretKeyRef"]["key"]]).decode()
+            elif "fieldRef" in ref:
+                assert ref["fieldRef"]["fieldPath"] == "metadata.name", ref
+                env[item["name"]] = pod["metadata"]["name"]
+            else:
+                env[item["name"]] = item["value"]
+        role = "head" if pod["metadata"]["name"].endswith("-head") else "rank"
+        out[role] = (container["lifecycle"]["preStop"]["exec"]["command"], env)
+    assert set(out) == {"head", "rank"}
+    return out
 
 
-def test_cpuserve_drain_as_a_pods_prestop(tmp_path):
-    """`cpuserve drain --wait-only` (a rank pod's preStop) returns once the running stream ends and refuses nothing;
-    `cpuserve drain` (the head's) refuses new requests while the running one runs to its end, and returns after."""
-    proc, ports, err = start_serve(tmp_path)
+def test_the_pods_prestop_drains_a_running_cpuserve_serve(tmp_path):
+    """The commands the operator puts in the pods' preStop, run as a kubelet runs them (the command as rendered, the
+    container's environment) against a running `cpuserve serve` with Ray token auth on, as in the pods: the rank pod's
+    returns once the running stream ends and refuses nothing; the head pod's refuses new requests while the running
+    one runs to its end, and returns after. The one stand-in: RAY_ADDRESS names this serve's cluster (in a pod, `auto`
+    finds the pod's only cluster; other test runs have clusters on this machine)."""
+    token = secrets.token_urlsafe(32)
+    prestop = pods_prestop(60, token)
+    proc, ports, err = start_serve(tmp_path, {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token})
+
+    def run(role: str) -> subprocess.CompletedProcess:
+        command, env = prestop[role]
+        return subprocess.run(command, env={**env, "RAY_ADDRESS": gcs_address(proc)}, capture_output=True,
+                              text=True, timeout=120)
+
     try:
-        address = gcs_address(proc)
         running = Stream(ports["http"])
-        waited = run_drain(address, "--wait-only")
+        waited = run("rank")
         assert waited.returncode == 0 and "drain: no request runs" in waited.stderr, waited.stderr
         running.join(timeout=30)
         assert running.result == ("length", Stream.MAX_TOKENS), running.result
         assert _healthy(ports["http"])  # nothing refused
         running = Stream(ports["http"])
-        draining = threading.Thread(target=lambda: setattr(draining, "result", run_drain(address)), daemon=True)
+        draining = threading.Thread(target=lambda: setattr(draining, "result", run("head")), daemon=True)
         draining.start()
         refused = refused_while_draining(ports)
         draining.join(timeout=120)
-        assert draining.result.returncode == 0 and "drain: no request runs" in draining.result.stderr
+        assert draining.result.returncode == 0 and "drain: no request runs" in draining.result.stderr, \
+            draining.result.stderr
         assert not running.is_alive() and running.result == ("length", Stream.MAX_TOKENS), running.result
         assert refused["http"] == (503, "server_error") and refused["grpc"] == grpc.StatusCode.UNAVAILABLE, refused
         proc.send_signal(signal.SIGTERM)

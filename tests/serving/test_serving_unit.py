@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pickle
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -14,13 +17,13 @@ import grpc
 import pytest
 from starlette.requests import Request
 
-from cpuserve.engine.async_engine import EngineDeadError
-from cpuserve.engine.errors import InvalidRequest
+from cpuserve.engine.errors import EngineDeadError, InvalidRequest
 from cpuserve.engine.outputs import StepOutput
+from cpuserve.engine.sampling_params import SamplingParams
 from cpuserve.serving.config import ServeConfig
 from cpuserve.serving.ingress import IngressCore
 from cpuserve.serving.llm_server import LLMServer
-from cpuserve.serving.protocol import RequestError
+from cpuserve.serving.protocol import GenerateRequest, RequestError
 from cpuserve.v1 import inference_pb2 as pb
 
 MAX_MODEL_LEN = 64
@@ -124,7 +127,7 @@ class FakeHandle:
         self.probe = Remote(server.probe)
         self.tokenize = Remote(server.tokenize)
 
-    def options(self, stream: bool = False) -> "FakeHandle":
+    def options(self, **options: Any) -> "FakeHandle":
         return self
 
 
@@ -145,6 +148,10 @@ class FakeContext:
 
     def invocation_metadata(self):
         return ()
+
+
+def make_request(prompt: str, max_tokens: int) -> GenerateRequest:
+    return GenerateRequest(prompt=prompt, sampling=SamplingParams(max_tokens=max_tokens))
 
 
 def make_ingress(**fields: Any) -> tuple[IngressCore, FakeEngine]:
@@ -243,7 +250,7 @@ def test_admission_refuses_past_the_queue_limit():
     engine.hold = True
 
     async def scenario():
-        starts = [await ingress._start(None, {"prompt": "hi", "sampling": {"max_tokens": 2}}) for _ in range(3)]
+        starts = [await ingress._start(None, make_request("hi", 2)) for _ in range(3)]
         response = await ingress.completions(http_request({"prompt": "hi"}))
         status, body = response.status_code, json.loads(response.body)
         assert response.headers["retry-after"] == "1"
@@ -252,7 +259,7 @@ def test_admission_refuses_past_the_queue_limit():
             await ingress.Complete(pb.GenerateRequest(text="hi").SerializeToString(), context)
         engine.release.set()  # the held streams finish; then a new request is admitted again
         for _, _, stream in starts:
-            assert [c async for c in stream][-1]["finish_reason"] == "length"
+            assert [c async for chunks in stream for c in chunks][-1].finish_reason == "length"
         status_after, _ = await post(ingress, "completions", {"prompt": "hi"})
         return status, body, context.code, status_after
 
@@ -274,7 +281,7 @@ def test_admission_refuses_a_prompt_past_the_replicas_queued_tokens():
     engine.hold_first = True
 
     async def scenario():
-        waiting = asyncio.create_task(ingress._start(None, {"prompt": "6 toks", "sampling": {"max_tokens": 2}}))
+        waiting = asyncio.create_task(ingress._start(None, make_request("6 toks", 2)))
         await asyncio.sleep(0.01)
         response = await ingress.completions(http_request({"prompt": "6 more"}))
         context = FakeContext()
@@ -282,7 +289,7 @@ def test_admission_refuses_a_prompt_past_the_replicas_queued_tokens():
             await ingress.Complete(pb.GenerateRequest(text="6 more").SerializeToString(), context)
         engine.release.set()
         _, first, stream = await waiting
-        chunks = [first] + [c async for c in stream]
+        chunks = first + [c async for more in stream for c in more]
         engine.release.clear()
         engine.hold_first = False
         status_long, _ = await post(ingress, "completions", {"prompt": "w" * 30})
@@ -294,7 +301,7 @@ def test_admission_refuses_a_prompt_past_the_replicas_queued_tokens():
     assert body["error"]["message"] == ("6 prompt tokens wait on this replica and this request has 6: past "
                                         "max_queued_tokens=10; retry in 1 s")
     assert context.code == grpc.StatusCode.RESOURCE_EXHAUSTED and context.trailing_metadata == (("retry-after", "1"),)
-    assert chunks[-1]["finish_reason"] == "length" and sum(len(c["ids"]) for c in chunks) == 2
+    assert chunks[-1].finish_reason == "length" and sum(len(c.ids) for c in chunks) == 2
     assert status_long == 200 and refused(ingress, "tokens") == 2 and refused(ingress, "requests") == 0
     assert ingress.llm.server.num_queued_tokens == 0
 
@@ -319,7 +326,7 @@ def test_a_draining_ingress_refuses_new_requests_and_lets_running_ones_finish():
     engine.hold = True
 
     async def scenario():
-        _, _, running = await ingress._start(None, {"prompt": "hi", "sampling": {"max_tokens": 3}})
+        _, _, running = await ingress._start(None, make_request("hi", 3))
         in_flight = await ingress.drain()
         status, body = await post(ingress, "completions", {"prompt": "hi"})
         context = FakeContext()
@@ -327,14 +334,14 @@ def test_a_draining_ingress_refuses_new_requests_and_lets_running_ones_finish():
             await ingress.Complete(pb.GenerateRequest(text="hi").SerializeToString(), context)
         health = await ingress.health()
         engine.release.set()
-        rest = [c async for c in running]
+        rest = [c async for chunks in running for c in chunks]
         return in_flight, status, body, context.code, health.status_code, rest, await ingress.drain()
 
     in_flight, status, body, code, health, rest, left = asyncio.run(scenario())
     assert in_flight == 1 and left == 0
     assert status == 503 and body["error"]["type"] == "server_error" and "shutting down" in body["error"]["message"]
     assert code == grpc.StatusCode.UNAVAILABLE and health == 503
-    assert rest[-1]["finish_reason"] == "length" and rest[-1]["completion_tokens"] == 3
+    assert rest[-1].finish_reason == "length" and rest[-1].completion_tokens == 3
 
 
 def test_health_runs_one_token_through_an_idle_engine_and_concurrent_probes_share_it():
@@ -363,12 +370,17 @@ def test_serves_health_check_fails_a_stalled_engine():
         asyncio.run(server.check_health())
 
 
-def test_a_client_leaving_before_its_first_token_aborts_its_queued_request():
+@pytest.mark.parametrize("stream,hold", [(True, "hold_first"), (False, "hold_first"), (False, "hold")],
+                         ids=["stream-queued", "unary-queued", "unary-running"])
+def test_an_http_client_leaving_before_its_answer_aborts_its_request(stream, hold):
+    """As on the Ingress's own HTTP server (direct_http), which does not cancel a handler whose client left: a
+    request still queued (no first token yet), or non-streamed and running, is aborted once its client leaves."""
     ingress, engine = make_ingress()
-    engine.hold_first = True  # queued: no first token comes
+    setattr(engine, hold, True)  # hold_first: queued, no first token comes; hold: running, after its first token
 
     async def scenario():
-        response = await ingress.completions(http_request({"prompt": "hi", "stream": True}, leaves_after_s=0.3))
+        body = {"prompt": "hi", "stream": stream, "max_tokens": 8}
+        response = await ingress.completions(http_request(body, leaves_after_s=0.3))
         await asyncio.sleep(0.1)  # the replica's side of the cancellation
         return response.status_code
 
@@ -376,3 +388,12 @@ def test_a_client_leaving_before_its_first_token_aborts_its_queued_request():
     assert asyncio.run(scenario()) == 499 and time.monotonic() - start < 3
     assert engine.num_streams == 0 and ingress.num_in_flight == 0  # aborted in the engine, out of the admission count
     assert ingress.metrics.requests.labels(model=ingress.model, finish_reason="abort")._value.get() == 1
+
+
+def test_the_health_checks_error_unpickles_without_torch():
+    """A failed health check carries EngineDeadError to Serve's controller, which imports the error's module to unpickle
+    it: that must not load torch (the controller grew 85 -> 211 MiB in the soak after one check failed in a pause)."""
+    data = pickle.dumps(EngineDeadError("stalled"))
+    code = f"import pickle, sys; e = pickle.loads({data!r}); assert 'torch' not in sys.modules; print(type(e).__name__)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "EngineDeadError", run.stderr

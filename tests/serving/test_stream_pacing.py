@@ -15,6 +15,7 @@ from cpuserve.engine.sampling_params import SamplingParams
 from cpuserve.serving.config import ServeConfig
 from cpuserve.serving.llm_server import LLMServer
 from cpuserve.serving.pacing import paced
+from cpuserve.serving.protocol import GenerateRequest, Message, decode
 
 pytestmark = pytest.mark.slow
 
@@ -27,16 +28,17 @@ def chat(llm, text: str) -> list[int]:
                                 add_special_tokens=False)
 
 
-def serve_all(server: LLMServer) -> list[tuple[list[float], list[dict]]]:
-    """(arrival times, chunks) of one greedy stream per prompt, all at once."""
+def serve_all(server: LLMServer) -> list[tuple[list[float], list[Message]]]:
+    """(arrival times, messages) of one greedy stream per prompt, all at once, as the ingress decodes them."""
 
     async def one(prompt):
-        arrivals, chunks = [], []
-        request = {"prompt": prompt, "sampling": {"max_tokens": NUM_TOKENS, "temperature": 0, "ignore_eos": True}}
-        async for chunk in server.generate(request):
+        arrivals, messages = [], []
+        request = GenerateRequest(prompt=prompt, sampling=SamplingParams(max_tokens=NUM_TOKENS, temperature=0,
+                                                                          ignore_eos=True))
+        async for data in server.generate(request):
             arrivals.append(time.monotonic())
-            chunks.append(chunk)
-        return arrivals, chunks
+            messages.append(decode(data))
+        return arrivals, messages
 
     async def run():
         return await asyncio.gather(*(one(p) for p in PROMPTS))
@@ -55,12 +57,13 @@ def paced_server():
 def test_message_budget_spaces_each_stream_by_the_open_streams(paced_server, engine_alone):
     results = serve_all(paced_server)
     refs = engine_alone.generate(PROMPTS, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True))
-    for prompt, (arrivals, chunks), ref in zip(PROMPTS, results, refs):
-        assert "error" not in chunks[0], chunks[0]
+    for prompt, (arrivals, messages), ref in zip(PROMPTS, results, refs):
+        assert all(m.error is None and len(m.chunks) == 1 for m in messages), messages[0]
+        chunks = [m.chunks[0] for m in messages]
         # nothing lost or reordered: the same greedy tokens and text as the engine alone
-        assert [t for c in chunks for t in c["ids"]] == ref.token_ids, prompt
-        assert "".join(c["text"] for c in chunks) == ref.text, prompt
-        assert chunks[-1]["finish_reason"] == "length"
+        assert [t for c in chunks for t in c.ids] == ref.token_ids, prompt
+        assert "".join(c.text for c in chunks) == ref.text, prompt
+        assert chunks[-1].finish_reason == "length"
         # the first and last messages never wait; every gap before the last one waited out 4 / 20 s
         gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
         assert all(g >= 0.19 for g in gaps[:-1]), (prompt, gaps)

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from cpuserve.serving.protocol import Chunk
 from cpuserve.serving.tool_stream import ToolCallStream
 from cpuserve.serving.tools import HERMES, LLAMA3, MISTRAL, parse_tool_calls
 
@@ -22,16 +23,20 @@ CALLS = {  # (model output, content before the calls)
 }
 
 
+def text_chunk(text: str, finish_reason: str | None = None) -> Chunk:
+    return Chunk([], text, finish_reason, 1, 1)
+
+
 def run(fmt: str, text: str, size: int, reason: str = "stop") -> tuple[str, list[dict], str]:
     """Feed text in pieces of `size` characters; (content, deltas, last finish_reason)."""
     stream = ToolCallStream(fmt)
     content, deltas, last = "", [], None
     pieces = [text[i:i + size] for i in range(0, len(text), size)]
     for k, piece in enumerate(pieces):
-        chunk, new = stream.apply({"text": piece, "finish_reason": reason if k == len(pieces) - 1 else None})
-        content += chunk["text"]
+        chunk, new = stream.apply(text_chunk(piece, reason if k == len(pieces) - 1 else None))
+        content += chunk.text
         deltas += new
-        last = chunk["finish_reason"]
+        last = chunk.finish_reason
     return content, deltas, last
 
 
@@ -57,7 +62,7 @@ def test_arguments_stream_before_the_call_is_complete():
     text, _ = CALLS[HERMES]
     cut = text.index('"days"')
     stream = ToolCallStream(HERMES)
-    _, deltas = stream.apply({"text": text[:cut], "finish_reason": None})
+    _, deltas = stream.apply(text_chunk(text[:cut]))
     sent = "".join(d["function"]["arguments"] for d in deltas)
     assert deltas[0]["function"]["name"] == "get_weather" and sent.startswith('{"city": "Paris {centre}"')
 
@@ -73,10 +78,10 @@ def test_text_without_calls_is_all_content(fmt):
 
 def test_a_held_back_marker_prefix_is_not_sent_early():
     stream = ToolCallStream(HERMES)
-    chunk, _ = stream.apply({"text": "Sure <tool_", "finish_reason": None})
-    assert chunk["text"] == "Sure "
-    chunk, deltas = stream.apply({"text": 'call>\n{"name": "f", "arguments": {"a": 1}}', "finish_reason": None})
-    assert chunk["text"] == "" and deltas[0]["function"]["name"] == "f"
+    chunk, _ = stream.apply(text_chunk("Sure <tool_"))
+    assert chunk.text == "Sure "
+    chunk, deltas = stream.apply(text_chunk('call>\n{"name": "f", "arguments": {"a": 1}}'))
+    assert chunk.text == "" and deltas[0]["function"]["name"] == "f"
 
 
 def test_a_call_cut_by_max_tokens_ends_with_length():
