@@ -76,13 +76,15 @@ def is_pod_failing(pod: dict[str, Any]) -> bool:
 
 
 def observe_pods(name: str, spec: LLMServiceSpec, pods: list[dict[str, Any]], changes: int = 0,
-                 child_errors: tuple[ChildError, ...] = (), serve: Any = None) -> Observed:
-    """Summarise the pods of LLMService `name` (already filtered by its labels)."""
+                 child_errors: tuple[ChildError, ...] = (), serve: Any = None,
+                 groups: list[int] | None = None) -> Observed:
+    """Summarise the pods of LLMService `name` (already filtered by its labels); `groups`: the replica groups'
+    indexes (rollout.plan_groups; None: 0 .. replicas - 1), of which at most `replicas` count as ready."""
     by_name = {p["metadata"]["name"]: p for p in pods}
     head = by_name.get(naming.head_name(name))
-    ready_groups = sum(
+    ready_groups = min(spec.replicas, sum(
         all(is_pod_ready(by_name.get(naming.rank_name(name, g, r), {})) for r in range(spec.ranks_per_replica))
-        for g in range(spec.replicas))
+        for g in (range(spec.replicas) if groups is None else groups)))
     failing = tuple(sorted(n for n, p in by_name.items() if is_pod_failing(p)))
     return Observed(head is not None and is_pod_ready(head), ready_groups, failing, changes, child_errors, serve)
 

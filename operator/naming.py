@@ -10,6 +10,7 @@ from cpuserve.operator.crd import GROUP
 LABEL_SERVICE = f"{GROUP}/llmservice"
 LABEL_GROUP = f"{GROUP}/group"
 LABEL_RANK = f"{GROUP}/rank"
+LABEL_REVISION = f"{GROUP}/revision"  # a rank pod's revision, on the pod and on its Ray node
 LABEL_COMPONENT = "app.kubernetes.io/component"
 ANNOTATION_HASH = f"{GROUP}/spec-hash"
 MAX_NAME_LENGTH = 40

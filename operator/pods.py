@@ -155,8 +155,8 @@ def _rank_affinity(name: str, group: int, spec: LLMServiceSpec) -> dict[str, Any
     return {"podAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "podAffinityTerm": term}]}}
 
 
-def build_rank_pod(name: str, group: int, rank: int, spec: LLMServiceSpec, settings: OperatorSettings,
-                   plan: MemoryPlan) -> dict[str, Any]:
+def _rank_pod(name: str, group: int, rank: int, spec: LLMServiceSpec, settings: OperatorSettings,
+              plan: MemoryPlan) -> dict[str, Any]:
     """One rank: a Ray worker node offering one unit of the socket resource, pinned to a NUMA node."""
     cpus = spec.resources.cpus_per_rank
     head_address = f"{naming.head_name(name)}.{naming.headless_name(name)}:{naming.RAY_GCS_PORT}"
@@ -182,4 +182,21 @@ def build_rank_pod(name: str, group: int, rank: int, spec: LLMServiceSpec, setti
                          {"name": ENGINE_METRICS_PORT_ENV, "value": str(spec.ports.engine_metrics)}]
     pod["spec"]["nodeSelector"] = {settings.numa_node_label: "true", **spec.placement.node_selector}
     pod["spec"]["affinity"] = _rank_affinity(name, group, spec)
+    return pod
+
+
+def rank_template_hash(name: str, spec: LLMServiceSpec, settings: OperatorSettings, plan: MemoryPlan) -> str:
+    """The hash of what every rank pod runs (the first rank pod's manifest, and the ranks of a group); with the
+    engine's Serve args it makes the rank pods' revision (serve_document.revision)."""
+    return naming.spec_hash({"pod": _rank_pod(name, 0, 0, spec, settings, plan), "ranks": spec.ranks_per_replica})
+
+
+def build_rank_pod(name: str, group: int, rank: int, spec: LLMServiceSpec, settings: OperatorSettings,
+                   plan: MemoryPlan, revision: str) -> dict[str, Any]:
+    """One rank pod of `revision`; its Ray node is named after the pod and labelled with the revision (the
+    operator reads which pods run Ray actors by those names, and Serve places replicas by that label)."""
+    pod = _rank_pod(name, group, rank, spec, settings, plan)
+    pod["metadata"]["labels"][naming.LABEL_REVISION] = revision
+    command = pod["spec"]["containers"][0]["command"]
+    command[-1:-1] = [f"--node-name={pod['metadata']['name']}", f"--labels={naming.LABEL_REVISION}={revision}"]
     return pod

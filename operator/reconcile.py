@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cpuserve.operator import naming
-from cpuserve.operator.children import build_children
+from cpuserve.operator.children import build_children, rank_pod_revision
 from cpuserve.operator.conditions import (DEGRADED, ChildError, Observed, build_status, is_pod_failing, observe_pods,
                                           status_changed)
 from cpuserve.operator.kube import Kube, KubeError
 from cpuserve.operator.memory import plan_memory
-from cpuserve.operator.rollout import pods_to_delete
+from cpuserve.operator.rollout import plan_groups
 from cpuserve.operator.security import build_ray_token_secret, ray_token_secret_name
 from cpuserve.operator.serve_api import ServeApi, ServeState, dashboard_url, read_token, sync
 from cpuserve.operator.serve_document import build_serve_document
@@ -62,23 +62,24 @@ class _Writes:
 
 
 def apply_children(kube: Kube, body: dict[str, Any], desired: list[dict[str, Any]], kinds: list[str],
-                   create_only: list[dict[str, Any]] = ()) -> tuple[int, tuple[ChildError, ...]]:
+                   create_only: list[dict[str, Any]] = (), keep: frozenset[str] = frozenset(),
+                   existing_pods: list[dict[str, Any]] | None = None) -> tuple[int, tuple[ChildError, ...]]:
     """Make the children of `body` equal `desired`; returns how many were created, changed or deleted, and
     the writes the API server refused (the others still happen: one refused pod does not stop the Services).
 
     `create_only` children (the generated Ray token Secret) are created first when missing and never compared
     or patched. A pod whose spec hash differs is deleted and recreated on a later pass (pods are immutable and a
-    deleted pod keeps its name while it terminates), rank pods one replica group at a time (rollout.py); other
-    kinds are merge-patched in place.
+    deleted pod keeps its name while it terminates): the head, or a rank pod edited by hand; a change of the rank
+    pods gives new groups instead (rollout.py). Other kinds are merge-patched in place. Pods named in `keep` are
+    not desired but stay (a Ray actor still runs on them).
     """
     ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
     selector = f"{naming.LABEL_SERVICE}={name}"
     writes = _Writes()
     for manifest in create_only:  # 409 (exists) is no change
         writes.do("create", manifest["kind"], manifest["metadata"]["name"], kube.create, manifest)
-    existing = {(kind, obj["metadata"]["name"]): obj for kind in kinds for obj in kube.list(kind, ns, selector)}
-    pods = {n: obj for (kind, n), obj in existing.items() if kind == "Pod"}
-    outdated: list[str] = []
+    existing = {(kind, obj["metadata"]["name"]): obj for kind in kinds
+                for obj in (existing_pods if kind == "Pod" and existing_pods is not None else kube.list(kind, ns, selector))}
     for manifest in desired:
         kind, child = key = (manifest["kind"], manifest["metadata"]["name"])
         current = existing.pop(key, None)
@@ -92,20 +93,16 @@ def apply_children(kube: Kube, body: dict[str, Any], desired: list[dict[str, Any
                 manifest["metadata"]["annotations"][naming.ANNOTATION_HASH]:
             continue
         if kind == "Pod":
-            outdated.append(child)
+            writes.do("delete", "Pod", child, kube.delete, "Pod", ns, child)
         else:
             meta = {k: manifest["metadata"][k] for k in ("labels", "annotations", "ownerReferences")}
             writes.do("patch", kind, child, kube.merge_patch, kind, ns, child, {"metadata": meta, "spec": manifest["spec"]})
-    go = pods_to_delete(outdated, [m for m in desired if m["kind"] == "Pod"], pods)
-    for child in outdated:
-        if child in go:
-            writes.do("delete", "Pod", child, kube.delete, "Pod", ns, child)
-        else:
-            writes.changes += 1  # waits for the groups before it: still a change in progress
     uid = body["metadata"]["uid"]
-    for (kind, child), obj in existing.items():  # e.g. rank pods after a scale-down
+    for (kind, child), obj in existing.items():  # e.g. rank pods of an old revision, or after a scale-down
         owners = obj["metadata"].get("ownerReferences") or []
-        if any(o.get("uid") == uid for o in owners) and not obj["metadata"].get("deletionTimestamp"):
+        if kind == "Pod" and child in keep:
+            writes.changes += 1  # a rollout or scale-down in progress
+        elif any(o.get("uid") == uid for o in owners) and not obj["metadata"].get("deletionTimestamp"):
             writes.do("delete", kind, child, kube.delete, kind, ns, child)
     return writes.changes, tuple(writes.errors)
 
@@ -130,12 +127,19 @@ def reconcile(body: dict[str, Any], kube: Kube, settings: OperatorSettings, with
     kinds = ["Service", "Pod", "PodDisruptionBudget", "NetworkPolicy"] + (["ServiceMonitor"] if with_service_monitor else [])
     create_only = [] if spec.security.ray_auth_token_secret else \
         [naming.finish(build_ray_token_secret(name, secrets.token_urlsafe(32)), body)]
-    changes, errors = apply_children(kube, body, build_children(body, spec, settings, with_service_monitor), kinds,
-                                     create_only)
+    revision = rank_pod_revision(name, spec, settings)
+    serve = _sync_serve(kube, body, spec, settings, pods, revision)
+    ranks = [p for p in pods if naming.LABEL_GROUP in (p["metadata"].get("labels") or {})]
+    # no head, no Ray cluster: no actor runs anywhere
+    busy = serve.busy if serve is not None else frozenset()
+    plan = plan_groups(spec.replicas, revision, ranks, None if busy is None else set(busy))
+    changes, errors = apply_children(kube, body, build_children(body, spec, settings, with_service_monitor, plan.groups),
+                                     kinds, create_only, plan.keep, pods)
     if changes:
         pods = kube.list("Pod", ns, f"{naming.LABEL_SERVICE}={name}")
-    serve = _sync_serve(kube, body, spec, settings, pods)
-    observed = observe_pods(name, spec, pods, changes, errors, serve)
+    # the old groups still serving count as ready groups while a change rolls: the service answers meanwhile
+    draining = {int(p["metadata"]["labels"][naming.LABEL_GROUP]) for p in ranks if p["metadata"]["name"] in plan.keep}
+    observed = observe_pods(name, spec, pods, changes, errors, serve, plan.groups + sorted(draining))
     status = build_status(body, spec, plan_memory(spec), observed, [], now)
     return Outcome(status, status_changed(old_status, status), [], changes, child_errors=errors,
                    new_child_errors=bool(errors) and _said(old_status, DEGRADED) != _said(status, DEGRADED),
@@ -143,7 +147,7 @@ def reconcile(body: dict[str, Any], kube: Kube, settings: OperatorSettings, with
 
 
 def _sync_serve(kube: Kube, body: dict[str, Any], spec: Any, settings: OperatorSettings,
-                pods: list[dict[str, Any]]) -> ServeState | None:
+                pods: list[dict[str, Any]], revision: str) -> ServeState | None:
     """Apply the Serve config to a running head through Ray Serve's REST API; None while no head runs."""
     ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
     head = next((p for p in pods if p["metadata"]["name"] == naming.head_name(name)), None)
@@ -155,7 +159,7 @@ def _sync_serve(kube: Kube, body: dict[str, Any], spec: Any, settings: OperatorS
         return ServeState(error=f"reading the Ray token Secret: {err.message}")
     if token is None:
         return ServeState(error=f"the Ray token Secret {ray_token_secret_name(name, spec)} has no key token yet")
-    return sync(ServeApi(dashboard_url(settings, name, ns), token), build_serve_document(spec))
+    return sync(ServeApi(dashboard_url(settings, name, ns), token), build_serve_document(spec, revision))
 
 
 def _said(status: dict[str, Any], ctype: str) -> tuple[Any, ...]:

@@ -2,15 +2,21 @@
 head's dashboard port), the way KubeRay's RayService applies serveConfigV2: applied in place to a running
 cluster, and re-applied on each change.
 
+Two applications (serving/names.py): APP_NAME holds the Ingress, ENGINE_APP_NAME the LLMServer replicas. Serve
+versions every deployment of an application by the hash of the application's args, so the engine's args live in
+the engine's application and a model change never restarts the Ingress.
+
 What a change restarts (Ray Serve's in-place update rules):
-    replicas                        deployments[LLMServer].num_replicas and Ingress.user_config: lightweight,
-                                    replicas are added or removed and the others keep serving
-    model, quantization, batching   the application's args: a code update, LLMServer replicas are replaced
-                                    one at a time (rolling_update_percentage), the Ray cluster stays
+    replicas                        LLMServer num_replicas, the Ingress's user_config: lightweight, replicas are
+                                    added or removed and the others keep serving
+    model, quantization, batching,  the engine application's args, and the rank pods' revision (revision()): a code
+    the rank pods                   update. With max_surge_percent one new replica starts, on a rank pod of the new
+                                    revision, before an old one drains and stops, so a one-replica service answers
+                                    throughout; the Ingress stays
 
 The args are ServeConfig fields (serving/config.py), built here as plain data: the operator runs without the
 serving stack installed. tests/operator/test_operator_serve_document.py checks that serving accepts them for
-every value the CRD allows; the head validates them again when it builds the app.
+every value the CRD allows; the head validates them again when it builds the apps.
 """
 from __future__ import annotations
 
@@ -19,7 +25,8 @@ from typing import Any
 from cpuserve.operator import naming
 from cpuserve.operator.pods import API_KEYS_DIR, TLS_DIR, model_path
 from cpuserve.operator.spec import LLMServiceSpec
-from cpuserve.serving.names import APP_NAME, GRPC_SERVICER, IMPORT_PATH
+from cpuserve.serving.names import (APP_NAME, ENGINE_APP_NAME, ENGINE_IMPORT_PATH, GRPC_SERVICER, INGRESS_DEPLOYMENT,
+                                    INGRESS_IMPORT_PATH, SERVER_DEPLOYMENT)
 
 # Scale-down and rolling updates wait this long for a replica's running streams to finish before it stops.
 DRAIN_SECONDS = 300.0
@@ -27,6 +34,9 @@ DRAIN_SECONDS = 300.0
 LIGHTWEIGHT = frozenset({"replicas"})
 # Process-level fields of `cpuserve serve` that the REST API's own options carry (or that no replica reads).
 PROXY_FIELDS = frozenset({"grpc_port", "http_port", "tls_cert_file", "tls_key_file", "ray_address"})
+# What the Ingress reads from its args; the admission limits it takes from its user_config (INGRESS_LIMITS).
+INGRESS_FIELDS = frozenset({"host", "metrics_port", "api_key_file"})
+INGRESS_LIMITS = ("replicas", "max_num_seqs", "max_queued_requests")
 
 
 def serve_fields(spec: LLMServiceSpec) -> dict[str, Any]:
@@ -55,27 +65,60 @@ def serve_fields(spec: LLMServiceSpec) -> dict[str, Any]:
 
 
 def application_args(fields: dict[str, Any]) -> dict[str, Any]:
-    """build_app's args: the fields less what is applied in place or by the proxies. Serve's proxies listen on
-    http_port and grpc_port here (the document's options), so the Ingress does not."""
+    """build_app's args (the whole graph as one application): the fields less what is applied in place or by the
+    proxies. Serve's proxies listen on http_port and grpc_port here (the document's options), so the Ingress
+    does not."""
     args = {k: v for k, v in fields.items() if k not in LIGHTWEIGHT | PROXY_FIELDS and v is not None}
     return {**args, "direct_http": False, "direct_grpc": False}
 
 
-def build_serve_document(spec: LLMServiceSpec) -> dict[str, Any]:
-    """The ServeDeploySchema document deploying cpuserve's app for `spec` on its running Ray head."""
+def ingress_args(fields: dict[str, Any]) -> dict[str, Any]:
+    """build_ingress_app's args: nothing a model, quantization or batching change touches."""
+    return {k: v for k, v in application_args(fields).items() if k in INGRESS_FIELDS | {"direct_http", "direct_grpc"}}
+
+
+def engine_args(fields: dict[str, Any], revision: str | None) -> dict[str, Any]:
+    """build_engine_app's args; with the rank pods' revision, replicas run only on that revision's Ray nodes."""
+    args = {k: v for k, v in application_args(fields).items() if k not in INGRESS_FIELDS - {"host"}}
+    if revision:
+        args["node_labels"] = f"{naming.LABEL_REVISION}={revision}"
+    return args
+
+
+def revision(spec: LLMServiceSpec, template_hash: str) -> str:
+    """The rank pods' revision: what they run (pods.rank_template_hash) and what the LLMServer replicas on them run
+    (the engine's args). Any change of either rolls the replicas onto new rank pods with a surge (rollout.py), so a
+    batching change needs no free socket among the pods that serve."""
+    return naming.spec_hash({"pods": template_hash, "engine": engine_args(serve_fields(spec), None)})
+
+
+def surge_percent(replicas: int) -> int:
+    """Serve's max_surge_percent that lets one replica (rounded up by Serve) start before an old one stops."""
+    return max(1, 100 // replicas)
+
+
+def build_serve_document(spec: LLMServiceSpec, revision: str | None = None) -> dict[str, Any]:
+    """The ServeDeploySchema document deploying cpuserve's two applications for `spec` on its running Ray head.
+
+    Args:
+        revision: the rank pods' revision (revision()); None places replicas on any Ray node.
+    """
     fields = serve_fields(spec)
     http: dict[str, Any] = {"host": fields["host"], "port": fields["http_port"]}
     if "tls_cert_file" in fields:
         http.update(ssl_certfile=fields["tls_cert_file"], ssl_keyfile=fields["tls_key_file"])
-    deployments = [
-        {"name": "LLMServer", "num_replicas": fields["replicas"], "graceful_shutdown_timeout_s": DRAIN_SECONDS},
-        # the ingress admits replicas x max_num_seqs + max_queued_requests: told the replicas without a restart
-        {"name": "Ingress", "user_config": {"replicas": fields["replicas"]}},
-    ]
+    server = {"name": SERVER_DEPLOYMENT, "num_replicas": fields["replicas"],
+              "graceful_shutdown_timeout_s": DRAIN_SECONDS, "max_surge_percent": surge_percent(fields["replicas"])}
+    # the ingress admits replicas x max_num_seqs + max_queued_requests: told without a restart
+    ingress = {"name": INGRESS_DEPLOYMENT, "user_config": {k: fields[k] for k in INGRESS_LIMITS}}
     return {
         "proxy_location": "HeadOnly",  # the Services point at the head; rank pods open no serving ports
         "http_options": http,
         "grpc_options": {"port": fields["grpc_port"], "grpc_servicer_functions": [GRPC_SERVICER]},
-        "applications": [{"name": APP_NAME, "route_prefix": "/", "import_path": IMPORT_PATH,
-                          "args": application_args(fields), "deployments": deployments}],
+        "applications": [
+            {"name": APP_NAME, "route_prefix": "/", "import_path": INGRESS_IMPORT_PATH,
+             "args": ingress_args(fields), "deployments": [ingress]},
+            {"name": ENGINE_APP_NAME, "route_prefix": None, "import_path": ENGINE_IMPORT_PATH,
+             "args": engine_args(fields, revision), "deployments": [server]},
+        ],
     }

@@ -1,13 +1,14 @@
 """build_app(args) -> the Serve application; start_serving / stop_serving run it on a Ray cluster.
 
     Ingress (1 replica, 0 CPUs, on the head node: it owns the pod's ports and the Prometheus registry)
-      --DeploymentHandle, streaming--> LLMServer (N replicas; each: cpus_per_rank CPUs, one engine,
-                                        one unit of socket_resource when given)
+      --DeploymentHandle, streaming, routed by serving/router.py--> LLMServer (N replicas; each: cpus_per_rank
+                                        CPUs, one engine, one unit of socket_resource when given)
                                          with ranks_per_replica = k > 1: a placement group of k such bundles
                                          per replica, the replica in bundle 0, rank actors in 1..k-1
 
 A RayService can name `cpuserve.serving.app:build_app` as its import_path with ServeConfig fields as args;
-the proxies' ports then come from the RayService's own http_options/grpc_options.
+the proxies' ports then come from the RayService's own http_options/grpc_options. The operator deploys the same
+graph as two applications (build_ingress_app, build_engine_app: serving/names.py says why).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from cpuserve.engine.threads import openmp_env
 from cpuserve.serving.affinity import ENGINE_CORES_ENV, on_cores, split_cores
 from cpuserve.serving.config import ServeConfig
 from cpuserve.serving.direct_http import bind
-from cpuserve.serving.names import APP_NAME, GRPC_SERVICER
+from cpuserve.serving.names import APP_NAME, GRPC_SERVICER, INGRESS_DEPLOYMENT, SERVER_DEPLOYMENT
 from cpuserve.serving.ports import free_port
 from cpuserve.serving.ray_env import RAY_ENV, without_intel_openmp_preload
 
@@ -33,35 +34,71 @@ HEAD_NODE_RESOURCE = "node:__internal_head__"
 
 
 def build_app(args: dict[str, Any] | ServeConfig):
-    """The Ingress -> LLMServer graph for one model, sized by the config."""
-    from ray import serve
+    """The Ingress -> LLMServer graph for one model, sized by the config, as one application."""
+    config = _config(args)
+    return _ingress(config).bind(config.model_dump(), _server(config).bind(config.model_dump()))
 
-    from cpuserve.serving.llm_server import LLMServer
-    from cpuserve.serving.scalable_ingress import ScalableIngress
 
+def build_engine_app(args: dict[str, Any] | ServeConfig):
+    """The LLMServer replicas alone, deployed as ENGINE_APP_NAME beside build_ingress_app's application."""
+    config = _config(args)
+    return _server(config).bind(config.model_dump())
+
+
+def build_ingress_app(args: dict[str, Any] | ServeConfig):
+    """The Ingress alone, deployed as APP_NAME: it finds the LLMServer replicas of ENGINE_APP_NAME by name, so a
+    change of the engine's args (model, quantization) replaces those replicas while this one keeps serving."""
+    config = _config(args)
+    return _ingress(config).bind(config.model_dump(), None)
+
+
+def _config(args: dict[str, Any] | ServeConfig) -> ServeConfig:
     config = args if isinstance(args, ServeConfig) else ServeConfig(**args)
     config.check_model()
-    data = config.model_dump()
+    return config
+
+
+def _server(config: ServeConfig):
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from cpuserve.serving.llm_server import LLMServer
+
     rank_resources = {config.socket_resource: 1} if config.socket_resource else {}
+    selector = config.node_label_selector  # only Ray nodes of the rank pods' current revision (the operator's)
     group = {}
     if config.ranks_per_replica > 1:  # Serve creates the group per replica and removes it with the replica
         bundle = {"CPU": config.cpus_per_rank, **rank_resources}
         group = dict(placement_group_bundles=[bundle] * config.ranks_per_replica,
-                     placement_group_strategy=config.placement_strategy)
+                     placement_group_strategy=config.placement_strategy,
+                     **({"placement_group_bundle_label_selector": [selector]} if selector else {}))
     # the engine steps off the replica's main thread: give it Intel's OpenMP (engine/threads.py)
     preload = openmp_env({})
-    runtime_env = {"env_vars": preload} if preload else {}
-    server = serve.deployment(LLMServer, name="LLMServer").options(
-        num_replicas=config.replicas, **group,
-        ray_actor_options={"num_cpus": config.cpus_per_rank, "resources": rank_resources,  # rank 0 (bundle 0)
-                           "runtime_env": runtime_env},
+    actor = {"num_cpus": config.cpus_per_rank, "resources": rank_resources,  # rank 0 (bundle 0)
+             "runtime_env": {"env_vars": preload} if preload else {}}
+    if selector and not group:
+        actor["label_selector"] = selector
+    if config.router == "serve":  # Serve's default class, PowerOfTwoChoicesRequestRouter
+        router = RequestRouterConfig()
+    else:
+        router = RequestRouterConfig(request_router_class="cpuserve.serving.router:LLMRouter",
+                                     request_router_kwargs={"prefix_affinity": config.router == "prefix"},
+                                     request_routing_stats_period_s=1.0)
+    return serve.deployment(LLMServer, name=SERVER_DEPLOYMENT).options(
+        num_replicas=config.replicas, **group, ray_actor_options=actor, request_router_config=router,
         # admission happens at the ingress; this only caps what one replica accepts
         max_ongoing_requests=config.max_num_seqs + config.max_queued_requests + 1,
         health_check_period_s=2, graceful_shutdown_timeout_s=5)
-    ingress = serve.deployment(ScalableIngress, name="Ingress").options(
+
+
+def _ingress(config: ServeConfig):
+    from ray import serve
+
+    from cpuserve.serving.scalable_ingress import ScalableIngress
+
+    return serve.deployment(ScalableIngress, name=INGRESS_DEPLOYMENT).options(
         num_replicas=1, ray_actor_options={"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE: 0.001}},
         max_ongoing_requests=10_000)  # its own admission limit is max_in_flight
-    return ingress.bind(data, server.bind(data))
 
 
 def start_serving(config: ServeConfig, blocking_timeout_s: float = 600) -> None:

@@ -94,6 +94,15 @@ class ServeConfig(BaseSettings):
     (one rank per socket_resource pod on Kubernetes needs PACK or STRICT_SPREAD)."""
     transport: Literal["shm", "torch"] | None = None
     """Collectives of a replica group: shm (one host) or torch (gloo/ccl); None: shm when the ranks share a node."""
+    node_labels: str | None = Field(None, pattern=r"^[^=,\s]+=[^=,\s]+(,[^=,\s]+=[^=,\s]+)*$")
+    """Ray node labels every rank of a replica must run on, "key=value,...": a Ray label selector (the operator
+    names the rank pods' revision here, so replicas of a new model start only on pods made for it)."""
+    router: Literal["prefix", "power-of-two", "serve"] = "prefix"
+    """How the Ingress picks an LLMServer replica. prefix: a request whose prompt starts like an earlier one goes
+    to the replica that got that one (its KV cache holds the prefix) unless it is the busier by more than 4
+    requests, others to the least busy (serving/router.py); power-of-two: the less busy of two random replicas;
+    both only among the replicas serving the model a request names (two models run while one changes in place).
+    serve: Ray Serve's own default router, unchanged: power of two choices over every replica, blind to models."""
 
     # -- admission ----------------------------------------------------------------------------------------
     max_queued_requests: int = Field(64, ge=0)
@@ -184,6 +193,10 @@ class ServeConfig(BaseSettings):
         if self.served_model_name:
             return self.served_model_name
         return Path(self.model).stem if self.model else DEFAULT_MODEL_NAME
+
+    @property
+    def node_label_selector(self) -> dict[str, str]:
+        return dict(pair.split("=") for pair in self.node_labels.split(",")) if self.node_labels else {}
 
     @property
     def cpus_per_replica(self) -> int:

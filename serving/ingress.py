@@ -22,20 +22,23 @@ from prometheus_client import CollectorRegistry, start_http_server
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
 from cpuserve.serving import grpc_api
 from cpuserve.serving.config import ServeConfig
 from cpuserve.serving.direct_grpc import DirectGRPC
 from cpuserve.serving.direct_http import DirectHTTP, bind
-from cpuserve.serving.metrics import build_serving_metrics, initialize_serving_metrics
+from cpuserve.serving.metrics import build_serving_metrics
+from cpuserve.serving.names import ENGINE_APP_NAME, SERVER_DEPLOYMENT
 from cpuserve.serving.openai_api import ChatRequest, CompletionRequest, parse_body
 from cpuserve.serving.openapi_doc import build_openapi
 from cpuserve.serving.openai_responses import completion_body, error_event, error_response, sse, usage
 from cpuserve.serving.protocol import (NOT_FOUND, RESOURCE_EXHAUSTED, TOO_LARGE, UNAUTHENTICATED, UNAVAILABLE, Chunk,
-                                       GenerateRequest, RequestError, decode, merge_samples, total)
+                                       GenerateRequest, ModelInfo, ReplicaStats, RequestError, decode, merge_samples,
+                                       total)
 from cpuserve.serving.ray_env import own_data_plane
-from cpuserve.serving.telemetry import EngineStatsAggregator, RequestMetrics, RequestTimer
+from cpuserve.serving.telemetry import EngineStatsAggregator, RequestTimer
 from cpuserve.serving.tool_stream import ToolCallStream
 from cpuserve.serving.tools import parse_tool_calls
 from cpuserve.v1 import inference_pb2 as pb
@@ -85,17 +88,19 @@ class IngressCore:
     Args:
         config: a ServeConfig's dict.
         llm_server: a DeploymentHandle to LLMServer (tests pass a stand-in that calls an LLMServer in-process).
+        knows_model: whether the config names the replicas' model; False for the Ingress of build_ingress_app,
+            which learns it from the replicas' reports.
+
+    The model is the replicas': each reports its model with its stats, so while a model change rolls, requests
+    naming either model are served (by a replica serving it: serving/router.py) and /v1/models lists both.
     """
 
-    def __init__(self, config: dict[str, Any], llm_server: Any):
+    def __init__(self, config: dict[str, Any], llm_server: Any, knows_model: bool = True):
         self.config = ServeConfig(**config)
         self.llm = llm_server
-        self.model = self.config.model_name
         self.api_keys = self.config.api_keys()
         self.metrics = build_serving_metrics(registry := CollectorRegistry())
-        initialize_serving_metrics(self.metrics, self.model)
-        self.request_metrics = RequestMetrics(self.metrics, self.model)
-        self.engine_stats = EngineStatsAggregator(self.metrics, self.model)
+        self.engine_stats = EngineStatsAggregator(self.metrics, self.config.model_name if knows_model else None)
         if self.config.metrics_port:
             try:
                 start_http_server(self.config.metrics_port, addr=self.config.host, registry=registry)
@@ -107,25 +112,41 @@ class IngressCore:
         self.max_in_flight = c.replicas * c.max_num_seqs + c.max_queued_requests
         self.num_in_flight = 0
         self.draining = False
-        self._info: dict[str, Any] | None = None
         self.openapi_doc = build_openapi(c.max_request_bytes, bool(self.api_keys))
         self._health: asyncio.Task | None = None  # the health probe in flight: /health and gRPC Health share it
+
+    @property
+    def model(self) -> str:
+        """The name of the model most recently reported (before any report: the config's)."""
+        return next(iter(self.engine_stats.models()), self.config.model_name)
+
+    async def _served(self) -> dict[str, ModelInfo]:
+        """name -> info of the models the replicas serve (asked of one replica before any report)."""
+        models = self.engine_stats.models()
+        if not models:
+            info = await self.llm.info.remote()
+            models = {info.name: info}
+        return models
 
     # -- the request path shared by HTTP and gRPC ----------------------------------------------------------
     async def _run(self, model: str | None, request: GenerateRequest) -> AsyncIterator[list[Chunk]]:
         """The chunks of one request, a streamed message's at a time; raises RequestError before the first message
         if it is refused, and at the message that ends the stream with an error."""
-        if model and model != self.model:
-            raise RequestError(f"model={model!r} is not served here; available: [{self.model!r}]", "model", NOT_FOUND)
+        served = await self._served()
+        if model and model not in served:
+            raise RequestError(f"model={model!r} is not served here; available: {sorted(served)!r}", "model",
+                               NOT_FOUND)
+        request.model = model or None  # the router sends a request naming a model to a replica serving it
+        label = model or next(iter(served))
         if self.draining:
             raise RequestError("the server is shutting down: running requests finish, new ones go elsewhere", None,
                                UNAVAILABLE)
         if self.num_in_flight >= self.max_in_flight:
-            self.metrics.refused.labels(model=self.model, limit="requests").inc()
+            self.metrics.refused.labels(model=label, limit="requests").inc()
             raise RequestError(f"{self.num_in_flight} requests are running or waiting, the limit (replicas x "
                                "max_num_seqs + max_queued_requests): retry in 1 s", None, RESOURCE_EXHAUSTED, 1)
         self.num_in_flight += 1
-        timer = RequestTimer(self.request_metrics)
+        timer = RequestTimer(self.engine_stats.request_metrics, label)
         # the replica sends protocol.encode's bytes: plain pickle wraps them (Ray's default, cloudpickle, costs more)
         responses = self.llm.options(stream=True, request_serialization="pickle",
                                      response_serialization="pickle").generate.remote(request)
@@ -140,7 +161,7 @@ class IngressCore:
                     error = message.error
                     timer.finished = error.kind != UNAVAILABLE  # refused requests are not served requests
                     if error.kind == RESOURCE_EXHAUSTED:  # the replica's queue of prompt tokens is full
-                        self.metrics.refused.labels(model=self.model, limit="tokens").inc()
+                        self.metrics.refused.labels(model=label, limit="tokens").inc()
                     reason = "error"
                     if message.chunks:  # what came before the error still goes out
                         yield message.chunks
@@ -148,7 +169,7 @@ class IngressCore:
                 yield message.chunks
         except BackPressureError as e:
             timer.finished = True
-            self.metrics.refused.labels(model=self.model, limit="requests").inc()
+            self.metrics.refused.labels(model=label, limit="requests").inc()
             raise RequestError(f"overloaded: {e}", None, RESOURCE_EXHAUSTED, 1) from None
         except RayActorError as e:  # its process died (killed, out of memory): Serve starts another
             reason = "error"
@@ -198,14 +219,17 @@ class IngressCore:
         self.draining = self.draining or refuse
         return self.num_in_flight
 
-    async def report_stats(self, stats: dict[str, Any]) -> None:
+    async def report_stats(self, stats: ReplicaStats) -> None:
         """Each LLMServer replica calls this every stats_interval_s."""
         self.engine_stats.update(stats)
 
-    async def _model_info(self) -> dict[str, Any]:
-        if self._info is None:
-            self._info = await self.llm.info.remote()
-        return self._info
+    async def _model_info(self, name: str | None = None) -> ModelInfo:
+        """The info of model `name`, or of the model most recently reported."""
+        served = await self._served()
+        return served.get(name) or next(iter(served.values()))
+
+    async def _models(self) -> list[ModelInfo]:
+        return [await self._model_info(name) for name in await self._served()]
 
     # -- HTTP ------------------------------------------------------------------------------------------------
     def _authorize_http(self, request: Request) -> None:
@@ -237,11 +261,12 @@ class IngressCore:
         rid, first, stream = started
         rid = ("chatcmpl-" if chat else "cmpl-") + rid
         headers = {"x-cpuserve-replica": first[0].replica}
-        tool_format = (await self._model_info())["tool_format"] if internal.tools else None
+        model = first[0].model or self.model  # the model that serves it
+        tool_format = (await self._model_info(model)).tool_format if internal.tools else None
         include_usage = parsed.stream_options is not None and parsed.stream_options.include_usage
         if parsed.stream:  # with tools, calls stream as the model writes them
             tools = ToolCallStream(tool_format) if tool_format else None
-            return StreamingResponse(self._sse(rid, first, stream, chat, include_usage, tools, n=parsed.n),
+            return StreamingResponse(self._sse(rid, model, first, stream, chat, include_usage, tools, n=parsed.n),
                                      media_type="text/event-stream", headers=headers)
         try:
             samples = await self._unless_gone(request, _merged(first, stream))
@@ -250,18 +275,18 @@ class IngressCore:
         if samples is None:
             return Response(status_code=499)
         if len(samples) > 1:  # n samples: one choice each
-            body = completion_body(rid, self.model, samples[0], chat, final=True)
-            body["choices"] = [completion_body(rid, self.model, m, chat, final=True)["choices"][0] for m in samples]
+            body = completion_body(rid, model, samples[0], chat, final=True)
+            body["choices"] = [completion_body(rid, model, m, chat, final=True)["choices"][0] for m in samples]
             body["usage"] = usage(total(samples))
             return JSONResponse(body, headers=headers)
         merged, calls = samples[0], None
         if tool_format:
             text, calls = parse_tool_calls(tool_format, merged.text)
             merged = msgspec.structs.replace(merged, text=text)  # None when the answer is only calls
-        return JSONResponse(completion_body(rid, self.model, merged, chat, final=True, tool_calls=calls),
+        return JSONResponse(completion_body(rid, model, merged, chat, final=True, tool_calls=calls),
                             headers=headers)
 
-    async def _sse(self, rid: str, first: list[Chunk], stream: AsyncIterator[list[Chunk]], chat: bool,
+    async def _sse(self, rid: str, model: str, first: list[Chunk], stream: AsyncIterator[list[Chunk]], chat: bool,
                    include_usage: bool, tools: ToolCallStream | None = None, n: int = 1) -> AsyncIterator[bytes]:
         """One write per streamed message: the events of its chunks (every sample's that was ready) together."""
         chunks, text_offsets, last = first, [0] * n, {}  # per sample index: where its text is, its latest chunk
@@ -272,14 +297,14 @@ class IngressCore:
                     deltas = None
                     if tools is not None:
                         chunk, deltas = tools.apply(chunk)
-                    events.append(sse(completion_body(rid, self.model, chunk, chat, final=False,
+                    events.append(sse(completion_body(rid, model, chunk, chat, final=False,
                                                       text_offset=text_offsets[chunk.index], tool_calls=deltas)))
                     last[chunk.index] = chunk
                     text_offsets[chunk.index] += len(chunk.text)
                 done = len(last) == n and all(c.finish_reason is not None for c in last.values())
                 if done and include_usage:
                     events.append(sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                                       "model": self.model, "choices": [], "usage": usage(total(list(last.values())))}))
+                                       "model": model, "choices": [], "usage": usage(total(list(last.values())))}))
                 if done:
                     events.append(sse("[DONE]"))
                 yield b"".join(events)
@@ -305,9 +330,9 @@ class IngressCore:
             self._authorize_http(request)
         except RequestError as e:
             return error_response(e)
-        info = await self._model_info()
-        return JSONResponse({"object": "list", "data": [{"id": info["name"], "object": "model", "created": 0,
-                                                         "owned_by": "cpuserve", "max_model_len": info["max_model_len"]}]})
+        return JSONResponse({"object": "list", "data": [
+            {"id": info.name, "object": "model", "created": 0, "owned_by": "cpuserve",
+             "max_model_len": info.max_model_len} for info in await self._models()]})
 
     @api.get("/openapi.json")
     async def openapi(self) -> Response:
@@ -361,7 +386,7 @@ class IngressCore:
             model, internal = grpc_api.generate_request(grpc_api.parse(request, pb.GenerateRequest),
                                                         self.config.max_request_bytes)
             rid, first, stream = await self._start(model, internal)
-            tool_format = (await self._model_info())["tool_format"] if internal.tools else None
+            tool_format = (await self._model_info(first[0].model)).tool_format if internal.tools else None
             return rid, first, stream, tool_format
         except RequestError as e:
             self._grpc_fail(grpc_context, e)
@@ -397,13 +422,14 @@ class IngressCore:
         try:
             self._authorize_grpc(grpc_context)
             req = grpc_api.parse(request, pb.TokenizeRequest)
-            if req.model and req.model != self.model:
-                raise RequestError(f"model={req.model!r} is not served here; available: [{self.model!r}]", "model",
+            served = await self._served()
+            if req.model and req.model not in served:
+                raise RequestError(f"model={req.model!r} is not served here; available: {sorted(served)!r}", "model",
                                    NOT_FOUND)
         except RequestError as e:
             self._grpc_fail(grpc_context, e)
         ids = await self.llm.tokenize.remote(req.text, req.add_special_tokens)
-        return pb.TokenizeResponse(token_ids=ids, max_model_len=(await self._model_info())["max_model_len"])
+        return pb.TokenizeResponse(token_ids=ids, max_model_len=(await self._model_info(req.model)).max_model_len)
 
     async def ListModels(self, request: bytes, grpc_context: Any) -> Any:  # noqa: N802
         try:
@@ -411,8 +437,8 @@ class IngressCore:
             grpc_api.parse(request, pb.ListModelsRequest)  # bytes that are no message: INVALID_ARGUMENT, as elsewhere
         except RequestError as e:
             self._grpc_fail(grpc_context, e)
-        info = await self._model_info()
-        return pb.ListModelsResponse(models=[pb.ModelInfo(**info)])
+        return pb.ListModelsResponse(models=[pb.ModelInfo(**msgspec.structs.asdict(info))
+                                             for info in await self._models()])
 
     async def Health(self, request: bytes, grpc_context: Any) -> Any:  # noqa: N802
         try:
@@ -429,7 +455,10 @@ class Ingress(IngressCore):
     """The Ingress deployment: Ray Serve binds `api`'s routes (IngressCore's methods) to the replica."""
 
     def __init__(self, config: dict[str, Any], llm_server: Any):
-        super().__init__(config, own_data_plane(llm_server))
+        lone = llm_server is None  # build_ingress_app: the LLMServer replicas are another application's
+        if lone:  # made here, not by serve.get_deployment_handle, which fails while that application deploys
+            llm_server = DeploymentHandle(SERVER_DEPLOYMENT, ENGINE_APP_NAME)
+        super().__init__(config, own_data_plane(llm_server), knows_model=not lone)
         c, loop = self.config, asyncio.get_running_loop()
         self.direct_http = self.direct_grpc = None
         # bound now: a port in use fails the replica's start, naming the port

@@ -23,9 +23,10 @@ from cpuserve.engine.sampling_params import SamplingParams
 from cpuserve.serving.affinity import engine_cores, on_cores
 from cpuserve.serving.config import ServeConfig
 from cpuserve.serving.engine_metrics import engine_metrics_port, serve_engine_metrics
+from cpuserve.serving.names import APP_NAME, ENGINE_APP_NAME, INGRESS_DEPLOYMENT
 from cpuserve.serving.pacing import paced
 from cpuserve.serving.protocol import (RESOURCE_EXHAUSTED, UNAVAILABLE, Chunk, GenerateRequest, Logprob, Message,
-                                       RequestError, TopLogprob, encode)
+                                       ModelInfo, ReplicaStats, RequestError, RoutingStats, TopLogprob, encode)
 from cpuserve.serving.tools import MISTRAL, format_of, prepare_messages, template_knows_tools, tool_grammar
 
 log = logging.getLogger(__name__)
@@ -54,10 +55,14 @@ class LLMServer:
         cores = None
         try:  # inside a Serve replica: find the ingress to report to (no handle cycle in the app graph)
             from ray import serve
+            from ray.serve.handle import DeploymentHandle
 
             ctx = serve.get_replica_context()
             self.replica_id = ctx.replica_id.unique_id
-            self._ingress = serve.get_deployment_handle("Ingress", app_name=ctx.app_name)
+            # build_engine_app's replicas report to build_ingress_app's Ingress (made without the existence check
+            # of serve.get_deployment_handle: the two applications deploy together)
+            app = APP_NAME if ctx.app_name == ENGINE_APP_NAME else ctx.app_name
+            self._ingress = DeploymentHandle(INGRESS_DEPLOYMENT, app)
         except Exception:  # not running under Serve: a replica group's ranks are the engine's own processes
             self._ingress = None
         local_rank = getattr(getattr(ctx, "rank", None), "local_rank", None) if self._ingress is not None else None
@@ -96,6 +101,10 @@ class LLMServer:
         """
         self._ensure_stats_task()
         request_id = request.request_id or f"{self.replica_id}-{next(self._ids)}"
+        if request.model not in (None, self.config.model_name):  # the router knew no better
+            yield Message([], RequestError(f"model={request.model!r}: this replica serves {self.config.model_name!r} "
+                                           "(the model is changing); retry in 1 s", "model", UNAVAILABLE, 1))
+            return
         if request.n > 1:
             async for message in self._samples(request, request_id):
                 yield message
@@ -185,7 +194,7 @@ class LLMServer:
             raise _unavailable(e) from None
         # the first chunk names the replica, so clients (and tests) can see where a request ran
         chunk = self._chunk(first, index)
-        chunk.replica = self.replica_id
+        chunk.replica, chunk.model = self.replica_id, self.config.model_name  # and the model that serves it
         if request.echo:  # completions' echo: the prompt's text comes first
             chunk.text = self._prompt_text(prompt, params) + chunk.text
         yield chunk
@@ -261,18 +270,28 @@ class LLMServer:
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    async def info(self) -> dict[str, Any]:
-        c = self.config
-        return {"name": c.model_name, "max_model_len": self.engine.max_model_len, "weights": c.weights,
-                "kv_cache": c.kv_cache, "replicas": c.replicas, "tool_format": self.tool_format}
+    async def info(self) -> ModelInfo:
+        return self._info()
 
-    def stats(self) -> dict[str, Any]:
+    def _info(self) -> ModelInfo:
+        c = self.config
+        return ModelInfo(name=c.model_name, max_model_len=self.engine.max_model_len, weights=c.weights,
+                         kv_cache=c.kv_cache, replicas=c.replicas, tool_format=self.tool_format)
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What serving/router.py routes by (Serve polls it every request_routing_stats_period_s): the model, and the
+        KV pool's tokens, which bound the prefixes this replica can hold."""
+        kv_tokens = self.engine.stats().num_blocks * self.config.block_size
+        return RoutingStats(model=self.config.model_name, kv_tokens=kv_tokens).to_dict()
+
+    def stats(self) -> ReplicaStats:
         """Engine gauges plus the step times since the last call (what the ingress turns into metrics)."""
         s = self.engine.stats()
-        return {"replica_id": self.replica_id, "num_running": s.num_running, "num_waiting": s.num_waiting,
-                "num_used_blocks": s.num_blocks - s.num_free_blocks, "num_blocks": s.num_blocks,
-                "num_preemptions": s.num_preemptions, "num_draft_tokens": s.num_draft_tokens,
-                "num_accepted_tokens": s.num_accepted_tokens, "step_times": self.engine.pop_step_times()}
+        return ReplicaStats(replica_id=self.replica_id, model=self._info(), num_running=s.num_running,
+                            num_waiting=s.num_waiting, num_used_blocks=s.num_blocks - s.num_free_blocks,
+                            num_blocks=s.num_blocks, num_preemptions=s.num_preemptions,
+                            num_draft_tokens=s.num_draft_tokens, num_accepted_tokens=s.num_accepted_tokens,
+                            step_times=self.engine.pop_step_times())
 
     # -- health ---------------------------------------------------------------------------------------------
     async def probe(self) -> str | None:

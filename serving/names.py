@@ -4,6 +4,13 @@ imports this module (and nothing else of serving's) without the engine, Ray or t
 APP_NAME = "cpuserve"
 # what a Serve config names to build the app (build_app's args are ServeConfig fields)
 IMPORT_PATH = "cpuserve.serving.app:build_app"
+# The same graph as two applications (the operator's): the Ingress in APP_NAME, the LLMServer replicas in
+# ENGINE_APP_NAME. A change of the engine's args then replaces only the LLMServer replicas (Serve versions every
+# deployment of an application by the hash of the application's args), never the Ingress.
+ENGINE_APP_NAME = "cpuserve-engine"
+INGRESS_IMPORT_PATH = "cpuserve.serving.app:build_ingress_app"
+ENGINE_IMPORT_PATH = "cpuserve.serving.app:build_engine_app"
+SERVER_DEPLOYMENT, INGRESS_DEPLOYMENT = "LLMServer", "Ingress"
 GRPC_SERVICER = "cpuserve.serving.grpc_api.add_InferenceServicer_to_server"
 # a rank pod's port for its engine's vLLM-named gauges (serving/engine_metrics.py), set in the pod's environment
 ENGINE_METRICS_PORT_ENV = "CPUSERVE_ENGINE_METRICS_PORT"

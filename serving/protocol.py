@@ -99,6 +99,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     messages: list[dict[str, Any]] | None = None  # chat: {"role", "content", optional "tool_calls", "tool_call_id"}
     fill_context: bool = False  # no max_tokens given (chat): the replica gives the rest of the context
     request_id: str | None = None  # the ingress names every request before it sends it
+    model: str | None = None  # the model the client named: serving/router.py sends it to a replica serving it
     priority: int = 0
     n: int = 1  # samples of the one prompt
     echo: bool = False  # completions: the prompt's text comes back before the completion
@@ -138,6 +139,7 @@ class Chunk(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     queue_time: float | None = None  # seconds from arrival to first scheduling, on the first chunk only
     index: int = 0  # the sample (n > 1)
     replica: str = ""  # on the first chunk: the replica serving the request
+    model: str = ""  # on the first chunk: the model serving it (two answer while a model change rolls)
 
 
 class Message(msgspec.Struct, array_like=True, gc=False):
@@ -145,6 +147,50 @@ class Message(msgspec.Struct, array_like=True, gc=False):
 
     chunks: list[Chunk]
     error: RequestError | None = None
+
+
+class ModelInfo(msgspec.Struct, kw_only=True):
+    """One served model as its replicas report it (LLMServer.info, and in each ReplicaStats); both APIs list it
+    (OpenAI's /v1/models, gRPC's ModelInfo, which has these fields)."""
+
+    name: str  # what a request passes as `model`
+    max_model_len: int
+    weights: str
+    kv_cache: str
+    replicas: int
+    tool_format: str
+
+
+class ReplicaStats(msgspec.Struct, kw_only=True):
+    """What each replica reports to the ingress every stats_interval_s (LLMServer.stats): the model it serves, its
+    engine's gauges and totals so far, and its step times since its previous report."""
+
+    replica_id: str
+    model: ModelInfo
+    num_running: int
+    num_waiting: int
+    num_used_blocks: int
+    num_blocks: int
+    num_preemptions: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    step_times: list[float] = []
+
+
+class RoutingStats(msgspec.Struct, kw_only=True):
+    """What a replica tells serving/router.py (LLMServer.record_routing_stats). Serve's request-router interface
+    carries routing stats as a plain dict (RunningReplica.routing_stats, kept by Serve's controller, which imports
+    none of cpuserve): `to_dict` and `of` convert at that edge."""
+
+    model: str | None = None  # the model it serves; None: not reported yet
+    kv_tokens: int | None = None  # its KV pool, which bounds the prefixes it can hold
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.structs.asdict(self)
+
+    @classmethod
+    def of(cls, stats: dict[str, Any]) -> "RoutingStats":
+        return msgspec.convert(stats, cls)
 
 
 @dataclass(slots=True)
@@ -218,7 +264,8 @@ def merge_chunks(chunks: list[Chunk]) -> Chunk:
         logprobs = [lp for c in chunks for lp in c.logprobs or ()]
     queue_time = next((c.queue_time for c in chunks if c.queue_time is not None), None)
     return msgspec.structs.replace(last, ids=[t for c in chunks for t in c.ids], text="".join(c.text for c in chunks),
-                                   logprobs=logprobs, queue_time=queue_time, replica=chunks[0].replica)
+                                   logprobs=logprobs, queue_time=queue_time, replica=chunks[0].replica,
+                                   model=chunks[0].model)
 
 
 def merge_samples(chunks: Iterable[Chunk]) -> list[Chunk]:

@@ -3,7 +3,9 @@ pods it creates run as local processes (local_kubelet.py): their own commands, e
 cluster, the operator applies the Serve app through the head's REST API, a gRPC Generate through the head's
 port streams tokens. Under 8 streams on a batch of 2, the rank pod's own queue gauge crosses the chart's HPA
 target, the HPA's rule asks for 2 replicas, and that scale (through the scale subresource, as the HPA writes it)
-is served without dropping a stream.
+is served without dropping a stream. Back at 1 replica, the weights' format changes: a rank pod of the new revision
+starts beside the old one, Serve starts the new replica there before the old one drains and stops, the operator
+then removes the old pod; 8 streams and a probe every 0.2 s are served throughout, the ingress is never replaced.
 
 No HPA controller or custom-metrics adapter runs here: the test reads the gauges the adapter would serve from the
 pod's endpoint and applies the HPA controller's documented rule (hpa_desired_replicas) to the HPA the chart renders
@@ -33,6 +35,7 @@ from cpuserve.v1 import inference_pb2 as pb
 from cpuserve.v1 import inference_pb2_grpc as pbg
 from fake_apiserver import CHART_CRDS
 from local_kubelet import LocalKubelet
+from serve_load import change_under_load, running
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "charts"))
 from chart_tools import render  # noqa: E402
@@ -173,12 +176,7 @@ def test_kubectl_apply_to_tokens_then_scale(cluster):
     wait_for("the second group's pod", lambda: f"{NAME}-g1-r0" in kubelet.ready, timeout=120, interval=1)
     token = read_token(server.kube, NS, NAME, validate(server.kube.get("LLMService", NS, NAME), OperatorSettings())[0])
     api = ServeApi(f"http://127.0.0.1:{kubelet.head_ports[8265]}", token)
-
-    def two_replicas() -> bool:
-        app = api.details()["applications"].get("cpuserve") or {}
-        reps = (app.get("deployments") or {}).get("LLMServer", {}).get("replicas", [])
-        return app.get("status") == "RUNNING" and [r["state"] for r in reps] == ["RUNNING", "RUNNING"]
-    wait_for("2 LLMServer replicas", two_replicas, timeout=420, interval=1)
+    wait_for("2 LLMServer replicas", lambda: running(api, 2), timeout=420, interval=1)
     with grpc.insecure_channel(f"127.0.0.1:{ports['grpc']}") as channel:  # the ingress was told, not restarted
         (model,) = pbg.InferenceStub(channel).ListModels(pb.ListModelsRequest(), timeout=30).models
     assert model.replicas == 2
@@ -191,4 +189,36 @@ def test_kubectl_apply_to_tokens_then_scale(cluster):
     wait_for("readyReplicas 2", lambda: server.kube.get("LLMService", NS, NAME)["status"]["readyReplicas"] == 2)
     for pod in (f"{NAME}-g0-r0", f"{NAME}-g1-r0"):  # each model server (pod) has its own engine's gauges
         assert set(engine_gauges(kubelet, pod)) >= {"vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"}
+    assert not kubelet.exited, kubelet.exited
+
+
+def rank_pods(server) -> dict[str, str]:
+    """Rank pod -> its revision label."""
+    return {p["metadata"]["name"]: p["metadata"]["labels"]["cpuserve.dev/revision"]
+            for p in server.kube.list("Pod", NS, f"cpuserve.dev/llmservice={NAME},app.kubernetes.io/component=rank")
+            if not p["metadata"].get("deletionTimestamp")}
+
+
+def test_a_weights_change_rolls_with_a_surge_and_serves_throughout(cluster):
+    server, kubelet = cluster
+    spec = server.kube.get("LLMService", NS, NAME)["spec"]
+    api = ServeApi(f"http://127.0.0.1:{kubelet.head_ports[8265]}",
+                   read_token(server.kube, NS, NAME, validate(server.kube.get("LLMService", NS, NAME),
+                                                              OperatorSettings())[0]))
+    # back to 1 replica, batching 8 streams at once: a scale-down with a new revision (the engine's args changed)
+    before = set(rank_pods(server).values())
+    server.kube.merge_patch("LLMService", NS, NAME, {"spec": {"replicas": 1, "batching": {"maxNumSeqs": NUM_STREAMS}}})
+    (old_pod,) = wait_for("one group of the new revision", lambda: len(pods := rank_pods(server)) == 1 and
+                          not set(pods.values()) & before and running(api, 1) and pods, timeout=420, interval=1)
+    grpc_port = spec["ports"]["grpc"]
+    change_under_load(api, grpc_port, lambda: server.kube.merge_patch(
+        "LLMService", NS, NAME, {"spec": {"quantization": {"weights": "int8"}}}), NUM_STREAMS, NUM_TOKENS,
+        "weights change")
+    wait_for("the old pod removed", lambda: len(pods := rank_pods(server)) == 1 and old_pod not in pods, timeout=120)
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:  # requests after it: the new weights
+        (model,) = pbg.InferenceStub(channel).ListModels(pb.ListModelsRequest(), timeout=30).models
+    assert model.weights == "int8"
+    wait_for("Ready", lambda: condition(server, "Ready").get("status") == "True" and
+             server.kube.get("LLMService", NS, NAME)["status"]["observedGeneration"] ==
+             server.kube.get("LLMService", NS, NAME)["metadata"]["generation"], timeout=120)
     assert not kubelet.exited, kubelet.exited

@@ -160,9 +160,10 @@ def pod_hashes(**spec):
 @pytest.mark.parametrize("change,restarted", [
     ({"replicas": 3}, {"chat-g2-r0"}),  # a new group only: the head and groups 0-1 stay
     ({"replicas": 1}, set()),  # group 1 goes; nothing else changes
-    ({"batching": {"maxNumSeqs": 8, "maxQueuedRequests": 16}}, set()),  # applied to the Serve app in place
-    ({"batching": {"maxQueuedTokens": 4096}}, set()),
-    ({"quantization": {"weights": "int8"}}, {"chat-g0-r0", "chat-g1-r0"}),  # rank memory changes; not the head
+    # the engine's args: a new revision, the replicas roll onto new rank pods with a surge (rollout.py); not the head
+    ({"batching": {"maxNumSeqs": 8, "maxQueuedRequests": 16}}, {"chat-g0-r0", "chat-g1-r0"}),
+    ({"batching": {"maxQueuedTokens": 4096}}, {"chat-g0-r0", "chat-g1-r0"}),  # LLMServer enforces it
+    ({"quantization": {"weights": "int8"}}, {"chat-g0-r0", "chat-g1-r0"}),  # rank memory changes too
     ({"resources": {"headCpus": 2}}, {"chat-head"}),
 ])
 def test_only_pods_whose_own_spec_changed_restart(change, restarted):

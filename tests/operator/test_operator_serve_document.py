@@ -8,7 +8,7 @@ import typing
 import pytest
 from ray.serve.schema import ServeDeploySchema
 
-from cpuserve.operator.serve_api import is_deployed
+from cpuserve.operator.serve_api import app_status, is_deployed
 from cpuserve.operator.serve_document import build_serve_document, serve_fields
 from cpuserve.operator.settings import OperatorSettings
 from cpuserve.operator.validation import validate
@@ -33,17 +33,25 @@ def test_the_document_is_a_valid_serve_deploy_config():
                       resources={"kvCacheGb": 2.5, "cpusPerRank": 16}, batching={"maxNumSeqs": 64},
                       ports={"grpc": 9100, "http": 8100, "metrics": 8180})
     ServeDeploySchema.model_validate(doc)  # Ray Serve's own schema of PUT /api/serve/applications/
-    (app,) = doc["applications"]
-    assert app["import_path"] == "cpuserve.serving.app:build_app" and app["route_prefix"] == "/"
-    assert app["args"] == {"model": "/models/model", "weights": "int8", "group_size": 128,
-                           "activations": "int8-token", "kv_cache": "fp32",
-                           "kv_cache_gb": 2.5, "ranks_per_replica": 2, "cpus_per_rank": 16, "max_num_seqs": 64,
-                           "max_num_batched_tokens": 2048, "max_queued_requests": 256, "host": "0.0.0.0",
-                           "metrics_port": 8180, "socket_resource": "cpuserve_socket",
-                           "placement_strategy": "STRICT_SPREAD", "api_key_file": "/etc/cpuserve/api-keys/keys.txt",
-                           "direct_http": False, "direct_grpc": False}  # Serve's proxies own the ports here
-    assert {d["name"]: d for d in app["deployments"]}["LLMServer"]["num_replicas"] == 2
-    assert {d["name"]: d for d in app["deployments"]}["Ingress"]["user_config"] == {"replicas": 2}
+    ingress, engine = doc["applications"]
+    assert (ingress["name"], ingress["import_path"], ingress["route_prefix"]) == \
+        ("cpuserve", "cpuserve.serving.app:build_ingress_app", "/")
+    assert ingress["args"] == {"host": "0.0.0.0", "metrics_port": 8180,
+                               "api_key_file": "/etc/cpuserve/api-keys/keys.txt",
+                               "direct_http": False, "direct_grpc": False}  # Serve's proxies own the ports here
+    assert ingress["deployments"] == [{"name": "Ingress", "user_config": {"replicas": 2, "max_num_seqs": 64,
+                                                                          "max_queued_requests": 256}}]
+    assert (engine["name"], engine["import_path"], engine["route_prefix"]) == \
+        ("cpuserve-engine", "cpuserve.serving.app:build_engine_app", None)  # no HTTP route of its own
+    assert engine["args"] == {"model": "/models/model", "weights": "int8", "group_size": 128,
+                              "activations": "int8-token", "kv_cache": "fp32",
+                              "kv_cache_gb": 2.5, "ranks_per_replica": 2, "cpus_per_rank": 16, "max_num_seqs": 64,
+                              "max_num_batched_tokens": 2048, "max_queued_requests": 256, "host": "0.0.0.0",
+                              "socket_resource": "cpuserve_socket", "placement_strategy": "STRICT_SPREAD",
+                              "direct_http": False, "direct_grpc": False}
+    # one new replica starts before an old one stops (2 x 50% = 1), old ones drain their streams
+    assert engine["deployments"] == [{"name": "LLMServer", "num_replicas": 2, "graceful_shutdown_timeout_s": 300.0,
+                                      "max_surge_percent": 50}]
     assert doc["http_options"] == {"host": "0.0.0.0", "port": 8100, "ssl_certfile": "/etc/cpuserve/tls/tls.crt",
                                    "ssl_keyfile": "/etc/cpuserve/tls/tls.key"}
     assert doc["grpc_options"]["port"] == 9100 and doc["proxy_location"] == "HeadOnly"
@@ -84,44 +92,65 @@ def test_serving_accepts_the_fields_for_every_value_the_crd_allows(spec):
     fields = serve_fields(parsed)
     config = ServeConfig.for_another_host(**fields)  # the head's own checks, but the pod's files' existence
     assert {name: getattr(config, name) for name in fields} == fields
-    args = build_serve_document(parsed)["applications"][0]["args"]
-    rebuilt = ServeConfig.for_another_host(**args)  # what build_app validates again on the head
-    assert {k: getattr(rebuilt, k) for k in args} == {k: getattr(config, k) for k in args if k in fields} | {
-        "direct_http": False, "direct_grpc": False}
+    for app in build_serve_document(parsed, revision="0123abcd")["applications"]:
+        args = app["args"]
+        rebuilt = ServeConfig.for_another_host(**args)  # what build_*_app validates again on the head
+        assert {k: getattr(rebuilt, k) for k in args} == {k: getattr(config, k) for k in args if k in fields} | {
+            "direct_http": False, "direct_grpc": False} | ({"node_labels": "cpuserve.dev/revision=0123abcd"}
+                                                          if app["name"] == "cpuserve-engine" else {})
     assert ("model" in args) is ("source" in spec.get("model", {}) and spec["model"]["source"] != "embedded")
 
 
 @pytest.mark.parametrize("change,lightweight", [
     ({"replicas": 3}, True),  # num_replicas and user_config only: no replica restarts
-    ({"batching": {"maxNumSeqs": 8}}, False),  # args: Serve replaces LLMServer replicas one at a time
+    ({"batching": {"maxNumSeqs": 8}}, False),  # args: Serve replaces LLMServer replicas, a new one first
     ({"quantization": {"weights": "int8"}}, False),
     ({"batching": {"maxQueuedTokens": 4096}}, False),  # a replica's admission bound: new args
     ({"drainTimeoutSeconds": 120}, True),  # the pods' preStop only
     ({"quantization": {"weights": "int8", "activations": "int8-token"}}, False),  # the engine's scheme: new args
+    ({"model": {"source": "pvc", "claimName": "models", "path": "b.gguf", "numParameters": 10**9}}, False),
 ])
 def test_what_a_change_touches(change, lightweight):
+    """No change ever touches the Ingress's application's args: Serve restarts an application's every deployment
+    when its args change (their code version is the args' hash)."""
     before, _ = document(replicas=2)
     after, _ = document(**{"replicas": 2, **change})
-    assert (before["applications"][0]["args"] == after["applications"][0]["args"]) is lightweight
+    (ingress_before, engine_before), (ingress_after, engine_after) = before["applications"], after["applications"]
+    assert ingress_before["args"] == ingress_after["args"]
+    assert (engine_before["args"] == engine_after["args"]) is lightweight
     assert before["http_options"] == after["http_options"] and before["grpc_options"] == after["grpc_options"]
 
 
 def test_max_queued_tokens_reaches_the_args_only_when_set():
-    assert "max_queued_tokens" not in document()[0]["applications"][0]["args"]  # the serving default applies
-    args = document(batching={"maxQueuedTokens": 4096})[0]["applications"][0]["args"]
+    # the engine's application (LLMServer refuses a prompt past it)
+    assert "max_queued_tokens" not in document()[0]["applications"][1]["args"]  # the serving default applies
+    args = document(batching={"maxQueuedTokens": 4096})[0]["applications"][1]["args"]
     assert args["max_queued_tokens"] == 4096 and ServeConfig.for_another_host(**args).queued_tokens_limit == 4096
 
 
 def test_is_deployed_compares_what_the_head_reports():
     doc, _ = document(replicas=2)
-    details = {"applications": {"cpuserve": {"status": "RUNNING", "deployed_app_config": {
-        **doc["applications"][0], "runtime_env": {}}}}, "http_options": {"host": "0.0.0.0", "port": 8000},
-        "grpc_options": {"port": 9000}}
+    details = {"applications": {app["name"]: {"status": "RUNNING", "deployed_app_config": {**app, "runtime_env": {}}}
+                                for app in doc["applications"]},
+               "http_options": {"host": "0.0.0.0", "port": 8000}, "grpc_options": {"port": 9000}}
     assert is_deployed(details, doc)
     scaled, _ = document(replicas=3)
     assert not is_deployed(details, scaled)
     assert not is_deployed({"applications": {}}, doc)  # a new head: nothing deployed yet
+    assert not is_deployed({**details, "applications": {"cpuserve": details["applications"]["cpuserve"]}}, doc)
     assert not is_deployed({**details, "http_options": {"port": 8001}}, doc)
+
+
+@pytest.mark.parametrize("statuses,expected", [
+    (("RUNNING", "RUNNING"), ("RUNNING", "")),
+    (("RUNNING", "DEPLOYING"), ("DEPLOYING", "engine")),
+    (("DEPLOYING", "DEPLOY_FAILED"), ("DEPLOY_FAILED", "engine")),  # a failure first
+    (("RUNNING", None), ("DEPLOYING", "")),  # not there yet
+])
+def test_the_status_of_both_applications(statuses, expected):
+    apps = {name: {"status": st, "message": name.split("-")[-1] if st != "RUNNING" else ""}
+            for name, st in zip(("cpuserve", "cpuserve-engine"), statuses) if st}
+    assert app_status({"applications": apps}, ["cpuserve", "cpuserve-engine"]) == expected
 
 
 def test_the_ingress_admission_limit_follows_the_replicas_in_place():
@@ -136,14 +165,21 @@ def test_the_ingress_admission_limit_follows_the_replicas_in_place():
     assert ingress.max_in_flight == 3 * 4 + 3
     ScalableIngress.reconfigure(ingress, {"replicas": 0})  # no rank pods: the one waiting replica still admits
     assert ingress.max_in_flight == 1 * 4 + 3
+    ScalableIngress.reconfigure(ingress, {"replicas": 2, "max_num_seqs": 8, "max_queued_requests": 0})
+    assert ingress.max_in_flight == 2 * 8 + 0  # a batching change: no restart either
     with pytest.raises(ValueError, match="user_config.replicas=-1"):
         ScalableIngress.reconfigure(ingress, {"replicas": -1})
+    with pytest.raises(ValueError, match="user_config.max_num_seqs=0"):
+        ScalableIngress.reconfigure(ingress, {"max_num_seqs": 0})
+    with pytest.raises(ValueError, match="user_config.model: not one of"):
+        ScalableIngress.reconfigure(ingress, {"model": "x"})
 
 
 def test_the_ingress_reports_the_replicas_applied_in_place():
     import asyncio
 
     from cpuserve.serving.ingress import IngressCore
+    from cpuserve.serving.protocol import ModelInfo
     from cpuserve.serving.scalable_ingress import ScalableIngress
 
     class Ingress(IngressCore):  # the core with ScalableIngress's two methods, outside Ray Serve's wrapper
@@ -155,9 +191,10 @@ def test_the_ingress_reports_the_replicas_applied_in_place():
         class info:  # noqa: N801 (a DeploymentHandle method: .remote())
             @staticmethod
             async def remote():
-                return {"name": "m", "max_model_len": 8, "weights": "int4", "kv_cache": "int8", "replicas": 1}
+                return ModelInfo(name="m", max_model_len=8, weights="int4", kv_cache="int8", replicas=1,
+                                 tool_format="hermes")
 
     ingress = Ingress(ServeConfig(metrics_port=0).model_dump(), llm_server=Server())
-    assert asyncio.run(ingress._model_info())["replicas"] == 1
+    assert asyncio.run(ingress._model_info()).replicas == 1
     ingress.reconfigure({"replicas": 3})
-    assert asyncio.run(ingress._model_info())["replicas"] == 3
+    assert asyncio.run(ingress._model_info()).replicas == 3

@@ -3,8 +3,9 @@ with TLS on HTTP and API keys from --api-key-file, two SmolLM2 replicas behind t
 
 The official openai client, streaming and not, gets the engine's own greedy text; a bad request gets a 400 naming
 its field; a stream the client drops is aborted on its replica, and so is a queued request whose client leaves before
-its first token; a key must come as `Authorization: Bearer <key>`
-(HTTP and gRPC); and the one metrics endpoint sums the engine gauges of both replicas.
+its first token; a key must come as `Authorization: Bearer <key>` (HTTP and gRPC); the one metrics endpoint sums
+the engine gauges of both replicas; and requests sharing a long system prompt go to the replica whose prefix cache
+holds it (serving/router.py), a new one to the other replica.
 """
 from __future__ import annotations
 
@@ -278,3 +279,19 @@ def test_the_metrics_endpoint_sums_both_replicas(http_url, tls, scrape):
     done = wait_for(scrape, lambda m: value(m, "cpuserve_num_requests_running") == 0
                     and value(m, "cpuserve_num_requests_waiting") == 0)
     assert value(done, "cpuserve_kv_cache_usage_ratio") == 0
+
+
+def test_requests_sharing_a_system_prompt_go_to_the_replica_that_holds_it(client):
+    def ask(system: str, question: str) -> tuple[str, int]:
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, max_tokens=2, temperature=0,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}])
+        return raw.headers["x-cpuserve-replica"], raw.parse().usage.prompt_tokens_details.cached_tokens
+
+    shop = "You answer the customers of a bicycle shop, briefly and politely. " * 20  # ~300 tokens
+    first, _ = ask(shop, "Do you sell helmets?")
+    later = [ask(shop, q) for q in ("Are you open on Sundays?", "Can you fix a flat tyre?")]
+    assert [replica for replica, _ in later] == [first, first]
+    assert all(cached >= 256 for _, cached in later), later  # the system prompt's blocks came from the cache
+    other, _ = ask("You plan trips for the customers of a travel agency, in a few words. " * 20, "Where to go?")
+    assert other != first, "a new prefix goes to the replica holding fewer (both idle)"

@@ -54,6 +54,7 @@ def test_yaml_with_flags_on_top(tmp_path):
     ({"activations": "int8-token"}, "activations='int8-token' (one scale per token) goes with weights='int8'"),
     ({"max_num_batched_tokens": 8}, "max_num_batched_tokens=8 must be >= block_size=16"),
     ({"unknown_field": 1}, "unknown_field"),
+    ({"router": "round-robin"}, "router"),
 ])
 def test_bad_config_names_the_field(fields, named):
     with pytest.raises(ValidationError) as info:
