@@ -12,6 +12,7 @@ from cpuserve.operator.children import build_children
 from cpuserve.operator.crd import build_crd
 from cpuserve.operator.serve_document import build_serve_document
 from cpuserve.operator.settings import OperatorSettings
+from cpuserve.serving.names import APP_NAME, ENGINE_APP_NAME
 from cpuserve.operator.validation import validate
 
 
@@ -49,5 +50,7 @@ def test_example_reconciles_to_valid_manifests(file):
     for manifest in manifests:
         kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
     assert [m["metadata"]["name"] for m in manifests if m["kind"] == "Pod"] == [f"{name}-head", f"{name}-g0-r0"]
-    args = build_serve_document(spec)["applications"][0]["args"]  # applied to the head through Serve's REST API
+    apps = {a["name"]: a for a in build_serve_document(spec)["applications"]}  # applied through Serve's REST API
+    args = apps[ENGINE_APP_NAME]["args"]  # the engine's application: the Ingress's never names weights
+    assert "weights" not in apps[APP_NAME]["args"]
     assert "model" not in args and (args["weights"], args["activations"]) == (weights, activations)
