@@ -75,10 +75,10 @@ def test_a_real_llama_server_batch_drafts_with_ngram_simple(bench):
     from cpuserve.engine.loader import default_model_path, load_checkpoint
 
     tok = load_checkpoint(default_model_path(), show_progress=False).tokenizer  # the engine's, from the GGUF
-    text = speculative.COPY_HEAVY[0]
+    text = speculative.COPY_HEAVY[3]  # summarise a tool result: SmolLM2 repeats the JSON
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
     seconds, decoded, outputs, drafted, accepted = spec_peers.run(
-        "ngram-simple", default_model_path(), 2, 2, [prompt, prompt], max_tokens=96)
-    assert len(outputs) == 2 and all(len(o) > 1 for o in outputs)
+        "ngram-simple", default_model_path(), 2, 1, [prompt], max_tokens=64)
+    assert len(outputs) == 1 and len(outputs[0]) > 1
     assert decoded == sum(len(o) - 1 for o in outputs) and seconds > 0
-    assert drafted > 0 and 0 < accepted <= drafted  # the model copies the file: its lookups find the prompt
+    assert drafted > 0 and 0 < accepted <= drafted  # its 12-token lookups find the prompt
