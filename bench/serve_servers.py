@@ -120,20 +120,26 @@ def cpuserve(model: str, threads: int, max_streams: int, options: dict | None = 
 
 
 @contextlib.contextmanager
-def llamacpp(model: str, threads: int, max_streams: int):
+def llamacpp_server(model: str, threads: int, max_streams: int, extra_args: list[str] | None = None):
     """llama-server with ggml's extra buffer types (repacking) off unless CPUSERVE_BENCH_LLAMA_EXTRA_BUFTS=1, as
-    bench/peers.py loads llama.cpp (its AMX path crashes on VMs that advertise AMX)."""
+    bench/peers.py loads llama.cpp (its AMX path crashes on VMs that advertise AMX); yields its base URL.
+    extra_args: more of llama-server's flags (bench/spec_peers.py's --spec-type)."""
     from peer_llama_server import build
 
     port = free_port()
     cmd = [build(), "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads), "-tb",
            str(threads), "-np", str(max_streams), "-c", str(max_streams * 512), "-fa", "on", "-cb",
-           "--no-webui", "--seed", "0"]
+           "--no-webui", "--seed", "0", *(extra_args or [])]
     if os.environ.get("CPUSERVE_BENCH_LLAMA_EXTRA_BUFTS") != "1":
         cmd.append("--no-repack")
     with subprocess_server(cmd, {}, f"http://127.0.0.1:{port}/health"):
-        yield {f"llama-server -np {max_streams}": openai_target(f"http://127.0.0.1:{port}", None,
-                                                                 {"ignore_eos": True})}
+        yield f"http://127.0.0.1:{port}"
+
+
+@contextlib.contextmanager
+def llamacpp(model: str, threads: int, max_streams: int):
+    with llamacpp_server(model, threads, max_streams) as url:
+        yield {f"llama-server -np {max_streams}": openai_target(url, None, {"ignore_eos": True})}
 
 
 @contextlib.contextmanager

@@ -1,7 +1,7 @@
 """What n-gram speculative decoding buys: decode speed with and without it, same run, same prompts (the engine alone).
 
     flock /tmp/cpuserve-bench.lock .venv/bin/python bench/speculative.py [--streams 1 8 32] [--reps 3]
-        [--max-tokens 160] [--spec-tokens K] [--spec-max-batch B] [--prompts N]
+        [--max-tokens 160] [--spec-tokens K] [--spec-max-batch B] [--prompts N] [--peers llama-server]
 
 Two prompt sets: copy-heavy (edit this code, fix this JSON, answer quoting a passage, summarise a tool result: the
 output repeats the prompt) and open chat (it does not). For each set and each number of streams, the same greedy
@@ -15,12 +15,18 @@ identical in both modes: the script checks it. Between runs the prefix cache is 
 earlier run's output; within a run, streams that share a prompt may draft from each other's cached blocks (the
 prompts are cycled over the streams), as tenants sending the same document would.
 
+--peers llama-server also runs llama.cpp's llama-server on the same token ids, without speculation and with its
+ngram-simple and ngram-mod (bench/spec_peers.py says how it is started and timed), in the same repetitions. Each
+speculation's row gives its ratio against its own engine's no-speculation run and how many greedy outputs equal that
+run's; a last row per set and streams compares cpuserve's speedup with llama-server's best.
+
 --spec-max-batch defaults to the number of streams measured, so drafting is on at every size (the question the
 table answers is where it stops paying); --spec-max-batch 0 keeps the engine's default.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -69,6 +75,7 @@ OPEN_CHAT = [
     "Why is the sky blue? Answer in detail.",
 ]
 SETS = {"copy-heavy": COPY_HEAVY, "open chat": OPEN_CHAT}
+TARGET_SPEEDUP = 1.8  # issue 45 item 5: at one stream on the copy-heavy set, and ahead of llama-server's best
 
 
 def run(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, int, list[list[int]], int, int]:
@@ -103,6 +110,74 @@ def batches(ids: list[list[int]], streams: int) -> list[list[list[int]]]:
     return [ids[i:i + streams] for i in range(0, len(ids), streams)]
 
 
+def measure(runners: dict, ids: list[list[int]], streams: int, reps: int, where: str) -> tuple[dict, dict]:
+    """Each runner on every batch of the set, alternating within a repetition. Returns per label
+    {"speed": [tok/s of each repetition], "drafted", "accepted", "same": [greedy outputs equal to its no-speculation
+    run's, of]} and {label: why it failed}; cpuserve's outputs must be equal (SystemExit otherwise)."""
+    stats = {label: {"speed": [], "drafted": 0, "accepted": 0, "same": [0, 0]} for label in runners}
+    failed = {}
+    for _ in range(reps):
+        seconds, decoded = dict.fromkeys(runners, 0.0), dict.fromkeys(runners, 0)
+        for batch in batches(ids, streams):
+            results = {}
+            for label, runner in runners.items():
+                if label in failed:
+                    continue
+                try:
+                    results[label] = runner(batch)
+                except Exception as e:  # noqa: BLE001 - a peer failing must not lose the other numbers
+                    if label.startswith("cpuserve"):
+                        raise
+                    failed[label] = f"{type(e).__name__}: {str(e)[:300]}"
+            if results["cpuserve off"][2] != results["cpuserve ngram"][2]:
+                raise SystemExit(f"{where}: greedy outputs differ with speculation")
+            for label, (s, n, outputs, drafted, accepted) in results.items():
+                seconds[label] += s
+                decoded[label] += n
+                stats[label]["drafted"] += drafted
+                stats[label]["accepted"] += accepted
+                off = results.get(label.rsplit(" ", 1)[0] + " off")
+                if off is not None:
+                    stats[label]["same"][0] += sum(a == b for a, b in zip(outputs, off[2]))
+                    stats[label]["same"][1] += len(outputs)
+        for label in runners:
+            if label not in failed:
+                stats[label]["speed"].append(decoded[label] / seconds[label] if seconds[label] > 0 else float("nan"))
+    return stats, failed
+
+
+def rows(set_name: str, streams: int, stats: dict, failed: dict) -> list[str]:
+    """The table's rows of one set at one number of streams: each speculation against its engine's own no-speculation
+    run (median of the per-repetition ratios), then cpuserve's speedup against llama-server's best."""
+    out, speedups = [], {}
+    for label in stats:
+        engine, mode = label.rsplit(" ", 1)
+        if mode == "off":
+            continue
+        if label in failed or engine + " off" in failed:
+            why = failed.get(label) or failed[engine + " off"]
+            out.append(f"{set_name:12s} {streams:7d} {label:26s} failed: {why}")
+            continue
+        off, spec = stats[engine + " off"]["speed"], stats[label]["speed"]
+        speedups[label] = statistics.median(s / o for s, o in zip(spec, off))
+        drafted, accepted, same = stats[label]["drafted"], stats[label]["accepted"], stats[label]["same"]
+        rate = f"{100 * accepted / drafted:.0f}%" if drafted else "-"
+        out.append(f"{set_name:12s} {streams:7d} {label:26s} {statistics.median(off):9.1f} "
+                   f"{statistics.median(spec):10.1f} {speedups[label]:6.2f} {rate:>9s} {f'{same[0]}/{same[1]}':>11s}")
+    peers = {k: v for k, v in speedups.items() if not k.startswith("cpuserve")}
+    if peers and "cpuserve ngram" in speedups:
+        best = max(peers, key=peers.get)
+        ours = speedups["cpuserve ngram"]
+        verdict = "ahead" if ours > peers[best] else "behind"
+        if set_name == "copy-heavy" and streams == 1:  # issue 45 item 5's target
+            met = ours >= TARGET_SPEEDUP and ours > peers[best]
+            verdict += f"; target >= {TARGET_SPEEDUP}x and ahead: {'met' if met else 'missed'}"
+        spec_speed = {k: statistics.median(stats[k]["speed"]) for k in (best, "cpuserve ngram")}
+        out.append(f"{set_name:12s} {streams:7d} cpuserve ngram {ours:.2f}x vs {best} {peers[best]:.2f}x: {verdict} "
+                   f"({spec_speed['cpuserve ngram']:.1f} vs {spec_speed[best]:.1f} tok/s)")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
@@ -113,6 +188,9 @@ def main() -> None:
     ap.add_argument("--spec-max-batch", type=int, default=None,
                     help="drafting off above this many running requests (default: the streams measured; 0: the "
                          "engine's default)")
+    ap.add_argument("--peers", nargs="*", default=[], choices=["llama-server"],
+                    help="also llama-server without speculation and with ngram-simple and ngram-mod "
+                         "(bench/spec_peers.py; builds it the first time, ~10 min)")
     args = ap.parse_args()
     from cpuserve.engine.threads import reexec_with_intel_openmp
 
@@ -120,6 +198,7 @@ def main() -> None:
     from machine import describe
 
     from cpuserve.engine.llm import LLM
+    from cpuserve.engine.loader import default_model_path
 
     spec = {"speculative": "ngram", "spec_max_batch": args.spec_max_batch or max(args.streams)}
     if args.spec_max_batch == 0:
@@ -128,35 +207,32 @@ def main() -> None:
         spec["spec_tokens"] = args.spec_tokens
     common = dict(weights="int4", kv_cache="int8", kv_cache_gb=1.0, max_num_seqs=max(args.streams), show_progress=False)
     engines = {"off": LLM(**common), "ngram": LLM(**common, **spec)}
-    tok = engines["off"].tokenizer
+    tok, threads = engines["off"].tokenizer, engines["off"].engine.num_threads
+    if args.peers:
+        import spec_peers
+        from peer_llama_server import build
+
+        build()  # before any timing: the first time it compiles for minutes
     print(describe())
-    print(f"{engines['off'].engine.num_threads} threads; greedy, max_tokens {args.max_tokens}; ngram settings "
+    print(f"{threads} threads; greedy, max_tokens {args.max_tokens}; ngram settings "
           f"{ {k: getattr(engines['ngram'].engine.config, k) for k in ('spec_tokens', 'spec_ngram_min', 'spec_ngram_max', 'spec_max_batch', 'spec_pause_after', 'spec_pause_steps')} }")
-    print(f"{'set':12s} {'streams':>7s} {'off tok/s':>10s} {'ngram tok/s':>12s} {'ratio':>6s} {'accepted':>9s}")
+    if args.peers:
+        print("llama-server: the GGUF as stored, no repacking, -fa on, -np = streams, a server per batch; draft "
+              "sizes at llama.cpp's defaults")
+    print(f"{'set':12s} {'streams':>7s} {'engine, speculation':26s} {'off tok/s':>9s} {'spec tok/s':>10s} "
+          f"{'ratio':>6s} {'accepted':>9s} {'same greedy':>11s}")
     for set_name, texts in SETS.items():
         texts = texts[:args.prompts] if args.prompts else texts
         ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]), add_special_tokens=False)
                for t in texts]
         for streams in args.streams:
-            speed = {"off": [], "ngram": []}
-            ratios, drafted, accepted = [], 0, 0
-            for _ in range(args.reps):
-                seconds, decoded = {"off": 0.0, "ngram": 0.0}, {"off": 0, "ngram": 0}
-                for batch in batches(ids, streams):
-                    results = {mode: run(llm, batch, args.max_tokens) for mode, llm in engines.items()}
-                    if results["off"][2] != results["ngram"][2]:
-                        raise SystemExit(f"{set_name}, {streams} streams: greedy outputs differ with speculation")
-                    for mode, (s, n, *_rest) in results.items():
-                        seconds[mode] += s
-                        decoded[mode] += n
-                    drafted += results["ngram"][3]
-                    accepted += results["ngram"][4]
-                for mode in speed:
-                    speed[mode].append(decoded[mode] / seconds[mode] if seconds[mode] > 0 else float("nan"))
-                ratios.append(speed["ngram"][-1] / speed["off"][-1])
-            rate = f"{100 * accepted / drafted:.0f}%" if drafted else "-"
-            print(f"{set_name:12s} {streams:7d} {statistics.median(speed['off']):10.1f} "
-                  f"{statistics.median(speed['ngram']):12.1f} {statistics.median(ratios):6.2f} {rate:>9s}", flush=True)
+            runners = {f"cpuserve {mode}": functools.partial(run, llm, max_tokens=args.max_tokens)
+                       for mode, llm in engines.items()}
+            for mode in spec_peers.MODES if args.peers else []:
+                runners[f"llama-server {mode}"] = functools.partial(
+                    spec_peers.run, mode, default_model_path(), threads, streams, max_tokens=args.max_tokens)
+            stats, failed = measure(runners, ids, streams, args.reps, f"{set_name}, {streams} streams")
+            print("\n".join(rows(set_name, streams, stats, failed)), flush=True)
 
 
 if __name__ == "__main__":
