@@ -43,8 +43,8 @@ def test_grpc_generate_streams_tokens_incrementally(grpc_stub):
     assert all(m.finish_reason == pb.FINISH_REASON_UNSPECIFIED for m in messages[:-1])
     assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert messages[-1].usage.completion_tokens == 24 and messages[-1].usage.prompt_tokens > 0
-    # incremental: the first token arrives before half the stream is done, the rest one decode step apart
-    assert arrivals[0] < arrivals[-1] / 2
+    # incremental: the messages arrive one decode step apart, not in one burst at the end (the first token's time
+    # also holds the prefill and the routing, which on a busy machine can take as long as the 23 decode steps)
     assert sum(b - a > 0.001 for a, b in zip(arrivals, arrivals[1:])) >= 10
     # logprobs: one entry per token; under greedy the chosen token is among the best (ties happen)
     for m in messages:
