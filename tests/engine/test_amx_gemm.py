@@ -145,3 +145,19 @@ def test_below_the_tiles_row_count_the_register_blocks_run(amx_modes):
         for mode in amx_modes:
             got, blocks = run(m, x, mode)
             assert blocks == 0 and torch.equal(got, want), (mode, rows, blocks)
+
+
+@pytest.mark.parametrize("n,k", [(1536, 576), (80, 1536)])
+def test_per_token_sums_take_the_tiles_from_32_rows(amx_modes, n, k):
+    """vLLM's W8A8 scheme ("int8-token") keeps its sums in the tiles over all of K, with no per-group epilogue, so the
+    tiles take it from kAmxTokenMinRows (32) rows: batched decode at 32 streams too. Below that, register blocks."""
+    m = build_linear(make_weight(n, k), torch.randn(n), "int8", 32, activations="int8-token")
+    tiles = (n // 16 + 1) // 2
+    for rows in (17, 31, 32, 33, 47, 64):
+        x = make_x(rows, k)
+        want, none = run(m, x, "off")
+        assert none == 0
+        for mode in amx_modes:
+            got, blocks = run(m, x, mode)
+            assert blocks == (rows // 16 * tiles if rows >= 32 else 0), (mode, rows, blocks)
+            assert torch.equal(got, want), (mode, rows, (got.float() - want.float()).abs().max())
