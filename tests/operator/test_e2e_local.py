@@ -42,6 +42,9 @@ from chart_tools import render  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 NS, NAME, NUM_TOKENS, MAX_NUM_SEQS, NUM_STREAMS = "ml", "smollm2", 64, 2, 8
+# The 8 streams' length: the first pair decodes while 6 wait, and that window must outlast a poll of the gauges on
+# a busy 2-core runner (at 64 tokens it was under a second, and CI missed it).
+STREAM_TOKENS = 256
 EXAMPLE = CHART_CRDS.parent / "examples" / "llmservice-smollm2.yaml"
 
 
@@ -105,10 +108,10 @@ def condition(server, ctype: str) -> dict:
     return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == ctype), {})
 
 
-def generate(port: int, i: int, out: dict, done: dict | None = None) -> None:
+def generate(port: int, i: int, out: dict, done: dict | None = None, tokens: int = NUM_TOKENS) -> None:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         req = pb.GenerateRequest(text=f"Tell story {i}.", sampling=pb.SamplingParameters(
-            max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True))
+            max_tokens=tokens, temperature=0, ignore_eos=True))
         try:
             out[i] = [rsp for rsp in pbg.InferenceStub(channel).Generate(req, timeout=600)]
         except grpc.RpcError as err:
@@ -159,11 +162,12 @@ def test_kubectl_apply_to_tokens_then_scale(cluster):
     assert "".join(m.text for m in out[0]).strip()
     assert engine_gauges(kubelet, f"{NAME}-g0-r0")["vllm:num_requests_running"] == 0  # the rank pod's own endpoint
 
+    hpa = chart_hpa()  # what the HPA controller would decide from the pod's gauges
     done: dict[int, float] = {}
-    streams = [threading.Thread(target=generate, args=(ports["grpc"], i, out, done)) for i in range(1, NUM_STREAMS + 1)]
+    streams = [threading.Thread(target=generate, args=(ports["grpc"], i, out, done, STREAM_TOKENS))
+               for i in range(1, NUM_STREAMS + 1)]
     for t in streams:
         t.start()
-    hpa = chart_hpa()  # what the HPA controller would decide from the pod's gauges
     desired = wait_for("the HPA's rule to ask for more", lambda: (
         d := hpa_desired_replicas(hpa, 1, engine_gauges(kubelet, f"{NAME}-g0-r0"))) > 1 and d, timeout=60)
     assert desired == 2, "one group more: the chart's scale-up policy adds one at a time"
@@ -184,7 +188,7 @@ def test_kubectl_apply_to_tokens_then_scale(cluster):
         t.join(600)
     for i in range(1, NUM_STREAMS + 1):
         assert isinstance(out[i], list), out[i]
-        assert sum(len(m.token_ids) for m in out[i]) == NUM_TOKENS, i
+        assert sum(len(m.token_ids) for m in out[i]) == STREAM_TOKENS, i
         assert done[i] > scaled_at, "the stream ran across the scale"
     wait_for("readyReplicas 2", lambda: server.kube.get("LLMService", NS, NAME)["status"]["readyReplicas"] == 2)
     for pod in (f"{NAME}-g0-r0", f"{NAME}-g1-r0"):  # each model server (pod) has its own engine's gauges
