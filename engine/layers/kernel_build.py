@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from cpuserve.engine import settings
+
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 PREBUILT = Path(__file__).resolve().parent.parent / "kernels"  # in a wheel: the levels built ahead of time
 # -fassociative-math lets GCC vectorize the reductions; with alignment peeling off, their summation order depends
@@ -101,14 +103,11 @@ def runnable_levels(flags: frozenset[str]) -> list[Level]:
     return [level for level in LEVELS if level.cpu_flags <= flags]
 
 
-MODES = ("auto", "native", "torch")  # CPUSERVE_KERNELS (engine/layers/native.py)
+MODES = settings.KERNELS.choices  # CPUSERVE_KERNELS (engine/layers/native.py)
 
 
 def mode() -> str:
-    value = os.environ.get("CPUSERVE_KERNELS", "auto")
-    if value not in MODES:
-        raise ValueError(f"CPUSERVE_KERNELS={value!r}: allowed values are {', '.join(MODES)}")
-    return value
+    return settings.KERNELS.get()
 
 
 def select_level(flags: frozenset[str] | None = None, forced: str | None = None) -> Level:
@@ -118,7 +117,7 @@ def select_level(flags: frozenset[str] | None = None, forced: str | None = None)
         RuntimeError: the CPU runs no level, or not the one asked for (naming the flags it lacks).
     """
     flags = cpu_flags() if flags is None else flags
-    forced = os.environ.get("CPUSERVE_KERNEL_LEVEL") if forced is None else forced
+    forced = settings.KERNEL_LEVEL.get() if forced is None else forced
     if forced:
         chosen = level_named(forced)
         if missing := sorted(chosen.cpu_flags - flags):
@@ -199,7 +198,7 @@ def library_name(level: Level) -> str:
 
 def cache_dir() -> Path:
     """Where a checkout's builds go: $CPUSERVE_KERNEL_CACHE, else ~/.cache/cpuserve/kernels."""
-    if folder := os.environ.get("CPUSERVE_KERNEL_CACHE"):
+    if folder := settings.KERNEL_CACHE.get():
         return Path(folder)
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cpuserve" / "kernels"
 
