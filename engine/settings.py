@@ -42,7 +42,7 @@ class Setting:
     choices: tuple[str, ...] = ()
     bounds: tuple[int, int] | None = None
     unset: str = ""  # what unset means when default is None, for the tables
-    values: str = ""  # int and free-text settings: what a value must be, for the error
+    values: str = ""  # int settings: what a value must be, for the error
 
     def get(self, environ: Mapping[str, str] | None = None) -> Any:
         """The value in `environ` (default: this process's environment), parsed and checked.
@@ -76,13 +76,6 @@ class Setting:
             return self.unset
         return f"`{self.text(self.default)}`"
 
-    def allowed(self) -> str:
-        if self.type is bool:
-            return "`0`, `1`"
-        if self.choices:
-            return ", ".join(f"`{c}`" for c in self.choices)
-        return self.values
-
 
 SETTINGS: dict[str, Setting] = {}
 
@@ -103,7 +96,7 @@ KERNEL_LEVEL = _declare("KERNEL_LEVEL", str, None, "a lower x86 level's kernels 
                         "refused)", "engine",
                         choices=("avx512_bf16", "avx512_vnni", "avx2_vnni", "avx2"), unset="the CPU's best")
 KERNEL_CACHE = _declare("KERNEL_CACHE", str, None, "where a checkout builds its kernels", "engine",
-                        unset="`~/.cache/cpuserve/kernels`", values="a folder")
+                        unset="`~/.cache/cpuserve/kernels`")
 PROMPT_GEMM = _declare("PROMPT_GEMM", str, "bf16", "`int8`: prompt rows take the decode rows' int8 scheme, not "
                        "AMX-BF16 tiles", "engine", choices=("int8", "bf16"))
 AMX = _declare("AMX", str, "auto", "`off`: the GEMMs keep AVX-512 register blocks, no AMX tiles (the C++ "
@@ -113,7 +106,8 @@ FUSED_DECODE = _declare("FUSED_DECODE", bool, True, "`0`: decode op by op instea
 HUGE_PAGES = _declare("HUGE_PAGES", bool, True, "`0`: weights and KV pools stay on 4 KiB pages", "engine")
 OPENMP = _declare("OPENMP", str, "intel", "`gnu`: keep torch's libgomp, not Intel's OpenMP",
                   "engine", choices=("intel", "gnu"))
-CPUS = _declare("CPUS", str, None, "one CPU list per rank of a replica group (`0-27|28-55`)", "engine", unset="the affinity mask, split", values="one CPU list per rank")
+CPUS = _declare("CPUS", str, None, "one CPU list per rank of a replica group (`0-27|28-55`)", "engine",
+                unset="the affinity mask, split")
 COMM = _declare("COMM", str, None, "a replica group's transport: `shm` (one host) or `torch` (gloo / ccl)",
                 "engine", choices=("shm", "torch"), unset="`shm` when the ranks share a host")
 REEXEC = _declare("REEXEC", bool, False, "`cpuserve` re-executed itself with Intel's OpenMP preloaded "
@@ -122,8 +116,7 @@ REEXEC = _declare("REEXEC", bool, False, "`cpuserve` re-executed itself with Int
 # -- serving -----------------------------------------------------------------------------------------------------
 SPLIT_CORES = _declare("SPLIT_CORES", bool, True, "`0`: Ray's processes share the engines' cores", "serving")
 ENGINE_CORES = _declare("ENGINE_CORES", str, None, "the engines' cores `cpuserve serve` hands its replicas, "
-                        "comma-separated (serving/affinity.py)", "internal", unset="none: as the replica's mask",
-                        values="a comma-separated CPU list")
+                        "comma-separated (serving/affinity.py)", "internal", unset="none: as the replica's mask")
 SERVE_SUPERVISED = _declare("SERVE_SUPERVISED", bool, False, "`cpuserve serve` runs under its own supervisor "
                             "(serving/cli.py)", "internal")
 ENGINE_METRICS_PORT = _declare("ENGINE_METRICS_PORT", int, None, "the port of a rank pod's engine gauges, set by "
@@ -131,8 +124,7 @@ ENGINE_METRICS_PORT = _declare("ENGINE_METRICS_PORT", int, None, "the port of a 
                                unset="none", values="a port number 0-65535 (0 or unset: none)")
 
 # -- set by the operator on its pods, read by nothing in cpuserve (for the people and tools that read a pod) --------
-LLMSERVICE = _declare("LLMSERVICE", str, None, "the LLMService a pod belongs to", "pods", unset="none",
-                      values="a name")
+LLMSERVICE = _declare("LLMSERVICE", str, None, "the LLMService a pod belongs to", "pods", unset="none")
 GROUP = _declare("GROUP", int, None, "a rank pod's replica group", "pods", bounds=(0, 1 << 16), unset="none",
                  values="a group number")
 RANK = _declare("RANK", int, None, "a rank pod's rank in its group", "pods", bounds=(0, 1 << 16), unset="none",
@@ -140,7 +132,7 @@ RANK = _declare("RANK", int, None, "a rank pod's rank in its group", "pods", bou
 
 # -- bench and tests ---------------------------------------------------------------------------------------------
 BENCH_PEERS_DIR = _declare("BENCH_PEERS_DIR", str, None, "where bench/peer_envs.py installs the peers' venvs",
-                           "bench", unset="`~/.cache/cpuserve-bench/peers`", values="a folder")
+                           "bench", unset="`~/.cache/cpuserve-bench/peers`")
 BENCH_LLAMA_EXTRA_BUFTS = _declare("BENCH_LLAMA_EXTRA_BUFTS", bool, False, "`1`: llama.cpp's extra buffer types "
                                    "(AMX, repacking) on in the bench's llama.cpp peers", "bench")
 FUZZ_SCALE = _declare("FUZZ_SCALE", int, 1, "the fuzz tests run N times their examples, from a random seed "

@@ -62,7 +62,8 @@ def test_no_declared_name_is_also_a_family_field():
 def test_every_declared_setting_is_read_through_its_declaration():
     """Read (`CONST.get(`) by Python somewhere, or by the C++ (getenv, with Python checking it where the kernels
     load); a variable the operator only sets on its pods is named there (`CONST.name`)."""
-    python = "\n".join(p.read_text() for p in tree_files() if p.suffix == ".py" and p != ROOT / "engine" / "settings.py")
+    declaration = ROOT / "engine" / "settings.py"
+    python = "\n".join(p.read_text() for p in tree_files() if p.suffix == ".py" and p != declaration)
     cpp = "\n".join(p.read_text() for p in CSRC.rglob("*") if p.is_file())
     unread = []
     for name, setting in SETTINGS.items():

@@ -61,4 +61,5 @@ def test_example_config_names_every_field_and_loads_to_the_defaults():
 
 def test_example_config_is_the_rendering_of_serve_config():
     """The committed file is what `python -m cpuserve.serving.example_config` writes (descriptions and defaults)."""
-    assert EXAMPLE.read_text() == render(), "run: python -m cpuserve.serving.example_config > serving/serve.example.yaml"
+    assert EXAMPLE.read_text() == render(), \
+        "rewrite it: python -m cpuserve.serving.example_config > serving/serve.example.yaml"
