@@ -42,8 +42,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from cpuserve.engine import settings
-
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 PREBUILT = Path(__file__).resolve().parent.parent / "kernels"  # in a wheel: the levels built ahead of time
 # -fassociative-math lets GCC vectorize the reductions; with alignment peeling off, their summation order depends
@@ -103,11 +101,16 @@ def runnable_levels(flags: frozenset[str]) -> list[Level]:
     return [level for level in LEVELS if level.cpu_flags <= flags]
 
 
-MODES = settings.KERNELS.choices  # CPUSERVE_KERNELS (engine/layers/native.py)
+def _settings():
+    """engine/settings.py, imported where a variable is read: setup.py runs this file alone, with no cpuserve yet."""
+    from cpuserve.engine import settings
+
+    return settings
 
 
 def mode() -> str:
-    return settings.KERNELS.get()
+    """CPUSERVE_KERNELS (engine/layers/native.py)."""
+    return _settings().KERNELS.get()
 
 
 def select_level(flags: frozenset[str] | None = None, forced: str | None = None) -> Level:
@@ -117,7 +120,7 @@ def select_level(flags: frozenset[str] | None = None, forced: str | None = None)
         RuntimeError: the CPU runs no level, or not the one asked for (naming the flags it lacks).
     """
     flags = cpu_flags() if flags is None else flags
-    forced = settings.KERNEL_LEVEL.get() if forced is None else forced
+    forced = _settings().KERNEL_LEVEL.get() if forced is None else forced
     if forced:
         chosen = level_named(forced)
         if missing := sorted(chosen.cpu_flags - flags):
@@ -198,7 +201,7 @@ def library_name(level: Level) -> str:
 
 def cache_dir() -> Path:
     """Where a checkout's builds go: $CPUSERVE_KERNEL_CACHE, else ~/.cache/cpuserve/kernels."""
-    if folder := settings.KERNEL_CACHE.get():
+    if folder := _settings().KERNEL_CACHE.get():
         return Path(folder)
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cpuserve" / "kernels"
 

@@ -21,9 +21,10 @@ import torch
 
 from cpuserve.engine import settings
 from cpuserve.engine.layers import kernel_build
-from cpuserve.engine.layers.kernel_build import MODES, level, mode, select_level  # noqa: F401 (this module's API)
+from cpuserve.engine.layers.kernel_build import level, mode, select_level  # noqa: F401 (this module's API)
 
 log = logging.getLogger(__name__)
+MODES = settings.KERNELS.choices
 
 
 def library_path() -> Path:
