@@ -32,6 +32,7 @@ import fcntl
 import functools
 import hashlib
 import importlib.metadata
+import importlib.util
 import os
 import re
 import subprocess
@@ -101,11 +102,19 @@ def runnable_levels(flags: frozenset[str]) -> list[Level]:
     return [level for level in LEVELS if level.cpu_flags <= flags]
 
 
+@functools.cache
 def _settings():
-    """engine/settings.py, imported where a variable is read: setup.py runs this file alone, with no cpuserve yet."""
-    from cpuserve.engine import settings
+    """engine/settings.py (the CPUSERVE_* variables). setup.py runs this file alone, before cpuserve is a package:
+    there it is loaded from its path."""
+    try:
+        from cpuserve.engine import settings
 
-    return settings
+        return settings
+    except ModuleNotFoundError:
+        spec = importlib.util.spec_from_file_location("cpuserve_settings", Path(__file__).parent.parent / "settings.py")
+        module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclass looks itself up
+        spec.loader.exec_module(module)
+        return module
 
 
 def mode() -> str:
