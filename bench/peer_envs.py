@@ -19,7 +19,8 @@ import subprocess
 import sys
 import time
 
-ROOT_ENV = "CPUSERVE_BENCH_PEERS_DIR"
+from cpuserve.engine.settings import BENCH_PEERS_DIR
+
 # every peer's pins: the packages its worker imports, nothing else
 PEERS = {
     # gguf, accelerate: transformers reads the GGUF to make the HF folder vLLM loads
@@ -35,7 +36,7 @@ REMOVE = {"vllm": ["torchvision", "torchaudio", "torchcodec"]}
 
 def root() -> str:
     default = os.path.join(os.path.expanduser("~"), ".cache", "cpuserve-bench", "peers")
-    return os.environ.get(ROOT_ENV) or default
+    return BENCH_PEERS_DIR.get() or default
 
 
 def venv_dir(name: str) -> str:

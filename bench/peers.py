@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 
+from cpuserve.engine.settings import BENCH_LLAMA_EXTRA_BUFTS
 from workload import kv_tokens, make_prompts
 
 
@@ -30,7 +31,7 @@ class LlamaCpp:
         params = L.llama_model_default_params()
         # ggml's AMX buffer type (built in when the build machine reports AMX) crashes in its mul_mat on some
         # VMs that advertise AMX; CPUSERVE_BENCH_LLAMA_EXTRA_BUFTS=1 turns extra buffer types (AMX, repacking) on
-        params.use_extra_bufts = os.environ.get("CPUSERVE_BENCH_LLAMA_EXTRA_BUFTS") == "1"
+        params.use_extra_bufts = BENCH_LLAMA_EXTRA_BUFTS.get()
         self.model = L.llama_model_load_from_file(path.encode(), params)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path}")

@@ -17,6 +17,7 @@ import subprocess
 import tempfile
 import time
 
+from cpuserve.engine.settings import BENCH_LLAMA_EXTRA_BUFTS
 from cpuserve.serving.ports import free_port
 from serve_client import grpc_sender, openai_sender
 
@@ -130,7 +131,7 @@ def llamacpp_server(model: str, threads: int, max_streams: int, extra_args: list
     cmd = [build(), "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads), "-tb",
            str(threads), "-np", str(max_streams), "-c", str(max_streams * 512), "-fa", "on", "-cb",
            "--no-webui", "--seed", "0", *(extra_args or [])]
-    if os.environ.get("CPUSERVE_BENCH_LLAMA_EXTRA_BUFTS") != "1":
+    if not BENCH_LLAMA_EXTRA_BUFTS.get():
         cmd.append("--no-repack")
     with subprocess_server(cmd, {}, f"http://127.0.0.1:{port}/health"):
         yield f"http://127.0.0.1:{port}"

@@ -9,35 +9,19 @@ import logging
 import sys
 import types
 import typing
-from dataclasses import MISSING, fields
 from typing import Any, Literal
 
-from cpuserve.engine.config import ACTIVATION_FORMATS, GROUP_SIZES, KV_CACHE_DTYPES, WEIGHT_FORMATS, EngineConfig
+from cpuserve.engine.config import EngineConfig, engine_option
 
 # Subcommands owned by other packages: each module offers register(subparsers).
 _PLUGINS = ("cpuserve.serving.cli", "cpuserve.operator.cli")
 # The extra that installs what each subcommand imports (an install with the operator extra alone has no torch)
 _EXTRAS = {"generate": "engine", "bench": "engine", "serve": "serve", "drain": "serve", "operator": "operator"}
 
-# EngineConfig fields that every subcommand starting an engine offers as flags, with their help; the type and the
-# default come from EngineConfig itself (choices: the tuples in engine/config.py)
-ENGINE_FLAGS = {
-    "model": "GGUF file or Hugging Face folder; none = the embedded SmolLM2-135M-Instruct",
-    "weights": "runtime weight format",
-    "group_size": "int4 quantization group along the input dimension",
-    "activations": "what int4 / int8 weights multiply: int8 (dynamic, VNNI dot products, a scale per 32 inputs), "
-                   "int8-token (a scale per token, vLLM's W8A8 scheme; with --weights int8) or bf16 (exact)",
-    "kv_cache": "KV cache element type",
-    "kv_cache_gb": "memory budget of the KV block pool, GiB",
-    "block_size": "tokens per KV block",
-    "max_num_seqs": "sequences running at once",
-    "max_num_batched_tokens": "token budget of one engine step (chunked prefill above it; +1/16 to finish a prompt)",
-    "max_model_len": "context length; none = the model's",
-    "arrival_window_ms": "after an idle spell, wait up to this long for requests sent together before the first step",
-    "num_threads": "torch threads; none = the cores in the process's affinity mask",
-}
-_CHOICES = {"weights": WEIGHT_FORMATS, "group_size": GROUP_SIZES, "kv_cache": KV_CACHE_DTYPES,
-            "activations": ACTIVATION_FORMATS}
+# The EngineConfig fields that every subcommand starting an engine offers as flags; help, choices, type and default
+# come from EngineConfig itself (engine/config.py's option())
+ENGINE_FLAGS = ("model", "weights", "group_size", "activations", "kv_cache", "kv_cache_gb", "block_size",
+                "max_num_seqs", "max_num_batched_tokens", "max_model_len", "arrival_window_ms", "num_threads")
 
 
 def add_flag(parser: argparse.ArgumentParser, name: str, annotation: Any, default: Any, help: str | None,
@@ -75,11 +59,9 @@ def _flag_type(annotation: Any) -> tuple[type, tuple | None]:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine options shared by every subcommand that starts an engine, with EngineConfig's defaults."""
     hints = typing.get_type_hints(EngineConfig)
-    for f in fields(EngineConfig):
-        if f.name in ENGINE_FLAGS:
-            default = None if f.default is MISSING else f.default
-            add_flag(parser, f.name, hints[f.name], default, ENGINE_FLAGS[f.name], unset=default,
-                     choices=_CHOICES.get(f.name))
+    for name in ENGINE_FLAGS:
+        default, help, choices = engine_option(name)
+        add_flag(parser, name, hints[name], default, help, unset=default, choices=choices or None)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

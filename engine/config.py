@@ -15,37 +15,53 @@ GROUP_SIZES = (32, 64, 128, 256)  # int4 groups along K: the ones torch's int4 C
 SPECULATIVE_METHODS = ("ngram",)  # drafters (engine/spec/); None = no speculation
 
 
+def option(default: Any, help: str, choices: tuple = ()) -> Any:
+    """An EngineConfig field a user sets: `help` (and `choices`) are the one text that `cpuserve generate`'s flags
+    and ServeConfig's fields (its flags, YAML and CPUSERVE_SERVE_* variables) show for it (engine/cli.py,
+    serving/config.py)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Everything the engine needs to start. Unknown keys are filtered by `from_kwargs`."""
 
-    model: str | None = None  # GGUF file or HF folder; None = the embedded SmolLM2 default
-    weights: str = "int4"  # runtime weight format, see WEIGHT_FORMATS
-    group_size: int = 32  # int4 quantization group along the input dimension
-    activations: str = "int8"  # int4 / int8 weights x int8 activations (VNNI), or "bf16": torch's exact arithmetic
-    kv_cache: str = "int8"  # KV cache dtype, see KV_CACHE_DTYPES
-    kv_cache_gb: float = 1.0  # memory budget of the KV block pool
-    block_size: int = 16  # tokens per KV block
-    max_num_seqs: int = 64  # sequences running at once
-    max_num_batched_tokens: int = 512  # token budget of a step (chunked prefill above it; +1/16 to finish a prompt)
-    max_model_len: int | None = None  # None = the model's context length
-    # after an idle spell, how long the engine waits for requests sent together before its first step (0: none)
-    arrival_window_ms: float = 0.0
-    enable_prefix_caching: bool = True
-    num_threads: int | None = None  # None = the cores of this process's affinity mask
+    model: str | None = option(None, "GGUF file or Hugging Face folder; None = the embedded SmolLM2-135M-Instruct.")
+    weights: str = option("int4", "Runtime weight format.", WEIGHT_FORMATS)
+    group_size: int = option(32, "int4 quantization group along the input dimension.", GROUP_SIZES)
+    activations: str = option("int8", "What int4 / int8 weights multiply: int8 (one scale per 32 inputs, VNNI dot "
+                              "products), int8-token (one scale per token, weights int8 only: vLLM's W8A8 scheme, the "
+                              "throughput mode, docs/engine.md) or bf16 (exact).", ACTIVATION_FORMATS)
+    kv_cache: str = option("int8", "KV cache element type; int8 keeps one fp32 scale per token and KV head.",
+                           KV_CACHE_DTYPES)
+    kv_cache_gb: float = option(1.0, "Memory budget of the KV block pool (each replica's), GiB.")
+    block_size: int = option(16, "Tokens per KV block.")
+    max_num_seqs: int = option(64, "Sequences one replica runs at once.")
+    max_num_batched_tokens: int = option(512, "Token budget of one engine step (prompts above it are prefilled in "
+                                         "chunks; a step runs up to 1/16 more to finish a prompt).")
+    max_model_len: int | None = option(None, "Context length (prompt + output); None = the model's.")
+    arrival_window_ms: float = option(0.0, "After an idle spell, how long the engine waits for requests sent "
+                                      "together before its first step (it stops waiting once none has come for a "
+                                      "quarter of this); 0 = none.")
+    enable_prefix_caching: bool = option(True, "Reuse the KV blocks of a prompt prefix seen before.")
+    num_threads: int | None = option(None, "torch threads; None = the cores in the process's affinity mask.")
     ranks: int = 1  # tensor-parallel ranks of one replica group (processes, each bound to its own CPU set)
     tp_mode: str = "exact"  # "exact": bit-identical to 1 rank (all-gathers); "reduce": row-parallel all-reduces
-    transport: str | None = None  # "shm" | "torch"; None: CPUSERVE_COMM, else shm when all ranks share a host
+    transport: str | None = option(None, "Collectives of a replica group: shm (one host) or torch (gloo/ccl); None: "
+                                   "CPUSERVE_COMM, else shm when the ranks share a host.", ("shm", "torch"))
     launcher: Any = None  # starts ranks 1..k-1 (distributed/group.py); None = processes on this host
-    seed: int = 0
+    seed: int = option(0, "Seed of the engine's generator for unseeded requests.")
     show_progress: bool = True
     # speculative decoding (engine/spec/): "ngram" drafts from each request's own tokens and the prefix cache's blocks.
     # The thresholds below are conservative guesses, not yet measured on these CPUs.
-    speculative: str | None = None  # None: off; see SPECULATIVE_METHODS
-    spec_tokens: int = 4  # k: draft tokens proposed per request and step, at most
+    speculative: str | None = option(None, "Speculative decoding: \"ngram\" drafts tokens from each request's own "
+                                     "text and from the prefix cache's blocks (no draft model), verified in the "
+                                     "batched step; greedy output is unchanged. None = off.", SPECULATIVE_METHODS)
+    spec_tokens: int = option(4, "Draft tokens a request may verify per step, at most.")
     spec_ngram_min: int = 2  # n: the shortest suffix matched (the longest, spec_ngram_max, is tried first)
     spec_ngram_max: int = 4
-    spec_max_batch: int = 4  # no drafting in a step that runs more requests than this (the step is compute-bound)
+    spec_max_batch: int = option(4, "No drafting in a step that runs more requests than this (a large batch is "
+                                 "compute-bound: rows cost).")
     spec_pause_after: int = 3  # a request whose drafts were wholly rejected this many steps in a row pauses ...
     spec_pause_steps: int = 16  # ... drafting for this many steps
     # derived at startup
@@ -110,3 +126,12 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(names)}")
         return cls(**kwargs)
+
+
+def engine_option(name: str) -> tuple[Any, str, tuple]:
+    """(default, help, choices) of EngineConfig's user-set field `name`."""
+    f = OPTIONS[name]
+    return f.default, f.metadata["help"], f.metadata["choices"]
+
+
+OPTIONS = {f.name: f for f in fields(EngineConfig) if "help" in f.metadata}  # the fields option() declares

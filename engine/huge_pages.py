@@ -19,20 +19,21 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
-import os
 from collections.abc import Iterable
 
 import torch
 
+from cpuserve.engine import settings
+
 log = logging.getLogger(__name__)
 
-ENV = "CPUSERVE_HUGE_PAGES"
+ENV = settings.HUGE_PAGES.name
 HUGE = 2 << 20
 MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "1") != "0"
+    return settings.HUGE_PAGES.get()
 
 
 def regions(tensors: Iterable[torch.Tensor]) -> list[int]:

@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from cpuserve.engine import settings
+
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +79,7 @@ def release_free_memory() -> None:
 
 def intel_openmp_library() -> str | None:
     """Path of libiomp5.so installed into this environment (by the intel-openmp wheel), or None."""
-    if os.environ.get("CPUSERVE_OPENMP", "intel") == "gnu":
+    if settings.OPENMP.get() == "gnu":
         return None
     for prefix in (sys.prefix, sys.base_prefix):
         path = Path(prefix) / "lib" / "libiomp5.so"
@@ -100,9 +102,9 @@ def reexec_with_intel_openmp() -> None:
     """Replace this process by itself with Intel's OpenMP preloaded; returns at once if that is done already,
     not installed, or turned off. Call first thing in a command-line entry point, before torch is imported."""
     extra = openmp_env()
-    if not extra or os.environ.get("CPUSERVE_REEXEC") == "1":
+    if not extra or settings.REEXEC.get():
         return
-    env = {**os.environ, **extra, "CPUSERVE_REEXEC": "1"}
+    env = {**os.environ, **extra, settings.REEXEC.name: settings.REEXEC.text(True)}
     log.debug("re-executing with %s", extra)
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)  # the command line as typed
 

@@ -13,12 +13,12 @@ import json
 import posixpath
 from typing import Any
 
+from cpuserve.engine.settings import ENGINE_METRICS_PORT, GROUP, LLMSERVICE, RANK
 from cpuserve.operator import naming
 from cpuserve.operator.memory import GIB, MIB, MemoryPlan, download_size_limit
 from cpuserve.operator.security import DASHBOARD_PORT, ray_auth_env
 from cpuserve.operator.settings import OperatorSettings
 from cpuserve.operator.spec import LLMServiceSpec
-from cpuserve.serving.names import ENGINE_METRICS_PORT_ENV
 from cpuserve.serving.ray_env import RAY_ENV
 
 UID = 10001
@@ -49,7 +49,7 @@ def _container_security() -> dict[str, Any]:
 
 def _env(name: str, spec: LLMServiceSpec) -> list[dict[str, Any]]:
     env = [{"name": "HOME", "value": "/tmp"}, *({"name": k, "value": v} for k, v in RAY_ENV.items()),
-           {"name": "CPUSERVE_LLMSERVICE", "value": name},
+           {"name": LLMSERVICE.name, "value": name},
            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
     return env + ray_auth_env(name, spec)
 
@@ -178,8 +178,8 @@ def _rank_pod(name: str, group: int, rank: int, spec: LLMServiceSpec, settings: 
     labels = {**naming.base_labels(name), naming.LABEL_COMPONENT: "rank",
               naming.LABEL_GROUP: str(group), naming.LABEL_RANK: str(rank)}
     pod = _pod(name, naming.rank_name(name, group, rank), labels, spec, settings, container, head=False)
-    container["env"] += [{"name": "CPUSERVE_GROUP", "value": str(group)}, {"name": "CPUSERVE_RANK", "value": str(rank)},
-                         {"name": ENGINE_METRICS_PORT_ENV, "value": str(spec.ports.engine_metrics)}]
+    container["env"] += [{"name": GROUP.name, "value": str(group)}, {"name": RANK.name, "value": str(rank)},
+                         {"name": ENGINE_METRICS_PORT.name, "value": str(spec.ports.engine_metrics)}]
     pod["spec"]["nodeSelector"] = {settings.numa_node_label: "true", **spec.placement.node_selector}
     pod["spec"]["affinity"] = _rank_affinity(name, group, spec)
     return pod

@@ -39,22 +39,49 @@ INGRESS_FIELDS = frozenset({"host", "metrics_port", "api_key_file"})
 INGRESS_LIMITS = ("replicas", "max_num_seqs", "max_queued_requests")
 
 
+# The LLMService fields the head's ServeConfig takes as they are: ServeConfig field -> the spec's field (snake_case
+# path). tests/operator/test_operator_spec_table.py checks both ends, and that every spec field is here or in
+# SPEC_ELSEWHERE.
+SERVE_FIELDS_FROM_SPEC = {
+    "weights": "quantization.weights", "group_size": "quantization.group_size",
+    "activations": "quantization.activations", "kv_cache": "quantization.kv_cache",
+    "kv_cache_gb": "resources.kv_cache_gb", "cpus_per_rank": "resources.cpus_per_rank",
+    "ranks_per_replica": "ranks_per_replica",
+    "max_num_seqs": "batching.max_num_seqs", "max_num_batched_tokens": "batching.max_num_batched_tokens",
+    "max_queued_requests": "batching.max_queued_requests",
+    "max_queued_tokens": "batching.max_queued_tokens",  # only when set: a service that never set it keeps its args
+    "grpc_port": "ports.grpc", "http_port": "ports.http", "metrics_port": "ports.metrics",
+}
+# The spec's other fields: where each goes instead (a folder: all of its fields)
+SPEC_ELSEWHERE = {
+    "replicas": "serve_fields: replicas, at least 1 (at 0 the one LLMServer replica waits for a rank pod)",
+    "model": "the pods (pods.py); serve_fields: model, the pod's path of it",
+    "security": "the head pod's Secrets (pods.py); serve_fields: api_key_file, tls_cert_file, tls_key_file",
+    "resources.overhead_gb": "memory.py", "resources.memory_per_rank_gb": "memory.py",
+    "resources.head_cpus": "pods.py", "resources.head_memory_gb": "pods.py",
+    "ports.engine_metrics": "pods.py (the rank pods' CPUSERVE_ENGINE_METRICS_PORT)",
+    "placement": "pods.py (node selector, affinity)", "image": "pods.py",
+    "drain_timeout_seconds": "pods.py (preStop `cpuserve drain --timeout-s`, terminationGracePeriodSeconds)",
+}
+# What every head serves with, whatever the spec: all interfaces, the pod's Ray cluster, and each rank pod its own
+# Ray node offering one socket unit, so a group's bundles land on k pods
+HEAD_FIELDS = {"host": "0.0.0.0", "ray_address": "auto", "socket_resource": naming.SOCKET_RESOURCE,
+               "placement_strategy": "STRICT_SPREAD"}
+
+
+def spec_value(spec: LLMServiceSpec, path: str) -> Any:
+    """The spec's field at `path` (dotted snake_case names)."""
+    value: Any = spec
+    for name in path.split("."):
+        value = getattr(value, name)
+    return value
+
+
 def serve_fields(spec: LLMServiceSpec) -> dict[str, Any]:
     """The ServeConfig fields the head serves with (snake_case, only those set; the paths are the pod's)."""
-    q, r, b, p = spec.quantization, spec.resources, spec.batching, spec.ports
-    fields = dict(weights=q.weights, group_size=q.group_size, activations=q.activations, kv_cache=q.kv_cache,
-                  kv_cache_gb=r.kv_cache_gb,
-                  # at replicas 0 there are no rank pods: the app's one LLMServer replica waits for a rank pod
-                  # (cpuserve serve refuses --replicas 0)
-                  replicas=max(spec.replicas, 1), ranks_per_replica=spec.ranks_per_replica,
-                  cpus_per_rank=r.cpus_per_rank, max_num_seqs=b.max_num_seqs,
-                  max_num_batched_tokens=b.max_num_batched_tokens, max_queued_requests=b.max_queued_requests,
-                  host="0.0.0.0", grpc_port=p.grpc, http_port=p.http, metrics_port=p.metrics, ray_address="auto",
-                  socket_resource=naming.SOCKET_RESOURCE,
-                  # each rank pod is its own Ray node offering one socket unit: a group's bundles land on k pods
-                  placement_strategy="STRICT_SPREAD")
-    if b.max_queued_tokens is not None:  # only when set: the args of a service that never set it stay as they were
-        fields["max_queued_tokens"] = b.max_queued_tokens
+    fields = {name: value for name, path in SERVE_FIELDS_FROM_SPEC.items()
+              if (value := spec_value(spec, path)) is not None}
+    fields.update(HEAD_FIELDS, replicas=max(spec.replicas, 1))
     if (path := model_path(spec)) is not None:
         fields["model"] = path
     if spec.security.api_keys is not None:

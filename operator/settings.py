@@ -4,11 +4,13 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from cpuserve.engine.settings import OPERATOR_PREFIX
+
 
 class OperatorSettings(BaseSettings):
     """What the cluster admin decides, as opposed to what an LLMService asks for."""
 
-    model_config = SettingsConfigDict(env_prefix="CPUSERVE_OPERATOR_", frozen=True, extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=OPERATOR_PREFIX, frozen=True, extra="ignore")
 
     image: str = Field("cpuserve:0.1.0", min_length=1)
     """Default serving image for LLMServices that name none."""

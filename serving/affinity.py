@@ -18,12 +18,14 @@ import contextlib
 import os
 from typing import Iterator
 
-ENGINE_CORES_ENV = "CPUSERVE_ENGINE_CORES"
+from cpuserve.engine import settings
+
+ENGINE_CORES_ENV = settings.ENGINE_CORES.name
 
 
 def split_cores(cores: list[int], num_engine_cores: int) -> tuple[list[int], list[int]] | None:
     """(the engines' cores, the serving processes' cores) when `cores` has more than the engines need, else None."""
-    if os.environ.get("CPUSERVE_SPLIT_CORES", "1") == "0" or len(cores) <= num_engine_cores:
+    if not settings.SPLIT_CORES.get() or len(cores) <= num_engine_cores:
         return None
     cores = sorted(cores)
     return cores[:num_engine_cores], cores[num_engine_cores:]
@@ -46,7 +48,7 @@ def on_cores(cores: list[int] | None) -> Iterator[None]:
 
 def engine_cores(local_rank: int, cpus_per_replica: int) -> list[int] | None:
     """This replica's engine cores (its slice of CPUSERVE_ENGINE_CORES by its rank on the node), or None."""
-    given = os.environ.get(ENGINE_CORES_ENV)
+    given = settings.ENGINE_CORES.get()
     if not given:
         return None
     cores = [int(c) for c in given.split(",")]

@@ -11,8 +11,7 @@ import sys
 import threading
 from typing import Callable
 
-
-_SUPERVISED = "CPUSERVE_SERVE_SUPERVISED"
+from cpuserve.engine.settings import SERVE_SUPERVISED
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -61,7 +60,7 @@ def _serve(args: argparse.Namespace) -> int:
     if config.ray_address is None:  # a local cluster: this machine's cores are every rank's
         check_cpu_count("cpus_per_rank", config.cpus_per_rank)
     config.check_model()
-    if getattr(args, "from_command_line", False) and config.ray_address is None and os.environ.get(_SUPERVISED) != "1":
+    if getattr(args, "from_command_line", False) and config.ray_address is None and not SERVE_SUPERVISED.get():
         return _supervise()
     if config.ray_address is None:  # the replicas run here: a checkout's kernels are built now, on this terminal
         from cpuserve.engine.layers import kernel_build
@@ -138,7 +137,7 @@ def _supervise() -> int:
     at once, before the serving process could shut Serve down, leaving actors behind. In their own session only
     this supervisor receives the group's signal, and the serving process stops everything in order (as on Ctrl-C).
     """
-    child = subprocess.Popen([sys.executable, *sys.orig_argv[1:]], env={**os.environ, _SUPERVISED: "1"},
+    child = subprocess.Popen([sys.executable, *sys.orig_argv[1:]], env={**os.environ, SERVE_SUPERVISED.name: SERVE_SUPERVISED.text(True)},
                              start_new_session=True)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: child.send_signal(signal.SIGINT))

@@ -16,7 +16,9 @@ from pydantic import Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from cpuserve.engine.config import ACTIVATION_FORMATS, GROUP_SIZES, KV_CACHE_DTYPES, WEIGHT_FORMATS, EngineConfig
+from cpuserve.engine.config import (ACTIVATION_FORMATS, GROUP_SIZES, KV_CACHE_DTYPES, OPTIONS, SPECULATIVE_METHODS,
+                                    WEIGHT_FORMATS, EngineConfig, engine_option)
+from cpuserve.engine.settings import SERVE_PREFIX
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 PATH_FIELDS = ("model", "api_key_file", "tls_cert_file", "tls_key_file")  # files the serving host must have
@@ -28,56 +30,43 @@ ARRIVAL_WINDOW_MS = 20.0
 # on 2 threads: about 975 a core). A request admitted behind a full queue waits about that long for its first token.
 PREFILL_TOKENS_PER_S_PER_CORE = 975
 QUEUED_PREFILL_S = 10.0
-_ENGINE = EngineConfig()  # the engine's defaults are the engine fields' defaults here: one value each
+# ServeConfig fields that set an EngineConfig field of another name; the others set the one of their own name
+ENGINE_NAMES = {"cpus_per_rank": "num_threads", "ranks_per_replica": "ranks"}
+
+
+def engine_field(name: str, default: Any = ..., **constraints: Any) -> Any:
+    """A ServeConfig field that is EngineConfig's `name`: the engine's help, and its default unless one is given."""
+    engine_default, help, _ = engine_option(name)
+    return Field(engine_default if default is ... else default, description=help, **constraints)
 
 
 class ServeConfig(BaseSettings):
     """What one `cpuserve serve` deploys: the model, its replicas and the endpoints."""
 
     # field docstrings are the descriptions (`cpuserve serve --help` shows them: serving/cli.py)
-    model_config = SettingsConfigDict(env_prefix="CPUSERVE_SERVE_", alias_generator=to_camel,
+    model_config = SettingsConfigDict(env_prefix=SERVE_PREFIX, alias_generator=to_camel,
                                       populate_by_name=True, frozen=True, extra="forbid",
                                       use_attribute_docstrings=True)
 
-    # -- engine (one AsyncLLMEngine per replica) --------------------------------------------------------
-    model: str | None = None
-    """GGUF file or Hugging Face folder; None = the embedded SmolLM2-135M-Instruct."""
+    # -- engine (one AsyncLLMEngine per replica): defaults and descriptions are EngineConfig's (engine_field) --------
+    model: str | None = engine_field("model")
     served_model_name: str | None = None
     """Name clients pass as `model`; default: the model file's stem (or SmolLM2-135M-Instruct)."""
-    weights: Literal[WEIGHT_FORMATS] = _ENGINE.weights  # type: ignore[valid-type]
-    """Runtime weight format."""
-    group_size: Literal[GROUP_SIZES] = _ENGINE.group_size  # type: ignore[valid-type]
-    """int4 quantization group along the input dimension."""
-    activations: Literal[ACTIVATION_FORMATS] = _ENGINE.activations  # type: ignore[valid-type]
-    """What int4 / int8 weights multiply: int8 (one scale per 32 inputs, VNNI dot products), int8-token (one scale
-    per token, weights int8 only: the throughput mode, docs/engine.md) or bf16 (exact)."""
-    kv_cache: Literal[KV_CACHE_DTYPES] = _ENGINE.kv_cache  # type: ignore[valid-type]
-    """KV cache element type; int8 keeps one fp32 scale per token and KV head."""
-    kv_cache_gb: float = Field(_ENGINE.kv_cache_gb, gt=0)
-    """Memory budget of each replica's KV block pool, GiB."""
-    block_size: int = Field(_ENGINE.block_size, ge=1)
-    """Tokens per KV block."""
-    max_num_seqs: int = Field(_ENGINE.max_num_seqs, ge=1)
-    """Sequences one replica runs at once."""
-    max_num_batched_tokens: int = Field(_ENGINE.max_num_batched_tokens, ge=1)
-    """Token budget of one engine step (prompts above it are prefilled in chunks; a step runs up to 1/16 more to
-    finish a prompt)."""
-    arrival_window_ms: float = Field(ARRIVAL_WINDOW_MS, ge=0, le=1000)
-    """After an idle spell, how long a replica's engine waits for requests sent together before its first step
-    (it stops waiting once none has come for a quarter of this); 0 = none."""
-    max_model_len: int | None = Field(_ENGINE.max_model_len, ge=2)
-    """Context length (prompt + output); None = the model's."""
-    enable_prefix_caching: bool = _ENGINE.enable_prefix_caching
-    """Reuse the KV blocks of a prompt prefix seen before."""
-    seed: int = _ENGINE.seed
-    """Seed of the engine's generator for unseeded requests."""
-    speculative: Literal["ngram"] | None = _ENGINE.speculative
-    """Speculative decoding: "ngram" drafts tokens from each request's own text and from the prefix cache's blocks
-    (no draft model), verified in the batched step; greedy output is unchanged. None = off."""
-    spec_tokens: int = Field(_ENGINE.spec_tokens, ge=1)
-    """Draft tokens a request may verify per step, at most."""
-    spec_max_batch: int = Field(_ENGINE.spec_max_batch, ge=1)
-    """No drafting in a step that runs more requests than this (a large batch is compute-bound: rows cost)."""
+    weights: Literal[WEIGHT_FORMATS] = engine_field("weights")  # type: ignore[valid-type]
+    group_size: Literal[GROUP_SIZES] = engine_field("group_size")  # type: ignore[valid-type]
+    activations: Literal[ACTIVATION_FORMATS] = engine_field("activations")  # type: ignore[valid-type]
+    kv_cache: Literal[KV_CACHE_DTYPES] = engine_field("kv_cache")  # type: ignore[valid-type]
+    kv_cache_gb: float = engine_field("kv_cache_gb", gt=0)
+    block_size: int = engine_field("block_size", ge=1)
+    max_num_seqs: int = engine_field("max_num_seqs", ge=1)
+    max_num_batched_tokens: int = engine_field("max_num_batched_tokens", ge=1)
+    arrival_window_ms: float = engine_field("arrival_window_ms", ARRIVAL_WINDOW_MS, ge=0, le=1000)
+    max_model_len: int | None = engine_field("max_model_len", ge=2)
+    enable_prefix_caching: bool = engine_field("enable_prefix_caching")
+    seed: int = engine_field("seed")
+    speculative: Literal[SPECULATIVE_METHODS] | None = engine_field("speculative")  # type: ignore[valid-type]
+    spec_tokens: int = engine_field("spec_tokens", ge=1)
+    spec_max_batch: int = engine_field("spec_max_batch", ge=1)
 
     # -- replicas and placement ---------------------------------------------------------------------------
     replicas: int = Field(1, ge=1)
@@ -92,8 +81,7 @@ class ServeConfig(BaseSettings):
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
     """Ray strategy of a replica group's bundles: STRICT_PACK = one node; PACK lets ranks spill to other nodes
     (one rank per socket_resource pod on Kubernetes needs PACK or STRICT_SPREAD)."""
-    transport: Literal["shm", "torch"] | None = None
-    """Collectives of a replica group: shm (one host) or torch (gloo/ccl); None: shm when the ranks share a node."""
+    transport: Literal["shm", "torch"] | None = engine_field("transport")
     node_labels: str | None = Field(None, pattern=r"^[^=,\s]+=[^=,\s]+(,[^=,\s]+=[^=,\s]+)*$")
     """Ray node labels every rank of a replica must run on, "key=value,...": a Ray label selector (the operator
     names the rank pods' revision here, so replicas of a new model start only on pods made for it)."""
@@ -215,16 +203,11 @@ class ServeConfig(BaseSettings):
         return float(PREFILL_TOKENS_PER_S_PER_CORE * self.cpus_per_replica)
 
     def engine_options(self) -> dict[str, Any]:
-        """Keyword arguments of AsyncLLMEngine.from_config for one replica."""
-        return dict(model=self.model, weights=self.weights, group_size=self.group_size,
-                    activations=self.activations, kv_cache=self.kv_cache,
-                    kv_cache_gb=self.kv_cache_gb, block_size=self.block_size, max_num_seqs=self.max_num_seqs,
-                    max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
-                    arrival_window_ms=self.arrival_window_ms,
-                    enable_prefix_caching=self.enable_prefix_caching, num_threads=self.cpus_per_rank,
-                    ranks=self.ranks_per_replica, transport=self.transport, seed=self.seed,
-                    speculative=self.speculative, spec_tokens=self.spec_tokens, spec_max_batch=self.spec_max_batch,
-                    show_progress=False)
+        """Keyword arguments of AsyncLLMEngine.from_config for one replica: every field that is an engine option
+        (by its own name or ENGINE_NAMES')."""
+        options = {ENGINE_NAMES.get(name, name): getattr(self, name) for name in type(self).model_fields
+                   if name in OPTIONS or name in ENGINE_NAMES}
+        return {**options, "show_progress": False}
 
     def check_model(self) -> None:
         """Checks that need the model's header (not its weights): run before deploying, so a bad value fails

@@ -17,7 +17,6 @@ The values are read from the engine at each scrape (a custom collector), so they
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry
@@ -25,7 +24,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
-from cpuserve.serving.names import ENGINE_METRICS_PORT_ENV
+from cpuserve.engine import settings
+
+ENGINE_METRICS_PORT_ENV = settings.ENGINE_METRICS_PORT.name
 MODEL_LABEL = "model_name"  # vLLM's label on every metric
 
 
@@ -62,12 +63,7 @@ class EngineCollector(Collector):
 
 def engine_metrics_port(environ: dict[str, str] | None = None) -> int | None:
     """The port this process's pod names in CPUSERVE_ENGINE_METRICS_PORT, or None when unset or 0."""
-    raw = (os.environ if environ is None else environ).get(ENGINE_METRICS_PORT_ENV, "").strip()
-    if not raw:
-        return None
-    if not raw.isdigit() or not 0 <= int(raw) <= 65535:
-        raise ValueError(f"{ENGINE_METRICS_PORT_ENV}={raw!r}: must be a port number 0-65535 (0 or unset: none)")
-    return int(raw) or None
+    return settings.ENGINE_METRICS_PORT.get(environ) or None
 
 
 def serve_engine_metrics(engine: Any, model_name: str, block_size: int, host: str, port: int):

@@ -12,5 +12,3 @@ INGRESS_IMPORT_PATH = "cpuserve.serving.app:build_ingress_app"
 ENGINE_IMPORT_PATH = "cpuserve.serving.app:build_engine_app"
 SERVER_DEPLOYMENT, INGRESS_DEPLOYMENT = "LLMServer", "Ingress"
 GRPC_SERVICER = "cpuserve.serving.grpc_api.add_InferenceServicer_to_server"
-# a rank pod's port for its engine's vLLM-named gauges (serving/engine_metrics.py), set in the pod's environment
-ENGINE_METRICS_PORT_ENV = "CPUSERVE_ENGINE_METRICS_PORT"

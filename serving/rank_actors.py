@@ -18,6 +18,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cpuserve.engine import settings
 from cpuserve.engine.distributed.cpus import rank_cpu_sets
 from cpuserve.engine.distributed.group import Placement
 from cpuserve.engine.threads import openmp_env
@@ -95,7 +96,7 @@ class RayLauncher:
         self._placed = {r: (a, info) for (r, a), info in zip(actors.items(), infos)}
         nodes = [ray.get_runtime_context().get_node_id()] + [i["node_id"] for i in infos]
         masks = [sorted(os.sched_getaffinity(0))] + [i["cpus"] for i in infos]
-        cpu_sets = rank_cpu_sets(world) if os.environ.get("CPUSERVE_CPUS") else split_by_node(nodes, masks)
+        cpu_sets = rank_cpu_sets(world) if settings.CPUS.get() else split_by_node(nodes, masks)
         return Placement(ray.util.get_node_ip_address(), cpu_sets, same_host=len(set(nodes)) == 1)
 
     def start(self, rank: int, world: int, addr: str, port: int, cpus: list[int], spec: dict) -> RankActor:

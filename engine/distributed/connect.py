@@ -10,6 +10,7 @@ import ipaddress
 import os
 import socket
 
+from cpuserve.engine import settings
 from cpuserve.engine.distributed.communicator import Communicator
 
 TRANSPORTS = ("shm", "torch")
@@ -52,7 +53,7 @@ def make_communicator(transport: str | None = None, timeout: float = 120.0,
         startup_check: shm only: returns why the group cannot form while peers are awaited, or None.
     """
     rank, world, addr, port = rendezvous or env_rendezvous()
-    transport = transport or os.environ.get("CPUSERVE_COMM") or ("shm" if is_local_address(addr) else "torch")
+    transport = transport or settings.COMM.get() or ("shm" if is_local_address(addr) else "torch")
     if transport not in TRANSPORTS:
         raise ValueError(f"transport={transport!r} is not supported; use one of {TRANSPORTS}")
     if transport == "shm":

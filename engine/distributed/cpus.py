@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import os
 
+from cpuserve.engine import settings
+
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +31,7 @@ def rank_cpu_sets(world_size: int, spec: str | None = None, mask: list[int] | No
 
     With fewer cores than ranks, ranks share cores round-robin (correct, but they then compete for them).
     """
-    spec = os.environ.get("CPUSERVE_CPUS") if spec is None else spec
+    spec = settings.CPUS.get() if spec is None else spec
     if spec:
         entries = spec.split("|")
         if len(entries) != world_size:

@@ -18,6 +18,7 @@ import os
 import socket
 from dataclasses import dataclass
 
+from cpuserve.engine import settings
 from cpuserve.engine.distributed.communicator import RankFailedError
 from cpuserve.engine.distributed.connect import make_communicator
 from cpuserve.engine.distributed.cpus import bind_rank, rank_cpu_sets
@@ -79,7 +80,7 @@ def start_group(config, max_model_len: int, vocab_size: int, transport: str | No
     world = config.ranks
     launcher = config.launcher or ProcessLauncher()
     placement = launcher.place(world)
-    transport = (transport or config.transport or os.environ.get("CPUSERVE_COMM")
+    transport = (transport or config.transport or settings.COMM.get()
                  or ("shm" if placement.same_host else "torch"))
     port = _free_port()
     spec = dict(model=config.model, weights=config.weights, group_size=config.group_size,

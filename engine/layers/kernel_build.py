@@ -32,6 +32,7 @@ import fcntl
 import functools
 import hashlib
 import importlib.metadata
+import importlib.util
 import os
 import re
 import subprocess
@@ -101,14 +102,24 @@ def runnable_levels(flags: frozenset[str]) -> list[Level]:
     return [level for level in LEVELS if level.cpu_flags <= flags]
 
 
-MODES = ("auto", "native", "torch")  # CPUSERVE_KERNELS (engine/layers/native.py)
+@functools.cache
+def _settings():
+    """engine/settings.py (the CPUSERVE_* variables). setup.py runs this file alone, before cpuserve is a package:
+    there it is loaded from its path."""
+    try:
+        from cpuserve.engine import settings
+
+        return settings
+    except ModuleNotFoundError:
+        spec = importlib.util.spec_from_file_location("cpuserve_settings", Path(__file__).parent.parent / "settings.py")
+        module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclass looks itself up
+        spec.loader.exec_module(module)
+        return module
 
 
 def mode() -> str:
-    value = os.environ.get("CPUSERVE_KERNELS", "auto")
-    if value not in MODES:
-        raise ValueError(f"CPUSERVE_KERNELS={value!r}: allowed values are {', '.join(MODES)}")
-    return value
+    """CPUSERVE_KERNELS (engine/layers/native.py)."""
+    return _settings().KERNELS.get()
 
 
 def select_level(flags: frozenset[str] | None = None, forced: str | None = None) -> Level:
@@ -118,7 +129,7 @@ def select_level(flags: frozenset[str] | None = None, forced: str | None = None)
         RuntimeError: the CPU runs no level, or not the one asked for (naming the flags it lacks).
     """
     flags = cpu_flags() if flags is None else flags
-    forced = os.environ.get("CPUSERVE_KERNEL_LEVEL") if forced is None else forced
+    forced = _settings().KERNEL_LEVEL.get() if forced is None else forced
     if forced:
         chosen = level_named(forced)
         if missing := sorted(chosen.cpu_flags - flags):
@@ -199,7 +210,7 @@ def library_name(level: Level) -> str:
 
 def cache_dir() -> Path:
     """Where a checkout's builds go: $CPUSERVE_KERNEL_CACHE, else ~/.cache/cpuserve/kernels."""
-    if folder := os.environ.get("CPUSERVE_KERNEL_CACHE"):
+    if folder := _settings().KERNEL_CACHE.get():
         return Path(folder)
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cpuserve" / "kernels"
 

@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from pathlib import Path
 
 import torch
 
+from cpuserve.engine import settings
 from cpuserve.engine.layers import kernel_build
-from cpuserve.engine.layers.kernel_build import MODES, level, mode, select_level  # noqa: F401 (this module's API)
+from cpuserve.engine.layers.kernel_build import level, mode, select_level  # noqa: F401 (this module's API)
 
 log = logging.getLogger(__name__)
+MODES = settings.KERNELS.choices
 
 
 def library_path() -> Path:
@@ -46,6 +47,7 @@ def available() -> bool:
     m = mode()
     if m == "torch":
         return False
+    settings.AMX.get()  # read by the C++ GEMMs (amx_mode, bf16_mode), which take any value but off as auto
     try:
         return _load()
     except Exception as e:  # no level for this CPU, no compiler, a read-only cache ...
@@ -167,16 +169,13 @@ def amx_bf16_gemm_enabled() -> bool:
         torch.ops.cpuserve.amx_bf16_gemm_supported())
 
 
-PROMPT_GEMMS = ("int8", "bf16")
+PROMPT_GEMMS = settings.PROMPT_GEMM.choices
 
 
 def prompt_gemm() -> str:
     """CPUSERVE_PROMPT_GEMM: the prompt rows' scheme, bf16 (the default: AMX-BF16 tiles where the CPU has them, else
     the int8 scheme) or int8 (every row the same scheme)."""
-    value = os.environ.get("CPUSERVE_PROMPT_GEMM", "bf16")
-    if value not in PROMPT_GEMMS:
-        raise ValueError(f"CPUSERVE_PROMPT_GEMM={value!r}: allowed values are {', '.join(PROMPT_GEMMS)}")
-    return value
+    return settings.PROMPT_GEMM.get()
 
 
 @functools.lru_cache(maxsize=1)

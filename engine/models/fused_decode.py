@@ -15,23 +15,19 @@ matmuls), the op-by-op path runs.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
+from cpuserve.engine import settings
 from cpuserve.engine.layers import ops
 from cpuserve.engine.layers.linear.act_int8 import Int8ActLinear
 from cpuserve.engine.layers.linear.stacked import StackedLinear
 
-ENV = "CPUSERVE_FUSED_DECODE"
+ENV = settings.FUSED_DECODE.name
 
 
 def enabled() -> bool:
-    value = os.environ.get(ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV}={value!r}: allowed values are 0 and 1")
-    return value == "1"
+    return settings.FUSED_DECODE.get()
 
 
 class FusedDecode:

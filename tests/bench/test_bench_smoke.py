@@ -18,9 +18,9 @@ BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
 # tiny sizes: every code path (prefill, decode at 1/8/32, attention, KV bytes), in seconds
 SIZES = dict(reps=1, prefill_len=32, prompt_len=8, gen_tokens=3, attn_lens=[128], threads=2, batches=[1, 8, 32])
 PEER_ROWS = ["prefill vs {}", "decode b1 vs {}", "decode b8 vs {}", "decode b32 vs {}", "peak RSS vs {}"]
-CPUSERVE_ROWS = ([r.format("llama.cpp") for r in PEER_ROWS] + [r.format("HF fp32") for r in PEER_ROWS if "b32" not in r]
-                 + [r.format("vLLM-CPU W8A8") for r in PEER_ROWS] + [r.format("OpenVINO GenAI") for r in PEER_ROWS]
-                 + ["SlimAttention vs SDPA L=128", "kv bytes/token int8 vs bf16"])
+RATIO_ROWS = ([r.format("llama.cpp") for r in PEER_ROWS] + [r.format("HF fp32") for r in PEER_ROWS if "b32" not in r]
+              + [r.format("vLLM-CPU W8A8") for r in PEER_ROWS] + [r.format("OpenVINO GenAI") for r in PEER_ROWS]
+              + ["SlimAttention vs SDPA L=128", "kv bytes/token int8 vs bf16"])
 
 
 def load_bench():
@@ -50,7 +50,7 @@ def test_cpuserve_side_fills_every_row(bench, model_path):
     rows = {r["measure"]: r for r in bench.build_rows(raw)}
     # the engine's int8-activation path gets its own row where its kernel runs Q K^T in int8 (Zen 4, no AMX)
     int8_keys = ["SlimAttention int8 K vs SDPA L=128"] if native.slim_attention_int8_keys() else []
-    assert list(rows) == CPUSERVE_ROWS[:-1] + int8_keys + CPUSERVE_ROWS[-1:]
+    assert list(rows) == RATIO_ROWS[:-1] + int8_keys + RATIO_ROWS[-1:]
     for row in rows.values():
         assert isinstance(row["cpuserve"], float | int) and row["cpuserve"] > 0, row
     assert rows["decode b1 vs llama.cpp"]["peer"] == "n/a (skipped)"  # a skipped peer says so, no ratio
@@ -62,7 +62,7 @@ def test_cpuserve_side_fills_every_row(bench, model_path):
     for name in int8_keys:
         assert rows[name]["ratio"] > 0
     table = bench.format_table(list(rows.values()), {})
-    assert all(name in table for name in CPUSERVE_ROWS + int8_keys)
+    assert all(name in table for name in RATIO_ROWS + int8_keys)
 
 
 def _require_llama_cpp() -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 from kubernetes import client, config
 
+from cpuserve.engine.settings import OPERATOR_PREFIX, TEST_SHOW_LOG
 from cpuserve.operator.kube import Kube, KubeError
 from cpuserve.serving.ports import free_port
 from fake_apiserver import FakeApiServer, chart_crds
@@ -189,8 +190,8 @@ class OperatorProcess:
     def __init__(self, kubeconfig: Path, namespaces: list[str], log: Path, liveness_port: int,
                  python: str = sys.executable, cwd: Path | None = None, **settings: Any):
         """python: the interpreter of the environment to run it from (cwd: its working folder)."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBERNETES_", "CPUSERVE_OPERATOR_"))}
-        env.update(KUBECONFIG=str(kubeconfig), **{f"CPUSERVE_OPERATOR_{k.upper()}": str(v) for k, v in settings.items()})
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBERNETES_", OPERATOR_PREFIX))}
+        env.update(KUBECONFIG=str(kubeconfig), **{f"{OPERATOR_PREFIX}{k.upper()}": str(v) for k, v in settings.items()})
         self.log = open(log, "w")
         args = [f"--namespace={ns}" for ns in namespaces]
         self.proc = subprocess.Popen([python, "-m", "cpuserve.operator", "--standalone", *args,
@@ -200,5 +201,5 @@ class OperatorProcess:
     def stop(self, show_log: bool = False) -> None:
         stop_process(self.proc)
         self.log.close()
-        if show_log or os.environ.get("CPUSERVE_TEST_SHOW_LOG"):
+        if show_log or TEST_SHOW_LOG.get():
             print(Path(self.log.name).read_text()[-5000:])

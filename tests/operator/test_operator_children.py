@@ -7,12 +7,12 @@ import kubernetes_validate
 import pytest
 
 from cpuserve.operator import naming
+from cpuserve.engine.settings import ENGINE_METRICS_PORT
 from cpuserve.operator.children import build_children
 from cpuserve.operator.memory import GIB, MIB, bytes_per_parameter, plan_memory
 from cpuserve.operator.pods import RAY_STOP_SECONDS
 from cpuserve.operator.settings import OperatorSettings
 from cpuserve.operator.validation import validate
-from cpuserve.serving.names import ENGINE_METRICS_PORT_ENV
 from llmservice_factory import K8S_VERSION, make_body
 
 SETTINGS = OperatorSettings()
@@ -189,7 +189,7 @@ def test_services_and_pdb():
     for pod in by_kind(manifests, "Pod")[1:]:
         (c,) = pod["spec"]["containers"]
         assert {"name": "engine-metrics", "containerPort": 8181} in c["ports"]
-        assert {"name": ENGINE_METRICS_PORT_ENV, "value": "8181"} in c["env"]
+        assert {"name": ENGINE_METRICS_PORT.name, "value": "8181"} in c["env"]
     (pdb,) = by_kind(manifests, "PodDisruptionBudget")
     assert pdb["spec"]["maxUnavailable"] == 1
     assert by_kind(children(make_body(), with_sm=False), "ServiceMonitor") == []

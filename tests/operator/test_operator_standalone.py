@@ -10,6 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # the modules of serving and the engine the operator may import: constants, and only the standard library's
 SHARED = {"cpuserve.engine.config": ROOT / "engine" / "config.py",
+          "cpuserve.engine.settings": ROOT / "engine" / "settings.py",
           "cpuserve.serving.names": ROOT / "serving" / "names.py",
           "cpuserve.serving.ray_env": ROOT / "serving" / "ray_env.py"}
 # importing a shared module runs its package's __init__ too

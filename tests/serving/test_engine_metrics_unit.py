@@ -7,8 +7,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from cpuserve.engine.llm_engine import EngineStats
-from cpuserve.serving.engine_metrics import EngineCollector, engine_metrics_port, serve_engine_metrics
-from cpuserve.serving.names import ENGINE_METRICS_PORT_ENV
+from cpuserve.serving.engine_metrics import (ENGINE_METRICS_PORT_ENV, EngineCollector, engine_metrics_port,
+                                             serve_engine_metrics)
 
 
 class StatsOnly:

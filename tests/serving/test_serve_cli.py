@@ -13,6 +13,7 @@ from cli_checks import run_cli, subcommand, undocumented_flags
 from cpuserve.engine.cli import build_parser
 from cpuserve.serving.cli import config_from_args
 from cpuserve.serving.config import ServeConfig
+from cpuserve.serving.example_config import render
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "serving" / "serve.example.yaml"
 
@@ -56,3 +57,9 @@ def test_example_config_names_every_field_and_loads_to_the_defaults():
     assert set(yaml.safe_load(EXAMPLE.read_text())) == set(ServeConfig.model_fields)
     config = config_from_args(build_parser().parse_args(["serve", "--config", str(EXAMPLE)]))
     assert config == ServeConfig()
+
+
+def test_example_config_is_the_rendering_of_serve_config():
+    """The committed file is what `python -m cpuserve.serving.example_config` writes (descriptions and defaults)."""
+    assert EXAMPLE.read_text() == render(), \
+        "rewrite it: python -m cpuserve.serving.example_config > serving/serve.example.yaml"

@@ -104,3 +104,31 @@ def test_every_field_is_a_flag_showing_its_default():
     assert "Sequences one replica runs at once. (default: 64)" in help_text
     assert "--no-enable-prefix-caching" in help_text
     assert parse().max_num_seqs == ServeConfig().max_num_seqs  # unset flags keep the field's default
+
+
+def test_engine_options_are_one_declaration_seen_by_the_cli_and_serve_config():
+    """EngineConfig's option() fields: ServeConfig's field of that name (or ENGINE_NAMES') shows the same help, the
+    same default (but arrival_window_ms: served, a replica waits for requests sent together) and the same choices;
+    `cpuserve generate`'s flag the same help; and engine_options() passes every one to the engine."""
+    import typing
+
+    from cpuserve.engine.cli import ENGINE_FLAGS
+    from cpuserve.engine.config import OPTIONS, EngineConfig
+    from cpuserve.serving.config import ARRIVAL_WINDOW_MS, ENGINE_NAMES
+    from cli_checks import subcommand
+
+    shared = [name for name in ServeConfig.model_fields if name in OPTIONS]
+    assert len(shared) > 10
+    for name in shared:
+        field, option = ServeConfig.model_fields[name], OPTIONS[name]
+        assert field.description == option.metadata["help"], name
+        assert field.default == (ARRIVAL_WINDOW_MS if name == "arrival_window_ms" else option.default), name
+        literal = [a for a in (field.annotation, *typing.get_args(field.annotation))
+                   if typing.get_origin(a) is typing.Literal]
+        assert set(typing.get_args(literal[0]) if literal else ()) == set(option.metadata["choices"]), name
+    helps = {a.dest: a.help for a in subcommand(build_parser(), "generate")._actions}
+    for name in ENGINE_FLAGS:
+        assert helps[name].startswith(OPTIONS[name].metadata["help"].replace("%", "%%")), name
+    options = ServeConfig().engine_options()
+    assert set(options) == set(shared) | set(ENGINE_NAMES.values()) | {"show_progress"}
+    EngineConfig(**options)

@@ -8,12 +8,13 @@ CPUSERVE_FUZZ_SCALE=N (`make fuzz`: 10) runs N times as many, from a random seed
 from __future__ import annotations
 
 import json
-import os
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-SCALE = int(os.environ.get("CPUSERVE_FUZZ_SCALE", "1"))
+from cpuserve.engine.settings import FUZZ_SCALE
+
+SCALE = FUZZ_SCALE.get()
 
 
 def fuzz_settings(max_examples: int) -> settings:
