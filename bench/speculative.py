@@ -1,7 +1,8 @@
 """What n-gram speculative decoding buys: decode speed with and without it, same run, same prompts (the engine alone).
 
     flock /tmp/cpuserve-bench.lock .venv/bin/python bench/speculative.py [--streams 1 8 32] [--reps 3]
-        [--max-tokens 160] [--spec-tokens K] [--spec-max-batch B] [--prompts N] [--peers llama-server]
+        [--max-tokens 160] [--spec-tokens K] [--spec-max-batch B] [--spec-pause-after N] [--spec-pause-steps S]
+        [--prompts N] [--peers llama-server]
 
 Two prompt sets: copy-heavy (edit this code, fix this JSON, answer quoting a passage, summarise a tool result: the
 output repeats the prompt) and open chat (it does not). For each set and each number of streams, the same greedy
@@ -185,6 +186,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--prompts", type=int, default=0, help="use only the first N prompts of each set (0: all)")
     ap.add_argument("--spec-tokens", type=int, default=None, help="k (default: the engine's)")
+    ap.add_argument("--spec-pause-after", type=int, default=None,
+                    help="wholly rejected drafts in a row before a request pauses drafting (default: the engine's)")
+    ap.add_argument("--spec-pause-steps", type=int, default=None, help="the pause, in steps (default: the engine's)")
     ap.add_argument("--spec-max-batch", type=int, default=None,
                     help="drafting off above this many running requests (default: the streams measured; 0: the "
                          "engine's default)")
@@ -203,8 +207,9 @@ def main() -> None:
     spec = {"speculative": "ngram", "spec_max_batch": args.spec_max_batch or max(args.streams)}
     if args.spec_max_batch == 0:
         del spec["spec_max_batch"]
-    if args.spec_tokens is not None:
-        spec["spec_tokens"] = args.spec_tokens
+    for name in ("spec_tokens", "spec_pause_after", "spec_pause_steps"):
+        if getattr(args, name) is not None:
+            spec[name] = getattr(args, name)
     common = dict(weights="int4", kv_cache="int8", kv_cache_gb=1.0, max_num_seqs=max(args.streams), show_progress=False)
     engines = {"off": LLM(**common), "ngram": LLM(**common, **spec)}
     tok, threads = engines["off"].tokenizer, engines["off"].engine.num_threads
