@@ -129,7 +129,8 @@ async def run(base_url: str, conversations: list[list[dict]], concurrency: int, 
 def round_ratios(ours: dict, theirs: dict) -> dict[str, float]:
     """Prefix-affine against Serve's default on one workload in one round (> 1: better)."""
     return {"ttft_p50": theirs["ttft_p50_ms"] / ours["ttft_p50_ms"],
-            "ttft_p99": theirs["ttft_p99_ms"] / ours["ttft_p99_ms"], "out_tok_s": ours["out_tok_s"] / theirs["out_tok_s"]}
+            "ttft_p99": theirs["ttft_p99_ms"] / ours["ttft_p99_ms"],
+            "out_tok_s": ours["out_tok_s"] / theirs["out_tok_s"]}
 
 
 def spread(values: list[float]) -> tuple[float, float, float]:

@@ -294,9 +294,9 @@ def test_requests_sharing_a_system_prompt_go_to_the_replica_that_holds_it(client
     assert [replica for replica, _ in later] == [first, first]
     assert all(cached >= 256 for _, cached in later), later  # the system prompt's blocks came from the cache
     # a long stream on the holder (one sequence per replica): a new prefix goes to the less busy replica
+    story = [{"role": "system", "content": shop}, {"role": "user", "content": "Tell me a long story."}]
     with client.chat.completions.with_streaming_response.create(
-            model=MODEL, max_tokens=3000, stream=True, extra_body={"ignore_eos": True},
-            messages=[{"role": "system", "content": shop}, {"role": "user", "content": "Tell me a long story."}]) as busy:
+            model=MODEL, max_tokens=3000, stream=True, extra_body={"ignore_eos": True}, messages=story) as busy:
         assert busy.headers["x-cpuserve-replica"] == first  # the headers come with its first token: it runs there
         other, _ = ask("You plan trips for the customers of a travel agency, in a few words. " * 20, "Where to go?")
     assert other != first, "a new prefix goes to the less busy replica"
