@@ -12,11 +12,13 @@ which goes first alternating, through the OpenAI chat API with streaming and usa
 
 Per run: TTFT p50/p99 (to the first token's event), output tokens per second (completion tokens over the run's
 wall time), the prefix-cache hit rate (the usage's cached prompt tokens over all prompt tokens), the wall time and
-the busiest replica's share of the requests. The summary is the median of the rounds, and the ratios of the two
-routers' medians. Prompts are texts decoded from random ordinary token ids of the model's vocabulary, so their
-token counts are close to, not exactly, the sizes asked for.
+the busiest replica's share of the requests. Per round: the two routers' ratios on each workload (paired: measured
+in the same round) and the machine's load average (/proc/loadavg, 1 minute) before and after the round, so a round
+that shared the cores with other work shows. The summary is each figure's median over the rounds with its min and
+max, and the median of the per-round ratios with theirs. Prompts are texts decoded from random ordinary token ids
+of the model's vocabulary, so their token counts are close to, not exactly, the sizes asked for.
 
-    .venv/bin/python bench/prefix_routing.py [--rounds 3] [--json out.json]
+    .venv/bin/python bench/prefix_routing.py [--rounds 5] [--workloads shared,random] [--json out.json]
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import statistics
 import time
@@ -38,6 +41,7 @@ KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * (1 + 4 / 64)  # SmolLM2: layers x KV head
 TARGET_SPEEDUP = 1.5  # issue 47 item 4: TTFT p50 of the shared workload, with over without
 ROUTERS = {"prefix": "prefix-affine", "serve": "Serve's default"}
 METRICS = ("ttft_p50_ms", "ttft_p99_ms", "out_tok_s", "hit_rate", "wall_s", "busiest_share")
+RATIOS = ("ttft_p50", "ttft_p99", "out_tok_s")  # prefix-affine against Serve's default, > 1: better
 
 
 def make_texts(tokenizer, num: int, num_tokens: int, rng: np.random.Generator) -> list[str]:
@@ -122,21 +126,39 @@ async def run(base_url: str, conversations: list[list[dict]], concurrency: int, 
             "done": len(ttfts), "failed": len(errors), "error": errors[0] if errors else ""}
 
 
-def print_summary(args, workloads, summary: dict[tuple[str, str], dict[str, float]]) -> None:
-    print(f"\nmedians over {args.rounds} rounds ({args.system_prompts * args.users_per_prompt} requests each, "
+def round_ratios(ours: dict, theirs: dict) -> dict[str, float]:
+    """Prefix-affine against Serve's default on one workload in one round (> 1: better)."""
+    return {"ttft_p50": theirs["ttft_p50_ms"] / ours["ttft_p50_ms"],
+            "ttft_p99": theirs["ttft_p99_ms"] / ours["ttft_p99_ms"],
+            "out_tok_s": ours["out_tok_s"] / theirs["out_tok_s"]}
+
+
+def spread(values: list[float]) -> tuple[float, float, float]:
+    return statistics.median(values), min(values), max(values)
+
+
+def print_summary(args, workloads, rows: dict[tuple[str, str], list[dict]], ratios: dict[str, list[dict]]) -> None:
+    print(f"\nmedian (min-max) over {args.rounds} rounds ({args.system_prompts * args.users_per_prompt} requests each, "
           f"{args.concurrency} at a time, 2 replicas x 1 core, {args.kv_tokens} KV tokens each):")
-    print(f"{'workload':8} {'router':15} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'out tok/s':>10} {'hit rate':>9} "
-          f"{'wall s':>8} {'busiest':>8}")
-    for (name, router), m in summary.items():
-        print(f"{name:8} {ROUTERS[router]:15} {m['ttft_p50_ms']:12.0f} {m['ttft_p99_ms']:12.0f} "
-              f"{m['out_tok_s']:10.1f} {m['hit_rate']:9.2f} {m['wall_s']:8.1f} {m['busiest_share']:8.2f}")
-    print("\nprefix-affine against Serve's default (> 1: better), medians:")
+    columns = {"ttft_p50_ms": ("TTFT p50 ms", ".0f"), "ttft_p99_ms": ("TTFT p99 ms", ".0f"),
+               "out_tok_s": ("out tok/s", ".1f"), "hit_rate": ("hit rate", ".2f"), "busiest_share": ("busiest", ".2f")}
+    print(f"{'workload':8} {'router':15} " + " ".join(f"{label:>18}" for label, _ in columns.values()))
+    for (name, router), runs in rows.items():
+        cells = [(spread([row[k] for row in runs]), fmt) for k, (_, fmt) in columns.items()]
+        print(f"{name:8} {ROUTERS[router]:15} " + " ".join(
+            f"{f'{m:{fmt}} ({lo:{fmt}}-{hi:{fmt}})':>18}" for (m, lo, hi), fmt in cells))
+    print(f"\nprefix-affine against Serve's default, paired in each round (> 1: better), median (min-max) of "
+          f"{args.rounds} rounds:")
     for name in workloads:
-        ours, theirs = summary[(name, "prefix")], summary[(name, "serve")]
-        print(f"{name:8} TTFT p50 {theirs['ttft_p50_ms'] / ours['ttft_p50_ms']:.2f}x lower, "
-              f"TTFT p99 {theirs['ttft_p99_ms'] / ours['ttft_p99_ms']:.2f}x lower, "
-              f"out tok/s {ours['out_tok_s'] / theirs['out_tok_s']:.2f}x"
+        cells = {k: spread([r[k] for r in ratios[name]]) for k in RATIOS}
+        print(f"{name:8} " + ", ".join(f"{label} {m:.2f}x ({lo:.2f}-{hi:.2f})" for label, (m, lo, hi) in zip(
+            ("TTFT p50 lower", "TTFT p99 lower", "out tok/s"), cells.values()))
               + (f" (target: TTFT p50 >= {TARGET_SPEEDUP}x)" if name == "shared" else " (target: no loss, >= 1)"))
+
+
+def load_average() -> float:
+    """The machine's 1-minute load average (/proc/loadavg): above the bench's own ~2, other work shared the cores."""
+    return os.getloadavg()[0]
 
 
 def main() -> None:
@@ -150,7 +172,7 @@ def main() -> None:
     p.add_argument("--kv-tokens", type=int, default=5632,
                    help="each replica's KV pool, tokens (the default: half the system prompts, as tokenized, and the "
                         "running requests)")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--workloads", default="shared,random")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json")
@@ -161,7 +183,10 @@ def main() -> None:
     workloads = {name: workloads[name] for name in args.workloads.split(",")}
     print(machine.describe(), flush=True)
     rows: dict[tuple[str, str], list[dict]] = {}
+    ratios: dict[str, list[dict]] = {name: [] for name in workloads}
+    loads = []
     for r in range(args.rounds):
+        before = load_average()
         for router in (ROUTERS if r % 2 == 0 else reversed(ROUTERS)):
             with server(args, router) as url:
                 # a server's first requests run slower (its first steps, Serve's first routes): not measured
@@ -172,17 +197,20 @@ def main() -> None:
                     rows.setdefault((name, router), []).append(row)
                     print(f"round {r} {name:6} {ROUTERS[router]:15} " + " ".join(
                         f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
-    summary = {(name, router): {k: statistics.median(row[k] for row in runs) for k in METRICS}
-               for (name, router), runs in rows.items()}
-    print_summary(args, workloads, summary)
+        loads.append({"before": before, "after": load_average()})
+        for name in workloads:
+            ratios[name].append(round_ratios(rows[(name, "prefix")][-1], rows[(name, "serve")][-1]))
+        print(f"round {r} load average {before:.2f} -> {loads[-1]['after']:.2f}: " + "; ".join(
+            f"{name} " + " ".join(f"{k} {v:.2f}x" for k, v in ratios[name][-1].items()) for name in workloads),
+            flush=True)
+    print_summary(args, workloads, rows, ratios)
     failed = [(key, row["failed"], row["error"]) for key, runs in rows.items() for row in runs if row["failed"]]
     for (name, router), num, error in failed:  # a run with failures measured fewer requests: say so
         print(f"{name} / {ROUTERS[router]}: {num} requests failed, the first: {error}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": machine.describe(), "args": vars(args),
-                       "summary": {f"{n} / {r}": v for (n, r), v in summary.items()},
-                       "runs": {f"{n} / {r}": v for (n, r), v in rows.items()}}, f, indent=1)
+            json.dump({"machine": machine.describe(), "args": vars(args), "load_average": loads,
+                       "ratios": ratios, "runs": {f"{n} / {r}": v for (n, r), v in rows.items()}}, f, indent=1)
 
 
 if __name__ == "__main__":

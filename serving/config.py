@@ -88,7 +88,7 @@ class ServeConfig(BaseSettings):
     router: Literal["prefix", "power-of-two", "serve"] = "prefix"
     """How the Ingress picks an LLMServer replica. prefix: a request whose prompt starts like an earlier one goes
     to the replica that got that one (its KV cache holds the prefix) unless it is the busier by more than 4
-    requests, others to the least busy (serving/router.py); power-of-two: the less busy of two random replicas;
+    requests, others as power-of-two does (serving/router.py); power-of-two: the less busy of two random replicas;
     both only among the replicas serving the model a request names (two models run while one changes in place).
     serve: Ray Serve's own default router, unchanged: power of two choices over every replica, blind to models."""
 

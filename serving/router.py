@@ -5,8 +5,8 @@ extension point (`ray.serve.request_router.RequestRouter`, set as the deployment
    and the new replicas run; each reports its model in its routing stats (LLMServer.record_routing_stats).
 2. Prefix affinity: a request whose prompt starts like one routed before goes to the replica it went to, whose
    KV cache then holds that prefix, unless that replica has more than `imbalance` requests more than the least
-   busy one. Otherwise the least busy replica takes it; among equals the one holding the fewest prefixes, so new
-   prefixes spread.
+   busy one. Any other request is routed as Serve's default router does (power of two choices: the less busy of
+   two random replicas), so traffic without shared prefixes is balanced exactly as without this router.
 
     prompt (token ids | text | chat messages)
       -> full chunks of CHUNK_TOKENS tokens (text: CHUNK_TOKENS x CHARS_PER_TOKEN characters)
@@ -93,19 +93,24 @@ def serving_model(replicas: list[RunningReplica], model: str | None) -> list[Run
     return [r for r, serves in reported if serves is None] or replicas
 
 
-def rank_replicas(replicas: list[str], loads: dict[str, float], matches: dict[str, int], sizes: dict[str, int],
+def power_of_two(replicas: list) -> list[list]:
+    """Serve's default choice as one rank: two random replicas (Serve takes the less busy, the first of equals)."""
+    return [random.sample(replicas, min(2, len(replicas)))]
+
+
+def rank_replicas(replicas: list[str], loads: dict[str, float], matches: dict[str, int],
                   imbalance: float) -> list[list[str]]:
     """The preference ranks of one request (Serve takes the least busy replica with room in the first rank that has
-    one, the first of equals): the replicas holding the longest prefix of its prompt, unless busier than the least
-    busy by more than `imbalance`; else every replica, least busy first and, among equals, the one holding the
-    fewest prefixes. Ties left are broken at random, as Serve's power of two choices does: requests routed at the
-    same moment see the same loads (each replica's count rises only once a request is sent), and a fixed order would
-    send a burst to one replica.
+    one, the first of equals): the replicas holding the longest prefix of its prompt, least busy first, unless
+    busier than the least busy by more than `imbalance`, then the others; when no replica holds a prefix of it, or
+    every holder is too busy, the power of two choices.
+
+    Equals are in random order: requests routed at the same moment see the same loads (Serve counts a request once
+    it is sent), and a fixed order would send such a burst to one replica.
 
     Args:
-        loads: ongoing requests per replica; matches: chunks of the prompt each holds; sizes: chunks each holds.
+        loads: ongoing requests per replica; matches: chunks of the prompt, from its start, each replica holds.
     """
-    draw = {r: random.random() for r in replicas}
     best = max(matches.values(), default=0)
     if best:
         lightest = min(loads.values())
@@ -113,8 +118,8 @@ def rank_replicas(replicas: list[str], loads: dict[str, float], matches: dict[st
         if holders:
             rest = [r for r in replicas if r not in holders]
             ranks = [holders, rest] if rest else [holders]
-            return [sorted(rank, key=lambda r: (loads[r], draw[r])) for rank in ranks]
-    return [sorted(replicas, key=lambda r: (loads[r], sizes[r], draw[r]))]
+            return [sorted(random.sample(rank, len(rank)), key=loads.__getitem__) for rank in ranks]  # stable sort
+    return power_of_two(replicas)
 
 
 class LLMRouter(RequestRouter):
@@ -137,13 +142,14 @@ class LLMRouter(RequestRouter):
         request = _request_of(pending_request)
         candidates = serving_model(candidate_replicas, request.model if request else None)
         if not self.prefix_affinity or request is None or len(candidates) < 2:
-            return [random.sample(candidates, min(2, len(candidates)))]
+            return power_of_two(candidates)
         chain = prefix_chain(request)
-        loads = await self._loads(candidates)
         ids = [r.replica_id.unique_id for r in candidates]
-        ranks = rank_replicas(ids, {i: loads[r.replica_id] for i, r in zip(ids, candidates)},
-                              {i: self.index.match(i, chain) for i in ids}, {i: self.index.size(i) for i in ids},
-                              self.imbalance)
+        matches = {i: self.index.match(i, chain) for i in ids}
+        if not any(matches.values()):  # nothing to keep together: no need to know the loads here
+            return power_of_two(candidates)
+        loads = await self._loads(candidates)
+        ranks = rank_replicas(ids, {i: loads[r.replica_id] for i, r in zip(ids, candidates)}, matches, self.imbalance)
         by_id = dict(zip(ids, candidates))
         return [[by_id[i] for i in rank] for rank in ranks]
 

@@ -5,7 +5,7 @@ The official openai client, streaming and not, gets the engine's own greedy text
 its field; a stream the client drops is aborted on its replica, and so is a queued request whose client leaves before
 its first token; a key must come as `Authorization: Bearer <key>` (HTTP and gRPC); the one metrics endpoint sums
 the engine gauges of both replicas; and requests sharing a long system prompt go to the replica whose prefix cache
-holds it (serving/router.py), a new one to the other replica.
+holds it (serving/router.py), a new one to the less busy replica.
 """
 from __future__ import annotations
 
@@ -293,5 +293,10 @@ def test_requests_sharing_a_system_prompt_go_to_the_replica_that_holds_it(client
     later = [ask(shop, q) for q in ("Are you open on Sundays?", "Can you fix a flat tyre?")]
     assert [replica for replica, _ in later] == [first, first]
     assert all(cached >= 256 for _, cached in later), later  # the system prompt's blocks came from the cache
-    other, _ = ask("You plan trips for the customers of a travel agency, in a few words. " * 20, "Where to go?")
-    assert other != first, "a new prefix goes to the replica holding fewer (both idle)"
+    # a long stream on the holder (one sequence per replica): a new prefix goes to the less busy replica
+    story = [{"role": "system", "content": shop}, {"role": "user", "content": "Tell me a long story."}]
+    with client.chat.completions.with_streaming_response.create(
+            model=MODEL, max_tokens=3000, stream=True, extra_body={"ignore_eos": True}, messages=story) as busy:
+        assert busy.headers["x-cpuserve-replica"] == first  # the headers come with its first token: it runs there
+        other, _ = ask("You plan trips for the customers of a travel agency, in a few words. " * 20, "Where to go?")
+    assert other != first, "a new prefix goes to the less busy replica"
