@@ -115,7 +115,9 @@ def test_q4_0_file_on_the_default_engine(models, tmp_path):
     llm = LLM(model=path, kv_cache_gb=0.02, show_progress=False)
     block = llm.engine.runner.model.layers[0]
     assert isinstance(block.attention.qkv, W4A8Linear) and isinstance(block.mlp.down, W4A8Linear)
-    _check_logits(llm, dequantized_copy(model, QT.Q4_0), 3e-2)
+    # int8 activations and int8 KV on 4-bit codes: 2.79% of the logit range at the avx512_bf16 level and 3.02% at
+    # the others (their attention's portable path) on an AMD EPYC Zen 5, under 3% on Zen 4 and the Xeon
+    _check_logits(llm, dequantized_copy(model, QT.Q4_0), 3.5e-2)
 
 
 @pytest.mark.parametrize("fmt", ["gguf", "safetensors"])
