@@ -53,7 +53,7 @@ class EngineConfig:
     seed: int = option(0, "Seed of the engine's generator for unseeded requests.")
     show_progress: bool = True
     # speculative decoding (engine/spec/): "ngram" drafts from each request's own tokens and the prefix cache's blocks.
-    # The thresholds below are conservative guesses, not yet measured on these CPUs.
+    # The thresholds below are measured (docs/engine.md, "Speculative decoding": bench/speculative.py).
     speculative: str | None = option(None, "Speculative decoding: \"ngram\" drafts tokens from each request's own "
                                      "text and from the prefix cache's blocks (no draft model), verified in the "
                                      "batched step; greedy output is unchanged. None = off.", SPECULATIVE_METHODS)
@@ -64,6 +64,9 @@ class EngineConfig:
                                  "compute-bound: rows cost).")
     spec_pause_after: int = 3  # a request whose drafts were wholly rejected this many steps in a row pauses ...
     spec_pause_steps: int = 16  # ... drafting for this many steps
+    # ... and so does one that shares its step with other requests while its drafts keep less than this share
+    # (a running average): beside others a row costs, alone it is almost free
+    spec_min_acceptance: float = 0.5
     # derived at startup
     num_blocks: int = field(default=0, init=False)
 
@@ -115,6 +118,8 @@ class EngineConfig:
             raise ValueError(f"spec_ngram_max={self.spec_ngram_max} must be >= spec_ngram_min={self.spec_ngram_min}")
         if self.spec_pause_steps < 0:
             raise ValueError(f"spec_pause_steps={self.spec_pause_steps} must be >= 0")
+        if not 0 <= self.spec_min_acceptance <= 1:
+            raise ValueError(f"spec_min_acceptance={self.spec_min_acceptance} must be between 0 and 1")
         if self.spec_tokens >= self.max_num_batched_tokens:
             raise ValueError(f"spec_tokens={self.spec_tokens} must be below max_num_batched_tokens="
                              f"{self.max_num_batched_tokens}")

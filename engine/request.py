@@ -59,6 +59,7 @@ class Request:
     num_accepted_tokens: int = 0
     num_rejected_drafts: int = 0  # verifications in a row that accepted no draft token
     drafts_paused_until: int = 0  # the scheduler's step number from which this request may draft again
+    draft_acceptance: float = 1.0  # running average of the share of each draft kept (SpecPolicy.record)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

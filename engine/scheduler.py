@@ -192,7 +192,8 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:  # finished on that token
                 return
         if item.num_draft_tokens:
-            self.spec_policy.record(request, len(token_ids) - 1, self.num_steps)
+            self.spec_policy.record(request, len(token_ids) - 1, item.num_draft_tokens, self.num_steps,
+                                    len(self.running))
             self.block_manager.trim(request, request.num_tokens)  # the rejected draft tokens' blocks
 
     def _item(self, request: Request, num_tokens: int, draft: list[int] = ()) -> ScheduledRequest:

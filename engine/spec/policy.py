@@ -3,10 +3,13 @@ drafts that keep failing.
 
 A verification row costs a step as much as a decode row. At small batches a step is bound by reading the weights,
 so extra rows come almost free and every accepted token saves a step; at large batches the step is compute-bound
-and rejected rows are pure loss (llama.cpp's lookup decoding: 1.10x at one slot, 0.77x at eight). So drafting is
-off in a step that runs more than max_batch requests, and a request whose drafts were wholly rejected pause_after
-times in a row drafts nothing for pause_steps steps. The defaults (EngineConfig.spec_*) are conservative guesses:
-they still need measuring on each CPU.
+and rejected rows are pure loss (llama.cpp's lookup decoding: 1.10x at one slot, 0.77x at eight). So:
+- drafting is off in a step that runs more than max_batch requests;
+- a request whose drafts were wholly rejected pause_after times in a row drafts nothing for pause_steps steps;
+- a request that shares its step with others pauses the same way while the running average of the share of its
+  drafts kept is below min_acceptance: alone, a request whose drafts keep a third of their tokens still gains, but
+  beside others its rejected rows cost more than its kept tokens save.
+The defaults (EngineConfig.spec_*) are measured with bench/speculative.py; docs/engine.md gives the figures.
 """
 
 from __future__ import annotations
@@ -23,10 +26,13 @@ class SpecPolicy:
     max_batch: int
     pause_after: int
     pause_steps: int
+    min_acceptance: float = 0.0
+    average_weight: float = 0.25  # of the latest draft in the running average of the share kept
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "SpecPolicy":
-        return cls(config.spec_tokens, config.spec_max_batch, config.spec_pause_after, config.spec_pause_steps)
+        return cls(config.spec_tokens, config.spec_max_batch, config.spec_pause_after, config.spec_pause_steps,
+                   config.spec_min_acceptance)
 
     def is_on(self, num_running: int) -> bool:
         """Drafting in a step that runs num_running requests."""
@@ -43,14 +49,16 @@ class SpecPolicy:
         return max(0, min(self.num_tokens, budget - 1, params.max_tokens - request.num_output_tokens - 1,
                           request.max_model_len - request.num_tokens - 1))
 
-    def record(self, request: Request, num_accepted: int, step: int) -> None:
-        """After a verification of the request's draft: pause its drafting after pause_after wholly rejected ones."""
-        if num_accepted:
+    def record(self, request: Request, num_accepted: int, num_drafted: int, step: int, num_running: int) -> None:
+        """After a verification of the request's draft in a step of num_running requests: pause its drafting after
+        pause_after wholly rejected ones, or when it shares the step and keeps too little of its drafts. A pause
+        restarts the running average, so the request tries again in full after it."""
+        request.draft_acceptance += self.average_weight * (num_accepted / num_drafted - request.draft_acceptance)
+        request.num_rejected_drafts = 0 if num_accepted else request.num_rejected_drafts + 1
+        if (request.num_rejected_drafts >= self.pause_after
+                or (num_running > 1 and request.draft_acceptance < self.min_acceptance)):
             request.num_rejected_drafts = 0
-            return
-        request.num_rejected_drafts += 1
-        if request.num_rejected_drafts >= self.pause_after:
-            request.num_rejected_drafts = 0
+            request.draft_acceptance = 1.0
             request.drafts_paused_until = step + 1 + self.pause_steps
 
 

@@ -101,14 +101,37 @@ def test_policy_caps_the_draft_and_pauses_a_request_whose_drafts_keep_failing():
     seeded.append_token(4)
     assert policy.max_draft(seeded, 1, 64) == 0  # a seeded sampled stream must not depend on the batch
     assert policy.is_on(2) and not policy.is_on(3)
-    policy.record(long, 0, step=5)
+    policy.record(long, 0, 2, step=5, num_running=1)
     assert long.drafts_paused_until == 0
-    policy.record(long, 0, step=6)  # second wholly rejected draft in a row: paused for steps 7, 8, 9
+    policy.record(long, 0, 2, step=6, num_running=1)  # second wholly rejected draft in a row: paused for 7, 8, 9
     assert long.drafts_paused_until == 10 and policy.max_draft(long, 9, 64) == 0 and policy.max_draft(long, 10, 64)
-    policy.record(long, 0, step=10)
-    policy.record(long, 1, step=11)  # an accepted token resets the count
-    policy.record(long, 0, step=12)
+    policy.record(long, 0, 2, step=10, num_running=1)
+    policy.record(long, 1, 2, step=11, num_running=1)  # an accepted token resets the count
+    policy.record(long, 0, 2, step=12, num_running=1)
     assert long.drafts_paused_until == 10
+
+
+def test_a_request_keeping_little_of_its_drafts_pauses_only_beside_others():
+    """Alone, a draft that keeps a quarter of its tokens still saves steps; beside other requests its rejected rows
+    cost them, so a running average of the share kept below min_acceptance pauses it (and restarts the average)."""
+    policy = SpecPolicy(num_tokens=4, max_batch=8, pause_after=3, pause_steps=5, min_acceptance=0.5)
+    alone = Request("a", [1, 2, 3], SamplingParams(max_tokens=50, temperature=0))
+    shared = Request("s", [1, 2, 3], SamplingParams(max_tokens=50, temperature=0))
+    for step in range(1, 21):
+        policy.record(alone, 1, 4, step=step, num_running=1)  # one of four kept, every time
+    assert alone.drafts_paused_until == 0 and alone.draft_acceptance < 0.3
+    paused_at = None
+    for step in range(1, 21):
+        policy.record(shared, 1, 4, step=step, num_running=3)
+        if shared.drafts_paused_until and paused_at is None:
+            paused_at = step
+    # the average falls 1.0 -> 0.81 -> 0.67 -> 0.56 -> 0.48: paused at the fourth draft, for 5 steps
+    assert paused_at == 4
+    assert shared.draft_acceptance >= 0.5  # restarted at each pause
+    keeper = Request("k", [1, 2, 3], SamplingParams(max_tokens=50, temperature=0))
+    for step, kept in enumerate([4, 3, 0, 4, 2, 0, 3, 4, 4, 1], start=1):  # most of it kept, two misses apart
+        policy.record(keeper, kept, 4, step=step, num_running=3)
+    assert keeper.drafts_paused_until == 0
 
 
 def test_a_draft_is_one_chunk_of_decode_rows_counted_in_the_budget():
