@@ -4,7 +4,8 @@
 // row): s = absmax / 127, q = round-half-even(x * (127 / absmax)), so x ~= s * q with q in [-127, 127]. A row's
 // codes and scales depend on that row alone, never on the batch it shares or the thread that quantizes it.
 //
-// Each group also gets the sum of its codes and axs = scale * that sum, for the weights' zero points (vnni_gemm.cpp).
+// Each group also gets the sum of its codes and act_sums = scale * that sum, for the weights' zero points
+// (vnni_epilogue.h).
 // engine/layers/linear/act_int8.py's quantize_rows is the plain-torch reference. The AVX2 build (avx2_gemm.h)
 // computes the same codes and floats, 8 lanes at a time: the same multiply, rounding and sums per element.
 #pragma once
@@ -42,18 +43,19 @@ inline void quantize_row(const c10::BFloat16* x, int64_t K, int64_t act_group, i
 }
 
 // The zero points' terms per sum group g of `sum_group` inputs (the activation group, or the weight group when an
-// activation group spans several): qs[g] = the sum of the row's codes in g; axs[g] = scale * qs[g] when g is an
-// activation group, else qs[g] as a float (the kernel multiplies by the activation's scale after the weight groups);
-// qs16 (optional) [g] = qs[g] as int16, which holds it for groups of up to 256 inputs (used only there).
+// activation group spans several): code_sums[g] = the sum of the row's codes in g; act_sums[g] = scale * code_sums[g]
+// when g is an activation group, else code_sums[g] as a float (the kernel multiplies by the activation's scale after
+// the weight groups); code_sums16 (optional) [g] = code_sums[g] as int16, which holds it for groups of up to 256
+// inputs (used only there).
 inline void group_sums(const int8_t* q, const float* scale, int64_t K, int64_t act_group, int64_t sum_group,
-                       float* axs, int32_t* qs, int16_t* qs16 = nullptr) {
+                       float* act_sums, int32_t* code_sums, int16_t* code_sums16 = nullptr) {
   for (int64_t g0 = 0, g = 0; g0 < K; g0 += sum_group, ++g) {
     __m512i sum = _mm512_setzero_si512();
     for (int64_t k = g0; k < g0 + sum_group; k += 16)
       sum = _mm512_add_epi32(sum, _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k))));
-    qs[g] = _mm512_reduce_add_epi32(sum);
-    if (qs16) qs16[g] = static_cast<int16_t>(qs[g]);
-    axs[g] = (sum_group == act_group ? scale[g] : 1.f) * static_cast<float>(qs[g]);
+    code_sums[g] = _mm512_reduce_add_epi32(sum);
+    if (code_sums16) code_sums16[g] = static_cast<int16_t>(code_sums[g]);
+    act_sums[g] = (sum_group == act_group ? scale[g] : 1.f) * static_cast<float>(code_sums[g]);
   }
 }
 
@@ -110,14 +112,14 @@ inline void quantize_row(const c10::BFloat16* x, int64_t K, int64_t act_group, i
 
 // As the AVX-512 group_sums above
 inline void group_sums(const int8_t* q, const float* scale, int64_t K, int64_t act_group, int64_t sum_group,
-                       float* axs, int32_t* qs, int16_t* qs16 = nullptr) {
+                       float* act_sums, int32_t* code_sums, int16_t* code_sums16 = nullptr) {
   for (int64_t g0 = 0, g = 0; g0 < K; g0 += sum_group, ++g) {
     __m256i sum = _mm256_setzero_si256();
     for (int64_t k = g0; k < g0 + sum_group; k += 8)
       sum = _mm256_add_epi32(sum, _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k))));
-    qs[g] = reduce_add8(sum);
-    if (qs16) qs16[g] = static_cast<int16_t>(qs[g]);
-    axs[g] = (sum_group == act_group ? scale[g] : 1.f) * static_cast<float>(qs[g]);
+    code_sums[g] = reduce_add8(sum);
+    if (code_sums16) code_sums16[g] = static_cast<int16_t>(code_sums[g]);
+    act_sums[g] = (sum_group == act_group ? scale[g] : 1.f) * static_cast<float>(code_sums[g]);
   }
 }
 

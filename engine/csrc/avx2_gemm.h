@@ -4,7 +4,7 @@
 //
 // The same scheme on the same packed operands (vnni_layouts.h) and activations (act_quant.h): each group's integer
 // sums are exact (avx2_layouts.h: vpmaddubsw within its int16 bounds, or AVX-VNNI's vpdpbusd on 8 lanes), and
-// every output element's fp32 epilogue is vnni_gemm.cpp's register blocks' own, the same operations in the same
+// every output element's fp32 epilogue is vnni_epilogue.h's own, the same operations in the same
 // order (block, block_nested; their AMX path gives the same bits). So this build's output is the AVX-512 build's,
 // bit for bit (tests/engine/test_kernel_levels.py compares them), whatever the rows, the tiling or the threads.
 //
@@ -17,6 +17,7 @@
 #include <ATen/ATen.h>
 
 #include "avx2_layouts.h"
+#include "int8_gemm_operands.h"
 #include "tasks.h"
 
 #if defined(CPUSERVE_AVX2_GEMM)
@@ -29,37 +30,27 @@ namespace cpuserve_avx2 {
 using bf16 = at::BFloat16;
 constexpr int64_t kPrefetch = 1024;    // bytes ahead in a column block's stream, in the first register block of rows
 constexpr int64_t kTasksPerThread = 4;  // runs of column blocks per thread (vnni_gemm.cpp's decode tasks)
-constexpr int64_t kInt16Group = 256;    // the largest weight group whose code sums fit int16 (zero_term)
 constexpr int kRows = 4;
 
+// The operands (int8_gemm_operands.h) and the register blocks over them
 template <int Bits, typename Scales>
-struct Gemm {
+struct Gemm : cpuserve_int8::GemmOperands<Scales> {
   using W = Codes<Bits>;
-  const int8_t* q;        // [M, K] activation codes
-  const float *ax, *axs;  // [M, K / act_group], [M, G]
-  const int32_t* qs;      // [M, G]: sum of the codes (G: the integer sums' groups)
-  const int16_t* qs16;    // the same as int16 (zero_term)
-  const float* axt;       // [M]: sum of the row's axs (the per-channel form's zero term)
-  const uint8_t* w;       // packed
-  Scales scales;
-  int32_t z;      // the symmetric form's zero code
-  float unscale;  // the symmetric form's 2^-e
-  int64_t K, act_group, S, N;
-  bf16* out;
-  int64_t ldo;
+  using Operands = cpuserve_int8::GemmOperands<Scales>;
+  using Operands::act_codes, Operands::act_scales, Operands::act_sums, Operands::code_sums, Operands::code_sums16;
+  using Operands::act_row_sum, Operands::packed, Operands::scales, Operands::zero_code, Operands::unscale;
+  using Operands::K, Operands::act_group, Operands::num_weight_groups, Operands::N, Operands::out, Operands::out_stride;
+  using Operands::num_act_groups, Operands::is_nested, Operands::has_int_zero_term;
 
-  bool nested() const { return S > K / act_group; }
-  bool int_mins_zero() const { return nested() && scales.int_mins(S / (K / act_group)) && K / S <= kInt16Group; }
-
-  // acc[r][h] = the integer sums of rows m + r, column block b, over group g (of G a row: inputs [k0, k1)), with
-  // the symmetric form's zero term -z * sum q and, for 8-bit codes taken as signed bytes (avx2_layouts.h), the
+  // acc[r][h] = the integer sums of rows m + r, column block b, over group g (of num_groups a row: inputs [k0, k1)),
+  // with the symmetric form's zero term -z * sum q and, for 8-bit codes taken as signed bytes (avx2_layouts.h), the
   // 128 * sum q they leave out. The 4-bit form without AVX-VNNI adds that term after its chunks, so that no
   // accumulator waits beside theirs.
   template <int R, int Steps>
-  CPUSERVE_HOT void group_sums(__m256i (&acc)[R][2], int64_t m, int64_t g, int64_t G, bool symmetric, int64_t k0,
-                               int64_t k1, int64_t b, int64_t ahead) const {
-    const int32_t shift = Bits == 8 && !kVnni ? 128 : 0, zero = symmetric ? z : 0;
-    const auto term = [&](int r) { return _mm256_set1_epi32((shift - zero) * qs[(m + r) * G + g]); };
+  CPUSERVE_HOT void group_sums(__m256i (&acc)[R][2], int64_t m, int64_t g, int64_t num_groups, bool symmetric,
+                               int64_t k0, int64_t k1, int64_t b, int64_t ahead) const {
+    const int32_t shift = Bits == 8 && !kVnni ? 128 : 0, zero = symmetric ? zero_code : 0;
+    const auto term = [&](int r) { return _mm256_set1_epi32((shift - zero) * code_sums[(m + r) * num_groups + g]); };
     if constexpr (Bits == 4 && !kVnni) {
       sums<R, Steps>(acc, m, k0, k1, b, ahead);
       if (zero != 0)
@@ -107,8 +98,8 @@ struct Gemm {
   // acc = them); Steps > 0: k1 - k0 is Steps * W::kStep (unrolled)
   template <int R, int Steps>
   CPUSERVE_HOT void sums(__m256i (&acc)[R][2], int64_t m, int64_t k0, int64_t k1, int64_t b, int64_t ahead) const {
-    const int8_t* qm = q + m * K;
-    const uint8_t* base = w + b * K * 2 * Bits;
+    const int8_t* qm = act_codes + m * K;
+    const uint8_t* base = packed + b * K * 2 * Bits;
     constexpr bool kChunks = Bits == 4 && !kVnni;
     if constexpr (!kChunks) {
       if constexpr (Steps > 0) {
@@ -141,16 +132,16 @@ struct Gemm {
   }
 
   // Rows m..m+R-1 of column block b where each activation group is one weight group or holds every weight group
-  // (per channel): vnni_gemm.cpp's block
+  // (per channel): vnni_register_blocks.h's block
   template <int R, int Steps>
   void block(int64_t m, int64_t b, int64_t ahead) const {
-    const int64_t A = K / act_group;
-    const bool per_channel = S == 1, symmetric = scales.symmetric();
+    const int64_t act_groups = K / act_group;
+    const bool per_channel = num_weight_groups == 1, symmetric = scales.symmetric();
     __m256 y[R][2];
     for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < A; ++g) {
+    for (int64_t g = 0; g < act_groups; ++g) {
       __m256i acc[R][2];
-      group_sums<R, Steps>(acc, m, g, A, symmetric, g * act_group, (g + 1) * act_group, b, ahead);
+      group_sums<R, Steps>(acc, m, g, act_groups, symmetric, g * act_group, (g + 1) * act_group, b, ahead);
       group_terms<R>(y, acc, m, g, b, per_channel, symmetric);
     }
     if (per_channel) channel_terms<R>(y, m, b, symmetric);
@@ -160,10 +151,10 @@ struct Gemm {
   template <int R>
   CPUSERVE_HOT void group_terms(__m256 (&y)[R][2], const __m256i (&acc)[R][2], int64_t m, int64_t g, int64_t b,
                                 bool per_channel, bool symmetric) const {
-    const int64_t A = K / act_group;
+    const int64_t act_groups = K / act_group;
     if (per_channel) {
       for (int r = 0; r < R; ++r) {
-        const __m256 a = _mm256_set1_ps(ax[(m + r) * A + g]);
+        const __m256 a = _mm256_set1_ps(act_scales[(m + r) * act_groups + g]);
         for (int h = 0; h < 2; ++h) y[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), a, y[r][h]);
       }
       return;
@@ -172,9 +163,9 @@ struct Gemm {
       const __m256 sv = scales.scale(b, g, h);
       const __m256 zv = symmetric ? _mm256_setzero_ps() : scales.zoff(b, g, h);
       for (int r = 0; r < R; ++r) {
-        const __m256 t = _mm256_mul_ps(sv, _mm256_set1_ps(ax[(m + r) * A + g]));
+        const __m256 t = _mm256_mul_ps(sv, _mm256_set1_ps(act_scales[(m + r) * act_groups + g]));
         y[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), t, y[r][h]);
-        if (!symmetric) y[r][h] = _mm256_fmadd_ps(zv, _mm256_set1_ps(axs[(m + r) * A + g]), y[r][h]);
+        if (!symmetric) y[r][h] = _mm256_fmadd_ps(zv, _mm256_set1_ps(act_sums[(m + r) * act_groups + g]), y[r][h]);
       }
     }
   }
@@ -189,52 +180,56 @@ struct Gemm {
       }
       const __m256 zv = scales.zoff(b, 0, h);
       for (int r = 0; r < R; ++r)
-        y[r][h] = _mm256_fmadd_ps(y[r][h], sv, _mm256_mul_ps(zv, _mm256_set1_ps(axt[m + r])));
+        y[r][h] = _mm256_fmadd_ps(y[r][h], sv, _mm256_mul_ps(zv, _mm256_set1_ps(act_row_sum[m + r])));
     }
   }
 
-  // Rows m..m+R-1 of column block b where an activation group spans sub = S / A weight groups of K / S inputs
-  // (a K-quant's super-block): vnni_gemm.cpp's block_nested, with its weight_group_terms, activation_group_terms
-  // and zero_term
+  // Rows m..m+R-1 of column block b where an activation group spans per_act_group weight groups (a K-quant's
+  // super-block): vnni_register_blocks.h's block_nested, with vnni_epilogue.h's weight_group_terms,
+  // activation_group_terms and zero_term
   template <int R, int Steps>
   void block_nested(int64_t m, int64_t b, int64_t ahead) const {
-    const int64_t A = K / act_group, sub = S / A, group = K / S;
-    const bool symmetric = scales.symmetric(), int_mins = !symmetric && int_mins_zero();
+    const int64_t act_groups = K / act_group, per_act_group = num_weight_groups / act_groups;
+    const int64_t group = K / num_weight_groups;
+    const bool symmetric = scales.symmetric(), int_mins = !symmetric && has_int_zero_term();
     __m256 y[R][2];
     for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
-    for (int64_t a = 0; a < A; ++a) {
+    for (int64_t a = 0; a < act_groups; ++a) {
       __m256 t[R][2];
       for (int r = 0; r < R; ++r) t[r][0] = t[r][1] = _mm256_setzero_ps();
-      for (int64_t g = a * sub; g < (a + 1) * sub; ++g) {
+      for (int64_t g = a * per_act_group; g < (a + 1) * per_act_group; ++g) {
         __m256i acc[R][2];
-        group_sums<R, Steps>(acc, m, g, S, symmetric, g * group, (g + 1) * group, b, ahead);
+        group_sums<R, Steps>(acc, m, g, num_weight_groups, symmetric, g * group, (g + 1) * group, b, ahead);
         for (int h = 0; h < 2; ++h) {
           const __m256 sv = scales.scale(b, g, h);
           for (int r = 0; r < R; ++r) t[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), sv, t[r][h]);
           if (symmetric || int_mins) continue;
           const __m256 zv = scales.zoff(b, g, h);
-          for (int r = 0; r < R; ++r) t[r][h] = _mm256_fmadd_ps(zv, _mm256_set1_ps(axs[(m + r) * S + g]), t[r][h]);
+          for (int r = 0; r < R; ++r)
+            t[r][h] = _mm256_fmadd_ps(zv, _mm256_set1_ps(act_sums[(m + r) * num_weight_groups + g]), t[r][h]);
         }
       }
-      if (int_mins) zero_term<R>(t, m, a * sub, sub, b);
+      if (int_mins) zero_term<R>(t, m, a * per_act_group, per_act_group, b);
       for (int r = 0; r < R; ++r) {
-        const __m256 av = _mm256_set1_ps(ax[(m + r) * A + a]);
+        const __m256 av = _mm256_set1_ps(act_scales[(m + r) * act_groups + a]);
         for (int h = 0; h < 2; ++h) y[r][h] = _mm256_fmadd_ps(t[r][h], av, y[r][h]);
       }
     }
     store<R>(m, b, y);
   }
 
-  // t += -dmin * the sum over groups g0..g0+sub-1 of sub_min * (the row's code sum of the group): exact int32 sums
+  // t += -dmin * the sum over groups g0..g0+per_act_group-1 of sub_min * (the row's code sum of the group): exact
+  // int32 sums
   template <int R>
-  CPUSERVE_HOT void zero_term(__m256 (&t)[R][2], int64_t m, int64_t g0, int64_t sub, int64_t b) const {
+  CPUSERVE_HOT void zero_term(__m256 (&t)[R][2], int64_t m, int64_t g0, int64_t per_act_group, int64_t b) const {
     for (int h = 0; h < 2; ++h) {
       __m256i zi[R];
       for (int r = 0; r < R; ++r) zi[r] = _mm256_setzero_si256();
-      for (int64_t g = g0; g < g0 + sub; g += 2) {
+      for (int64_t g = g0; g < g0 + per_act_group; g += 2) {
         const __m256i mins = scales.min_pair(b, g, h);
         for (int r = 0; r < R; ++r) {
-          const __m256i pair = broadcast4(reinterpret_cast<const int8_t*>(qs16 + (m + r) * S + g));  // g's, g + 1's
+          const auto* sums16 = code_sums16 + (m + r) * num_weight_groups + g;  // g's, g + 1's
+          const __m256i pair = broadcast4(reinterpret_cast<const int8_t*>(sums16));
           zi[r] = _mm256_add_epi32(zi[r], _mm256_madd_epi16(mins, pair));
         }
       }
@@ -249,7 +244,7 @@ struct Gemm {
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < 2; ++h) {
         const __m256 v = unscaled ? _mm256_mul_ps(y[r][h], _mm256_set1_ps(unscale)) : y[r][h];
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (m + r) * ldo + b * 16 + 8 * h), to_bf16(v));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (m + r) * out_stride + b * 16 + 8 * h), to_bf16(v));
       }
   }
 
@@ -273,14 +268,15 @@ struct Gemm {
 
   // all_rows with a group's steps fixed at compile time where the group is 16 or 32 inputs
   void all_rows_fixed(int64_t M, int64_t b) const {
-    const int64_t group = nested() ? K / S : (S == 1 && act_group != 32 ? 0 : act_group);
+    const bool per_channel = num_weight_groups == 1;
+    const int64_t group = is_nested() ? K / num_weight_groups : (per_channel && act_group != 32 ? 0 : act_group);
     const auto fixed = [&](auto nest) {
       constexpr int Nest = decltype(nest)::value;
       if (group == 32 && 32 % W::kStep == 0) return all_rows<32 / W::kStep, Nest>(M, b);
       if (group == 16 && 16 % W::kStep == 0) return all_rows<16 / W::kStep, Nest>(M, b);
       all_rows<0, Nest>(M, b);
     };
-    if (nested()) return fixed(std::integral_constant<int, 1>{});
+    if (is_nested()) return fixed(std::integral_constant<int, 1>{});
     fixed(std::integral_constant<int, 0>{});
   }
 

@@ -44,7 +44,7 @@ using cpuserve_simd::load16;
 
 // Every helper below sits inside the GEMMs' innermost loops. GCC 12 left some out of line at some call sites (a
 // decode block's Codes<6>::load and SuperScales::scale were calls, their results passed through memory), so they
-// are inlined by force, as vnni_gemm.cpp's own loop helpers are.
+// are inlined by force, as vnni_register_blocks.h's own loop helpers are.
 #define CPUSERVE_HOT inline __attribute__((always_inline))
 
 // acc += w (unsigned bytes) . the 4 signed bytes at p, broadcast to every lane inside the instruction ({1to16}): GCC
@@ -89,9 +89,9 @@ struct Codes {
 };
 
 // Scales and zoffs as stored: fp32 or fp16 [N/16, S, 16] (S = 1: per channel), zo null when symmetric. b0: the
-// first column block the arrays hold (0, or a tile's copy of a few blocks: Gemm::TileView). A tile's copy of a
+// first column block the arrays hold (0, or a tile's copy of a few blocks: vnni_column_tiles.h). A tile's copy of a
 // K-quant's factored scales may also keep its integer sub-mins (SuperScales::min_pair, neg_dmin) as pairs
-// [blocks, S/2, 16] and -dmin [blocks, S >> shift, 16], for the zero term's integer sums (Gemm::block_nested).
+// [blocks, S/2, 16] and -dmin [blocks, S >> shift, 16], for the zero term's integer sums (vnni_epilogue.h zero_term).
 template <typename T>
 struct StoredScales {
   static constexpr bool kFactored = false;

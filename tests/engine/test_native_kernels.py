@@ -277,11 +277,13 @@ def test_each_lower_level_loads_and_reproduces_torchs_kernels():
         assert done.stdout.split() == [level.name, avx512, avx512, "True"]
 
 
-# The int8 GEMMs' innermost helpers (vnni_gemm.cpp, vnni_layouts.h; avx2_gemm.h, avx2_layouts.h). Built out of line,
-# even at one call site, their operands go through memory every step: GCC 12 did that to group_dots' step and to
-# Codes<6>::load and SuperScales::scale, and SmolLM2's 4-bit GEMMs at 512 rows made 101 G multiply-adds a second on
-# one thread, not 152.
-HOT_HELPERS = re.compile(r"::(group_dots|dots|zero_term)<|Gemm<.*>::(step|sums|group_sums|group_terms|channel_terms)<"
+# The int8 GEMMs' innermost helpers (vnni_register_blocks.h, vnni_epilogue.h, vnni_layouts.h; avx2_gemm.h,
+# avx2_layouts.h). Built out of line, even at one call site, their operands go through memory every step: GCC 12 did
+# that to the step of a group's dot products and to Codes<6>::load and SuperScales::scale, and SmolLM2's 4-bit GEMMs
+# at 512 rows made 101 G multiply-adds a second on one thread, not 152.
+HOT_HELPERS = re.compile(r"cpuserve_vnni::(step_dots|group_sums|group_terms|channel_terms|weight_group_terms"
+                         r"|activation_group_terms|zero_term|store|tile_group_sums|store_tile_sums)<"
+                         r"|Gemm<.*>::(step|sums|group_sums|group_terms|channel_terms|zero_term)<"
                          r"|cpuserve_(vnni|avx2)::(Codes<\d+>::load|(Stored|Super)Scales<[^<>]*>::\w+|dpbusd\w*"
                          r"|broadcast4|load8\w*|to_bf16)\(|cpuserve_simd::to_bf16_exact\(")
 
