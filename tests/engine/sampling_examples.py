@@ -19,7 +19,9 @@ from cpuserve.serving.tools import HERMES, tool_grammar
 
 BASE = {"max_tokens": 12, "temperature": 0.0}
 CHAT = [{"role": "user", "content": "Name three fruits and say which one you like best, and why."}]
-SHORT_CHAT = [{"role": "user", "content": "Answer with one word: is the sky blue?"}]  # ends on eos early
+# ends on eos early (8 tokens: "The capital of France is Paris."); "Answer with one word: is the sky blue?" ended
+# within 12 tokens on Zen 4 and the Xeon, but not on a Zen 5, whose torch arithmetic moves a near-tie
+SHORT_CHAT = [{"role": "user", "content": "What is the capital of France? One word."}]
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cpuserve.engine.layers import native
 from cpuserve.engine.layers.linear import QuantLinear
 from cpuserve.engine.layers.linear.act_int8 import Int8ActLinear
 from cpuserve.engine.llm import LLM
@@ -149,6 +150,8 @@ def test_with_the_prompt_scheme_each_row_keeps_its_role_and_each_prompt_its_toke
     monkeypatch.setattr(Int8ActLinear, "has_prompt_kernel", lambda self: True)
     monkeypatch.setattr(Int8ActLinear, "_prompt_gemm_into",
                         lambda self, x2, y: _reference_prompt_gemm(rows, self, x2, y))
+    # gate_up's fused SiLU is the AMX kernel's too: without AMX-BF16 the stand-in GEMM runs and SiLU follows it
+    monkeypatch.setattr(Int8ActLinear, "has_prompt_silu_kernel", lambda self: native.amx_bf16_gemm_enabled())
     roomy = LLM(kv_cache_gb=0.25, show_progress=False)
     small = small_engine(roomy)
     assert all(llm.engine.runner.has_prompt_scheme and llm.engine.block_manager.key_by_role for llm in (roomy, small))
