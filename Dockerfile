@@ -12,9 +12,11 @@
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
-# Optional: point pip at a mirror or at a CPU-only torch index (a CUDA torch build is gigabytes larger).
+# Optional: point pip at a mirror, at a CPU-only torch index (a CUDA torch build is gigabytes larger) or at a
+# folder of wheels mounted into the build (PIP_FIND_LINKS).
 ARG PIP_INDEX_URL
 ARG PIP_EXTRA_INDEX_URL
+ARG PIP_FIND_LINKS
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/cpuserve

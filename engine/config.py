@@ -27,11 +27,14 @@ class EngineConfig:
     """Everything the engine needs to start. Unknown keys are filtered by `from_kwargs`."""
 
     model: str | None = option(None, "GGUF file or Hugging Face folder; None = the embedded SmolLM2-135M-Instruct.")
-    weights: str = option("int4", "Runtime weight format.", WEIGHT_FORMATS)
-    group_size: int = option(32, "int4 quantization group along the input dimension.", GROUP_SIZES)
-    activations: str = option("int8", "What int4 / int8 weights multiply: int8 (one scale per 32 inputs, VNNI dot "
-                              "products), int8-token (one scale per token, weights int8 only: vLLM's W8A8 scheme, the "
-                              "throughput mode, docs/engine.md) or bf16 (exact).", ACTIVATION_FORMATS)
+    weights: str = option("int4", "Runtime weight format: int4 codes in groups, int8 per output channel, bf16 "
+                          "or fp32.", WEIGHT_FORMATS)
+    group_size: int = option(32, "int4 quantization group along the input dimension (weights int4 only).",
+                            GROUP_SIZES)
+    activations: str = option("int8", "What int4 / int8 weights multiply: int8 (one scale per 32 inputs: the default, "
+                              "within 1% of fp32's perplexity), int8-token (one scale per token, weights int8 only: "
+                              "vLLM's W8A8 scheme, the throughput mode for long prompts at a few % of perplexity; "
+                              "docs/engine.md) or bf16 (exact).", ACTIVATION_FORMATS)
     kv_cache: str = option("int8", "KV cache element type; int8 keeps one fp32 scale per token and KV head.",
                            KV_CACHE_DTYPES)
     kv_cache_gb: float = option(1.0, "Memory budget of the KV block pool (each replica's), GiB.")

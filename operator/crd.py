@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic.alias_generators import to_camel
+
+from cpuserve.engine.config import engine_option
 from cpuserve.operator.spec import LLMServiceSpec
+from cpuserve.serving.serve_options import SERVE_OPTION_HELP, described
 
 GROUP = "cpuserve.dev"
 VERSION = "v1alpha1"
@@ -88,11 +92,29 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
     return out
 
 
+def option_help(serve_name: str) -> str:
+    """The help of the `cpuserve serve` option `serve_name`: serve_options.py's, or else EngineConfig's."""
+    return SERVE_OPTION_HELP.get(serve_name) or engine_option(serve_name)[1]
+
+
+def _with_option_help(schema: dict[str, Any]) -> None:
+    """Each field that sets a `cpuserve serve` option describes it with that option's help first, then with its own
+    docstring (what holds on Kubernetes), so the two never tell different stories."""
+    from cpuserve.operator.serve_document import SERVE_FIELDS_FROM_SPEC  # it imports this module's names
+
+    for serve_name, path in SERVE_FIELDS_FROM_SPEC.items():
+        node = schema
+        for name in path.split("."):
+            node = node["properties"][to_camel(name)]
+        node["description"] = described(option_help(serve_name), node.get("description", ""))
+
+
 def spec_schema() -> dict[str, Any]:
     """The OpenAPI v3 schema of .spec."""
     raw = LLMServiceSpec.model_json_schema(by_alias=True)
     schema = _structural(raw, raw.get("$defs", {}))
     schema["description"] = "Desired state of a served model."
+    _with_option_help(schema)
     return schema
 
 

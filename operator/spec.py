@@ -1,7 +1,8 @@
 """The LLMService spec (desired state) as pydantic models: the one definition the CRD schema is built from.
 
-Field docstrings become the CRD's descriptions (see crd.py); ranges, enums and patterns become its
-validation, so the API server rejects what these models reject. Cross-field rules that a schema cannot say
+Field docstrings become the CRD's descriptions (see crd.py); a field that sets a `cpuserve serve` option
+(serve_document.SERVE_FIELDS_FROM_SPEC) has that option's help first, and its docstring says only what holds on
+Kubernetes. Ranges, enums and patterns become its validation, so the API server rejects what these models reject. Cross-field rules that a schema cannot say
 (KV budget over the memory, ranks over the sockets allowed, a checkpoint type the format does not have)
 live in validation.py and surface as the ValidationFailed condition.
 """
@@ -66,22 +67,16 @@ class QuantizationSpec(Spec):
     # API offers the two INT4 recipes of DESIGN.md (32, 128); the engine also takes 64 (`cpuserve serve --group-size
     # 64`). Adding 64 here stays possible; removing a value from a CRD enum is not, as stored objects may hold it.
     weights: Literal[WEIGHT_FORMATS] = Field("int4", json_schema_extra=_CEL_BOUND)  # type: ignore[valid-type]
-    """Runtime weight format: int4 codes in groups, int8 per output channel, bf16 or fp32."""
     group_size: Literal[32, 128] = 32
-    """INT4 group size (weights int4 only)."""
     activations: Literal[ACTIVATION_FORMATS] = Field("int8", json_schema_extra=_CEL_BOUND)  # type: ignore[valid-type]
-    """What int4 / int8 weights multiply: int8 (one scale per 32 inputs: the default, within 1% of fp32's
-    perplexity), int8-token (one scale per token, weights int8 only: vLLM's W8A8 scheme, the throughput mode for
-    long prompts at a few % of perplexity; docs/engine.md) or bf16 (exact)."""
     kv_cache: Literal[KV_CACHE_DTYPES] = "int8"  # type: ignore[valid-type]
-    """KV cache element type; int8 keeps one fp32 scale per token and head."""
 
 
 class ResourcesSpec(Spec):
     cpus_per_rank: int = Field(2, ge=1, le=512)
-    """Exclusive cores per rank pod: one NUMA node's share (Guaranteed QoS, static CPU manager)."""
+    """Each rank pod's exclusive cores: one NUMA node's share (Guaranteed QoS, static CPU manager)."""
     kv_cache_gb: float = Field(1.0, gt=0, le=4096)
-    """KV block pool budget per rank, GiB."""
+    """Each rank pod's memory counts all of it."""
     overhead_gb: float = Field(1.0, ge=0, le=256)
     """Runtime overhead per rank (Python, torch, Ray worker, activations), GiB."""
     memory_per_rank_gb: float | None = Field(None, gt=0, le=8192)
@@ -101,24 +96,15 @@ class BatchingSpec(Spec):
     # clients: 256. The API server stores these defaults in every LLMService created without them, so changing
     # them would restart running services; the head pod always gets all three explicitly (serve_document.serve_fields).
     max_num_seqs: int = Field(32, ge=1, le=4096)
-    """Most sequences in one engine step."""
     max_num_batched_tokens: int = Field(2048, ge=16, le=1_048_576)
-    """Token budget of one engine step (prefill chunks + decodes)."""
     max_queued_requests: int = Field(256, ge=0, le=1_000_000)
-    """Requests waiting beyond which new ones are refused."""
     max_queued_tokens: int | None = Field(None, ge=1, le=1_000_000_000)
-    """Prompt tokens one replica group holds admitted but not yet prefilled; a request that would pass it is refused
-    (HTTP 503 with Retry-After, gRPC RESOURCE_EXHAUSTED). It bounds the time to first token. Omitted: 10 s of
-    prefill at the measured rate (975 tokens/s per core x cpusPerRank x ranksPerReplica)."""
 
 
 class PortsSpec(Spec):
     grpc: int = Field(9000, ge=1024, le=65535)
-    """gRPC port (cpuserve.v1)."""
     http: int = Field(8000, ge=1024, le=65535)
-    """OpenAI-compatible HTTP port."""
     metrics: int = Field(8080, ge=1024, le=65535)
-    """Prometheus metrics port."""
     engine_metrics: int = Field(8081, ge=1024, le=65535)
     """Port on which each rank pod that runs a replica group's engine serves that engine's gauges in vLLM's names
     (the Gateway API Inference Extension's model-server protocol: what an endpoint picker and an HPA read)."""
@@ -159,7 +145,7 @@ class LLMServiceSpec(Spec):
     replicas: int = Field(1, ge=0, le=256)
     """Replica groups (each serves the whole model)."""
     ranks_per_replica: int = Field(1, ge=1, le=64)
-    """Ranks (sockets) per replica group; the model is sharded across them."""
+    """Each rank is a pod of its own."""
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     """CPUs and memory per rank and for the head."""
     batching: BatchingSpec = Field(default_factory=BatchingSpec)

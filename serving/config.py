@@ -19,6 +19,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from cpuserve.engine.config import (ACTIVATION_FORMATS, GROUP_SIZES, KV_CACHE_DTYPES, OPTIONS, SPECULATIVE_METHODS,
                                     WEIGHT_FORMATS, EngineConfig, engine_option)
 from cpuserve.engine.settings import SERVE_PREFIX
+from cpuserve.serving.serve_options import SERVE_OPTION_HELP, described
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 PATH_FIELDS = ("model", "api_key_file", "tls_cert_file", "tls_key_file")  # files the serving host must have
@@ -38,6 +39,11 @@ def engine_field(name: str, default: Any = ..., **constraints: Any) -> Any:
     """A ServeConfig field that is EngineConfig's `name`: the engine's help, and its default unless one is given."""
     engine_default, help, _ = engine_option(name)
     return Field(engine_default if default is ... else default, description=help, **constraints)
+
+
+def serve_field(name: str, default: Any, extra: str = "", **constraints: Any) -> Any:
+    """A ServeConfig field the LLMService CRD offers too: its help is serve_options.py's, then `extra`."""
+    return Field(default, description=described(SERVE_OPTION_HELP[name], extra), **constraints)
 
 
 class ServeConfig(BaseSettings):
@@ -71,11 +77,11 @@ class ServeConfig(BaseSettings):
     # -- replicas and placement ---------------------------------------------------------------------------
     replicas: int = Field(1, ge=1)
     """LLMServer replicas (replica groups), one engine each."""
-    ranks_per_replica: int = Field(1, ge=1)
-    """Tensor-parallel ranks (sockets) of one replica group, at most the model's KV heads: rank 0 in the
-    LLMServer replica, ranks 1..k-1 in Ray actors of the replica's placement group (serving/rank_actors.py)."""
-    cpus_per_rank: int = Field(2, ge=1)
-    """Ray CPUs reserved per rank (one placement group bundle each); every rank uses this many torch threads."""
+    ranks_per_replica: int = serve_field("ranks_per_replica", 1, "Rank 0 runs in the LLMServer replica, ranks "
+                                         "1..k-1 in Ray actors of the replica's placement group (serving/rank_actors.py).",
+                                         ge=1)
+    cpus_per_rank: int = serve_field("cpus_per_rank", 2, "Ray reserves them per rank (one placement group bundle "
+                                     "each).", ge=1)
     socket_resource: str | None = None
     """Custom Ray resource each rank asks one unit of (Kubernetes: one per NUMA-pinned pod)."""
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
@@ -93,13 +99,8 @@ class ServeConfig(BaseSettings):
     serve: Ray Serve's own default router, unchanged: power of two choices over every replica, blind to models."""
 
     # -- admission ----------------------------------------------------------------------------------------
-    max_queued_requests: int = Field(64, ge=0)
-    """Requests allowed to wait beyond the running batches (replicas x max_num_seqs); more get 503 (gRPC
-    RESOURCE_EXHAUSTED) with Retry-After."""
-    max_queued_tokens: int | None = Field(None, ge=1)
-    """Prompt tokens one replica holds admitted but not yet prefilled; a request that would pass it gets 503 (gRPC
-    RESOURCE_EXHAUSTED) with Retry-After (one is always admitted into an empty queue). It bounds the time to first
-    token: None = 10 s of prefill at the measured rate, 975 tokens/s per core x cpus_per_rank x ranks_per_replica."""
+    max_queued_requests: int = serve_field("max_queued_requests", 64, ge=0)
+    max_queued_tokens: int | None = serve_field("max_queued_tokens", None, ge=1)
     max_request_bytes: int = Field(1 << 20, ge=1024)
     """Largest HTTP body or gRPC prompt accepted."""
     stream_interval_ms: float = Field(0.0, ge=0, le=1000)
@@ -115,21 +116,18 @@ class ServeConfig(BaseSettings):
     # -- endpoints ----------------------------------------------------------------------------------------
     host: str = "127.0.0.1"
     """Address of the HTTP, gRPC (with direct_grpc) and metrics endpoints."""
-    grpc_port: int = Field(9000, ge=1, le=65535)
-    """gRPC endpoint (cpuserve.v1.Inference)."""
+    grpc_port: int = serve_field("grpc_port", 9000, ge=1, le=65535)
     direct_grpc: bool = True
     """The Ingress replica serves gRPC on grpc_port itself (serving/direct_grpc.py, on `host`), one process hop
     less per message than through Serve's gRPC proxy, which is then not started. False: Serve's proxy listens on
     grpc_port, on all interfaces (what a Serve config applied through Ray's REST API, as the operator's, does)."""
-    http_port: int = Field(8000, ge=1, le=65535)
-    """OpenAI-compatible HTTP endpoint."""
+    http_port: int = serve_field("http_port", 8000, ge=1, le=65535)
     direct_http: bool = True
     """The Ingress replica listens on http_port itself (serving/direct_http.py), one process hop less per message
     than through Serve's HTTP proxy. With direct_grpc too, `cpuserve serve` starts no Serve proxy at all; with
     direct_grpc off, the proxy answers HTTP on a free port of 127.0.0.1. False: Serve's proxy listens on http_port
     (what a Serve config applied through Ray's REST API, as the operator's, does)."""
-    metrics_port: int = Field(8080, ge=0, le=65535)
-    """Prometheus endpoint served by the ingress; 0 turns it off."""
+    metrics_port: int = serve_field("metrics_port", 8080, "0 turns it off.", ge=0, le=65535)
     stats_interval_s: float = Field(0.5, gt=0, le=60)
     """How often each replica reports engine gauges to the ingress."""
     ray_address: str | None = None

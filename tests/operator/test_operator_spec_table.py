@@ -1,6 +1,7 @@
 """The LLMService spec and the head's ServeConfig agree through one table (serve_document.SERVE_FIELDS_FROM_SPEC):
 both ends of every row exist, every spec field is in the table or says where it goes instead, and every value the
-CRD allows in a row's field is one ServeConfig's field allows (choices and bounds read from both models)."""
+CRD allows in a row's field is one ServeConfig's field allows (choices and bounds read from both models), and both
+describe it with the one help text the option is declared with."""
 from __future__ import annotations
 
 import math
@@ -9,8 +10,10 @@ import typing
 import annotated_types
 import pytest
 from pydantic import BaseModel
+from pydantic.alias_generators import to_camel
 from pydantic.fields import FieldInfo
 
+from cpuserve.operator.crd import build_crd, option_help
 from cpuserve.operator.serve_document import HEAD_FIELDS, SERVE_FIELDS_FROM_SPEC, SPEC_ELSEWHERE, spec_value
 from cpuserve.operator.spec import LLMServiceSpec
 from cpuserve.serving.config import ServeConfig
@@ -84,3 +87,20 @@ def test_the_table_reads_the_spec():
                                           "ports": {"http": 8100}})
     assert spec_value(spec, SERVE_FIELDS_FROM_SPEC["max_queued_tokens"]) == 7
     assert spec_value(spec, SERVE_FIELDS_FROM_SPEC["http_port"]) == 8100
+
+
+def crd_description(path: str) -> str:
+    node = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    for name in path.split("."):
+        node = node["properties"][to_camel(name)]
+    return node["description"]
+
+
+@pytest.mark.parametrize("serve_name,path", SERVE_FIELDS_FROM_SPEC.items(), ids=list(SERVE_FIELDS_FROM_SPEC))
+def test_the_crd_and_serve_config_describe_a_row_with_the_options_one_help(serve_name, path):
+    help = option_help(serve_name)
+    assert len(help) > 10
+    assert ServeConfig.model_fields[serve_name].description.startswith(help)
+    assert crd_description(path).startswith(help)
+    own = SPEC_FIELDS[path].description  # only what holds on Kubernetes, never the option's help again
+    assert own is None or help not in own

@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SHARED = {"cpuserve.engine.config": ROOT / "engine" / "config.py",
           "cpuserve.engine.settings": ROOT / "engine" / "settings.py",
           "cpuserve.serving.names": ROOT / "serving" / "names.py",
-          "cpuserve.serving.ray_env": ROOT / "serving" / "ray_env.py"}
+          "cpuserve.serving.ray_env": ROOT / "serving" / "ray_env.py",
+          "cpuserve.serving.serve_options": ROOT / "serving" / "serve_options.py"}
 # importing a shared module runs its package's __init__ too
 PACKAGE_INITS = [ROOT / "engine" / "__init__.py", ROOT / "serving" / "__init__.py"]
 # what the operator extra does not install
