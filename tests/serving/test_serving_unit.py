@@ -1,7 +1,7 @@
 """The serving path without Ray and without a model, in milliseconds: IngressCore -> LocalHandle (the in-process
-DeploymentHandle of serving/local_handle.py) -> LLMServer(engine_cls=FakeEngine). Bad input gets HTTP 4xx / a gRPC status naming the field, past the admission
-limit requests get 429 / RESOURCE_EXHAUSTED, a dead engine 503 / UNAVAILABLE. (The same through the real stack:
-test_serving_bad_input.py, test_serving_metrics_cancel.py.)"""
+DeploymentHandle of serving/local_handle.py) -> LLMServer(engine_cls=FakeEngine). Bad input gets HTTP 4xx / a gRPC
+status naming the field, past the admission limit requests get 429 / RESOURCE_EXHAUSTED, a dead engine 503 /
+UNAVAILABLE. (The same through the real stack: test_serving_bad_input.py, test_serving_metrics_cancel.py.)"""
 
 from __future__ import annotations
 
