@@ -122,6 +122,9 @@ SERVE_SUPERVISED = _declare("SERVE_SUPERVISED", bool, False, "`cpuserve serve` r
 ENGINE_METRICS_PORT = _declare("ENGINE_METRICS_PORT", int, None, "the port of a rank pod's engine gauges, set by "
                                "the operator (serving/engine_metrics.py)", "internal", bounds=(0, 65535),
                                unset="none", values="a port number 0-65535 (0 or unset: none)")
+ENGINE_HTTP_PORT = _declare("ENGINE_HTTP_PORT", int, None, "the port of a rank pod's own OpenAI HTTP API (its engine "
+                            "alone), set by the operator (serving/engine_http.py)", "internal", bounds=(0, 65535),
+                            unset="none", values="a port number 0-65535 (0 or unset: none)")
 
 # -- set by the operator on its pods, read by nothing in cpuserve (for the people and tools that read a pod) --------
 LLMSERVICE = _declare("LLMSERVICE", str, None, "the LLMService a pod belongs to", "pods", unset="none")

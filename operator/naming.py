@@ -6,10 +6,11 @@ import json
 from typing import Any
 
 from cpuserve.operator.crd import GROUP
+from cpuserve.serving.names import RANK_LABEL
 
 LABEL_SERVICE = f"{GROUP}/llmservice"
 LABEL_GROUP = f"{GROUP}/group"
-LABEL_RANK = f"{GROUP}/rank"
+LABEL_RANK = RANK_LABEL  # also its Ray node's label: serving places a group's engine by it
 LABEL_REVISION = f"{GROUP}/revision"  # a rank pod's revision, on the pod and on its Ray node
 LABEL_COMPONENT = "app.kubernetes.io/component"
 ANNOTATION_HASH = f"{GROUP}/spec-hash"

@@ -13,7 +13,7 @@ import json
 import posixpath
 from typing import Any
 
-from cpuserve.engine.settings import ENGINE_METRICS_PORT, GROUP, LLMSERVICE, RANK
+from cpuserve.engine.settings import ENGINE_HTTP_PORT, ENGINE_METRICS_PORT, GROUP, LLMSERVICE, RANK
 from cpuserve.operator import naming
 from cpuserve.operator.memory import GIB, MIB, MemoryPlan, download_size_limit
 from cpuserve.operator.security import DASHBOARD_PORT, ray_auth_env
@@ -54,8 +54,9 @@ def _env(name: str, spec: LLMServiceSpec) -> list[dict[str, Any]]:
     return env + ray_auth_env(name, spec)
 
 
-def _volumes(spec: LLMServiceSpec, head: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(volumes, mounts): writable /tmp and /dev/shm on a read-only root, the model, the head's secrets."""
+def _volumes(spec: LLMServiceSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts): writable /tmp and /dev/shm on a read-only root, the model, the HTTP API's secrets (the
+    head serves it, and so does each pod that holds an engine)."""
     vols = [{"name": "tmp", "emptyDir": {}},
             {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{OBJECT_STORE_BYTES // MIB * 2}Mi"}}]
     mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "shm", "mountPath": "/dev/shm"}]
@@ -66,10 +67,10 @@ def _volumes(spec: LLMServiceSpec, head: bool) -> tuple[list[dict[str, Any]], li
         vols.append({"name": "model", "emptyDir": {"sizeLimit": download_size_limit(spec)}})
         mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
     sec = spec.security
-    if head and sec.tls_secret_name:
+    if sec.tls_secret_name:
         vols.append({"name": "tls", "secret": {"secretName": sec.tls_secret_name, "defaultMode": 0o440}})
         mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
-    if head and sec.api_keys is not None:
+    if sec.api_keys is not None:
         vols.append({"name": "api-keys", "secret": {"secretName": sec.api_keys.name, "defaultMode": 0o440,
                                                     "items": [{"key": sec.api_keys.key, "path": sec.api_keys.key}]}})
         mounts.append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
@@ -91,7 +92,7 @@ def _pod(name: str, pod_name: str, labels: dict[str, str], spec: LLMServiceSpec,
          container: dict[str, Any], head: bool) -> dict[str, Any]:
     image = spec.image or settings.image
     pull = settings.image_pull_policy
-    vols, mounts = _volumes(spec, head)
+    vols, mounts = _volumes(spec)
     container.update(image=image, imagePullPolicy=pull, env=_env(name, spec), volumeMounts=mounts,
                      securityContext=_container_security(), lifecycle=_drain_on_stop(spec, head))
     pod_spec: dict[str, Any] = {
@@ -121,11 +122,18 @@ def _resources(cpus: int, memory: str) -> dict[str, Any]:
     return {"requests": dict(amount), "limits": dict(amount)}
 
 
+def _health_probe(spec: LLMServiceSpec) -> dict[str, Any]:
+    """Ready while the HTTP API's /health answers 200: it runs a token through an idle replica (or answers at once
+    when its step is stalled), so it gets time."""
+    scheme = "HTTPS" if spec.security.tls_secret_name else "HTTP"
+    return {"httpGet": {"path": "/health", "port": "http", "scheme": scheme},
+            "periodSeconds": 5, "timeoutSeconds": 10, "failureThreshold": 3}
+
+
 def build_head_pod(name: str, spec: LLMServiceSpec, settings: OperatorSettings) -> dict[str, Any]:
     """The Ray head pod: the head node only. The operator applies the Serve app to it through Ray Serve's REST API
     (serve_api.py), so replicas, batching and quantization never change this pod."""
     p, r = spec.ports, spec.resources
-    scheme = "HTTPS" if spec.security.tls_secret_name else "HTTP"
     container = {
         "name": "serve",
         "command": ["ray", "start", "--head", f"--port={naming.RAY_GCS_PORT}", f"--num-cpus={r.head_cpus}",
@@ -137,9 +145,7 @@ def build_head_pod(name: str, spec: LLMServiceSpec, settings: OperatorSettings) 
                   {"name": "gcs", "containerPort": naming.RAY_GCS_PORT},
                   {"name": "dashboard", "containerPort": DASHBOARD_PORT}],
         "resources": _resources(r.head_cpus, f"{int(r.head_memory_gb * GIB) // MIB}Mi"),
-        # /health runs a token through an idle replica (or answers at once when its step is stalled): give it time
-        "readinessProbe": {"httpGet": {"path": "/health", "port": "http", "scheme": scheme},
-                           "periodSeconds": 5, "timeoutSeconds": 10, "failureThreshold": 3},
+        "readinessProbe": _health_probe(spec),
         "livenessProbe": {"tcpSocket": {"port": "gcs"}, "initialDelaySeconds": 30, "periodSeconds": 10},
     }
     labels = {**naming.base_labels(name), naming.LABEL_COMPONENT: "head"}
@@ -175,11 +181,16 @@ def _rank_pod(name: str, group: int, rank: int, spec: LLMServiceSpec, settings: 
         "livenessProbe": {"httpGet": {"path": "/api/local_raylet_healthz", "port": "agent"},
                           "initialDelaySeconds": 30, "periodSeconds": 10, "failureThreshold": 6},
     }
+    if rank == 0:  # its group's engine (serving/app.py places rank 0 here) answers the OpenAI API on the pod's port
+        container["ports"].append({"name": "http", "containerPort": spec.ports.http})
+        container["readinessProbe"] = _health_probe(spec)  # an InferencePool's gateway sends only to ready pods
     labels = {**naming.base_labels(name), naming.LABEL_COMPONENT: "rank",
               naming.LABEL_GROUP: str(group), naming.LABEL_RANK: str(rank)}
     pod = _pod(name, naming.rank_name(name, group, rank), labels, spec, settings, container, head=False)
     container["env"] += [{"name": GROUP.name, "value": str(group)}, {"name": RANK.name, "value": str(rank)},
                          {"name": ENGINE_METRICS_PORT.name, "value": str(spec.ports.engine_metrics)}]
+    if rank == 0:
+        container["env"].append({"name": ENGINE_HTTP_PORT.name, "value": str(spec.ports.http)})
     pod["spec"]["nodeSelector"] = {settings.numa_node_label: "true", **spec.placement.node_selector}
     pod["spec"]["affinity"] = _rank_affinity(name, group, spec)
     return pod
@@ -193,10 +204,12 @@ def rank_template_hash(name: str, spec: LLMServiceSpec, settings: OperatorSettin
 
 def build_rank_pod(name: str, group: int, rank: int, spec: LLMServiceSpec, settings: OperatorSettings,
                    plan: MemoryPlan, revision: str) -> dict[str, Any]:
-    """One rank pod of `revision`; its Ray node is named after the pod and labelled with the revision (the
-    operator reads which pods run Ray actors by those names, and Serve places replicas by that label)."""
+    """One rank pod of `revision`; its Ray node is named after the pod and labelled with the revision and the rank
+    (the operator reads which pods run Ray actors by those names; Serve places replicas by the revision, and a
+    group's rank 0, its engine, on a rank-0 pod, the one that declares the HTTP port)."""
     pod = _rank_pod(name, group, rank, spec, settings, plan)
     pod["metadata"]["labels"][naming.LABEL_REVISION] = revision
     command = pod["spec"]["containers"][0]["command"]
-    command[-1:-1] = [f"--node-name={pod['metadata']['name']}", f"--labels={naming.LABEL_REVISION}={revision}"]
+    command[-1:-1] = [f"--node-name={pod['metadata']['name']}",
+                      f"--labels={naming.LABEL_REVISION}={revision},{naming.LABEL_RANK}={rank}"]
     return pod

@@ -5,7 +5,8 @@ serving ports. Pure functions of the CR, like the other children.
     who -> which pods of LLMService "chat"          ports
     chat's own pods (head, ranks)                   all (GCS, raylets, object managers, workers, dashboard)
     the operator's pods                             dashboard 8265 (Serve REST API)
-    anyone                                          gRPC, HTTP, metrics, engine metrics (rank pods)
+    anyone                                          gRPC, HTTP (head; rank-0 pods: their engine's), metrics,
+                                                    engine metrics (rank pods)
 """
 from __future__ import annotations
 

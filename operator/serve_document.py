@@ -56,10 +56,12 @@ SERVE_FIELDS_FROM_SPEC = {
 SPEC_ELSEWHERE = {
     "replicas": "serve_fields: replicas, at least 1 (at 0 the one LLMServer replica waits for a rank pod)",
     "model": "the pods (pods.py); serve_fields: model, the pod's path of it",
-    "security": "the head pod's Secrets (pods.py); serve_fields: api_key_file, tls_cert_file, tls_key_file",
+    "security": "the Secrets of the head and rank pods (pods.py); serve_fields: api_key_file, tls_cert_file, "
+                "tls_key_file",
     "resources.overhead_gb": "memory.py", "resources.memory_per_rank_gb": "memory.py",
     "resources.head_cpus": "pods.py", "resources.head_memory_gb": "pods.py",
     "ports.engine_metrics": "pods.py (the rank pods' CPUSERVE_ENGINE_METRICS_PORT)",
+    # ports.http is also the rank-0 pods' CPUSERVE_ENGINE_HTTP_PORT (pods.py)
     "placement": "pods.py (node selector, affinity)", "image": "pods.py",
     "drain_timeout_seconds": "pods.py (preStop `cpuserve drain --timeout-s`, terminationGracePeriodSeconds)",
 }
@@ -105,8 +107,10 @@ def ingress_args(fields: dict[str, Any]) -> dict[str, Any]:
 
 
 def engine_args(fields: dict[str, Any], revision: str | None) -> dict[str, Any]:
-    """build_engine_app's args; with the rank pods' revision, replicas run only on that revision's Ray nodes."""
-    args = {k: v for k, v in application_args(fields).items() if k not in INGRESS_FIELDS - {"host"}}
+    """build_engine_app's args; with the rank pods' revision, replicas run only on that revision's Ray nodes. Each
+    replica serves the HTTP API on its own pod too (serving/engine_http.py): the API keys and TLS go with it."""
+    args = {k: v for k, v in application_args(fields).items() if k not in INGRESS_FIELDS - {"host", "api_key_file"}}
+    args.update({k: fields[k] for k in ("tls_cert_file", "tls_key_file") if k in fields})
     if revision:
         args["node_labels"] = f"{naming.LABEL_REVISION}={revision}"
     return args
@@ -139,7 +143,8 @@ def build_serve_document(spec: LLMServiceSpec, revision: str | None = None) -> d
     # the ingress admits replicas x max_num_seqs + max_queued_requests: told without a restart
     ingress = {"name": INGRESS_DEPLOYMENT, "user_config": {k: fields[k] for k in INGRESS_LIMITS}}
     return {
-        "proxy_location": "HeadOnly",  # the Services point at the head; rank pods open no serving ports
+        # the Services point at the head; a rank-0 pod's own HTTP port is its replica's (serving/engine_http.py)
+        "proxy_location": "HeadOnly",
         "http_options": http,
         "grpc_options": {"port": fields["grpc_port"], "grpc_servicer_functions": [GRPC_SERVICER]},
         "applications": [

@@ -24,7 +24,7 @@ from cpuserve.engine.threads import openmp_env
 from cpuserve.serving.affinity import ENGINE_CORES_ENV, on_cores, split_cores
 from cpuserve.serving.config import ServeConfig
 from cpuserve.serving.direct_http import bind
-from cpuserve.serving.names import APP_NAME, GRPC_SERVICER, INGRESS_DEPLOYMENT, SERVER_DEPLOYMENT
+from cpuserve.serving.names import APP_NAME, GRPC_SERVICER, INGRESS_DEPLOYMENT, RANK_LABEL, SERVER_DEPLOYMENT
 from cpuserve.serving.ports import free_port
 from cpuserve.serving.ray_env import RAY_ENV, without_intel_openmp_preload
 
@@ -71,7 +71,7 @@ def _server(config: ServeConfig):
         bundle = {"CPU": config.cpus_per_rank, **rank_resources}
         group = dict(placement_group_bundles=[bundle] * config.ranks_per_replica,
                      placement_group_strategy=config.placement_strategy,
-                     **({"placement_group_bundle_label_selector": [selector]} if selector else {}))
+                     **({"placement_group_bundle_label_selector": _bundle_selectors(config)} if selector else {}))
     # the engine steps off the replica's main thread: give it Intel's OpenMP (engine/threads.py)
     preload = openmp_env({})
     actor = {"num_cpus": config.cpus_per_rank, "resources": rank_resources,  # rank 0 (bundle 0)
@@ -89,6 +89,13 @@ def _server(config: ServeConfig):
         # admission happens at the ingress; this only caps what one replica accepts
         max_ongoing_requests=config.max_num_seqs + config.max_queued_requests + 1,
         health_check_period_s=2, graceful_shutdown_timeout_s=5)
+
+
+def _bundle_selectors(config: ServeConfig) -> list[dict[str, str]]:
+    """Per bundle of a replica group on the operator's rank pods: the revision's nodes, and the replica (bundle 0,
+    the engine) on a rank-0 pod, the one that declares the HTTP port and probes it; the other ranks elsewhere."""
+    selector = config.node_label_selector
+    return [{**selector, RANK_LABEL: "0"}] + [{**selector, RANK_LABEL: "!0"}] * (config.ranks_per_replica - 1)
 
 
 def _ingress(config: ServeConfig):

@@ -44,10 +44,8 @@ from cpuserve.serving.tools import parse_tool_calls
 from cpuserve.v1 import inference_pb2 as pb
 
 T = TypeVar("T")
-api = FastAPI(title="cpuserve", docs_url=None, redoc_url=None, openapi_url=None)
 
 
-@api.exception_handler(HTTPException)
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     # unknown paths and methods answer in OpenAI's error shape too
     kind = NOT_FOUND if exc.status_code == 404 else "invalid_request_error"
@@ -316,15 +314,12 @@ class IngressCore:
         finally:
             await stream.aclose()
 
-    @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         return await self._openai(request, CompletionRequest, chat=False)
 
-    @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         return await self._openai(request, ChatRequest, chat=True)
 
-    @api.get("/v1/models")
     async def models(self, request: Request) -> Response:
         try:
             self._authorize_http(request)
@@ -334,11 +329,9 @@ class IngressCore:
             {"id": info.name, "object": "model", "created": 0, "owned_by": "cpuserve",
              "max_model_len": info.max_model_len} for info in await self._models()]})
 
-    @api.get("/openapi.json")
     async def openapi(self) -> Response:
         return JSONResponse(self.openapi_doc)
 
-    @api.get("/health")
     async def health(self) -> Response:
         ok, message = await self._is_healthy()
         return JSONResponse({"status": "ok" if ok else "unavailable", "message": message},
@@ -448,6 +441,25 @@ class IngressCore:
         ok, message = await self._is_healthy()
         status = pb.SERVING_STATUS_SERVING if ok else pb.SERVING_STATUS_NOT_SERVING
         return pb.HealthResponse(status=status, message=message)
+
+
+# (method, path, IngressCore's method): the HTTP API, declared once for both apps that serve it (build_api)
+ROUTES = (("POST", "/v1/completions", "completions"), ("POST", "/v1/chat/completions", "chat_completions"),
+          ("GET", "/v1/models", "models"), ("GET", "/openapi.json", "openapi"), ("GET", "/health", "health"))
+
+
+def build_api(core: IngressCore | None = None) -> FastAPI:
+    """The FastAPI app of ROUTES. Without `core`, its routes are IngressCore's functions and Ray Serve's
+    @serve.ingress binds them to the Ingress replica (`api` below); with it, to `core`'s own methods, for an app
+    served outside Serve's ingress (an LLMServer replica's own port: serving/engine_http.py)."""
+    app = FastAPI(title="cpuserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_exception_handler(HTTPException, _http_error)
+    for method, path, name in ROUTES:
+        app.add_api_route(path, getattr(IngressCore if core is None else core, name), methods=[method])
+    return app
+
+
+api = build_api()
 
 
 @serve.ingress(api)

@@ -22,6 +22,7 @@ from cpuserve.engine.outputs import StepOutput
 from cpuserve.engine.sampling_params import SamplingParams
 from cpuserve.serving.affinity import engine_cores, on_cores
 from cpuserve.serving.config import ServeConfig
+from cpuserve.serving.engine_http import EngineHTTP, engine_http_port
 from cpuserve.serving.engine_metrics import engine_metrics_port, serve_engine_metrics
 from cpuserve.serving.names import APP_NAME, ENGINE_APP_NAME, INGRESS_DEPLOYMENT
 from cpuserve.serving.pacing import paced
@@ -81,6 +82,9 @@ class LLMServer:
         if (port := engine_metrics_port()) is not None:  # this replica's pod is a model server of its own
             self._engine_metrics = serve_engine_metrics(self.engine, self.config.model_name, self.config.block_size,
                                                         self.config.host, port)
+        self._http = None
+        if (port := engine_http_port()) is not None:  # this replica's pod serves the OpenAI API itself
+            self._http = EngineHTTP(self, self.config, port)
         self.tokenizer = self.engine.tokenizer
         template = getattr(self.tokenizer, "chat_template", None)  # stand-in engines' tokenizers may have none
         self.tool_format = format_of(template)
@@ -99,7 +103,7 @@ class LLMServer:
         Closing this generator early (client gone, deadline) aborts the request in the engine, which frees
         its KV blocks at the next step.
         """
-        self._ensure_stats_task()
+        self._ensure_started()
         request_id = request.request_id or f"{self.replica_id}-{next(self._ids)}"
         if request.model not in (None, self.config.model_name):  # the router knew no better
             yield Message([], RequestError(f"model={request.model!r}: this replica serves {self.config.model_name!r} "
@@ -329,11 +333,14 @@ class LLMServer:
     # -- Ray Serve hooks ----------------------------------------------------------------------------------
     async def check_health(self) -> None:
         # Serve calls this on every replica soon after start: a good place to start the stats loop
-        self._ensure_stats_task()
+        self._ensure_started()
         # raises when the engine thread died, a rank of the group is down or a step stalled: Serve replaces the replica
         self._check_progress()
 
-    def _ensure_stats_task(self) -> None:
+    def _ensure_started(self) -> None:
+        """The stats loop and this pod's own HTTP API (if it names a port), on the replica's event loop."""
+        if self._http is not None:
+            self._http.start()
         if self._ingress is not None and self._stats_task is None:
             # in a context of its own: started from a request, it would inherit that request's Serve context, and
             # Serve cancels a cancelled request's calls still in flight (the report of that moment)
@@ -352,6 +359,8 @@ class LLMServer:
             await asyncio.sleep(self.config.stats_interval_s)
 
     def __del__(self) -> None:  # Serve calls this when it stops the replica: stops the rank actors too
+        if getattr(self, "_http", None) is not None:
+            self._http.stop()
         if getattr(self, "_engine_metrics", None) is not None:  # frees the port for the replica replacing this one
             self._engine_metrics.shutdown()
             self._engine_metrics.server_close()

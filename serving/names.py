@@ -12,3 +12,6 @@ INGRESS_IMPORT_PATH = "cpuserve.serving.app:build_ingress_app"
 ENGINE_IMPORT_PATH = "cpuserve.serving.app:build_engine_app"
 SERVER_DEPLOYMENT, INGRESS_DEPLOYMENT = "LLMServer", "Ingress"
 GRPC_SERVICER = "cpuserve.serving.grpc_api.add_InferenceServicer_to_server"
+# a rank pod's rank, as a pod label and as its Ray node's label (operator/pods.py): a replica group's rank 0, the
+# engine, goes to a rank-0 pod, the one that declares the HTTP port (serving/app.py)
+RANK_LABEL = "cpuserve.dev/rank"

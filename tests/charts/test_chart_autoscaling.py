@@ -1,7 +1,8 @@
 """The chart's HorizontalPodAutoscalers and InferencePools (values `autoscaling`, `inferencePool`), rendered by a real
 helm: each HPA passes the real Kubernetes schemas (kubernetes-validate, offline: its schemas ship in the package),
 scales an LLMService through the scale subresource the CRD declares, on metric names the serving replicas export,
-with llm-d's default thresholds; each InferencePool selects exactly the rank pods the operator makes.
+with llm-d's default thresholds; each InferencePool selects exactly the rank-0 pods the operator makes, on their
+HTTP port.
 
 No Kubernetes API server, HPA controller or endpoint picker runs here: the serving side of both (each replica's
 gauges crossing the threshold under load) is tests/serving/test_engine_metrics_protocol.py.
@@ -17,7 +18,7 @@ import yaml
 
 from chart_tools import CHART, K8S_VERSION, render
 from cpuserve.engine.llm_engine import EngineStats
-from cpuserve.operator import naming
+from cpuserve.engine.settings import ENGINE_HTTP_PORT
 from cpuserve.operator.children import build_children
 from cpuserve.operator.crd import API_VERSION, KIND, build_crd
 from cpuserve.operator.settings import OperatorSettings
@@ -97,7 +98,9 @@ def test_thresholds_are_llm_d_defaults_on_names_the_replicas_export():
     assert [m["pods"]["target"]["averageValue"] for m in hpa["spec"]["metrics"]] == ["2", "0.5"]
 
 
-def test_inference_pool_selects_the_rank_pods_the_operator_makes():
+def test_inference_pool_selects_the_rank0_pods_the_operator_makes_on_their_http_port():
+    """The pool's pods are those holding an engine (a group's rank 0), never the head or another rank; its target
+    port is the one they declare, name to their replica (CPUSERVE_ENGINE_HTTP_PORT) and probe for readiness."""
     (pool,) = kinds(render(*POOL), "InferencePool")
     jsonschema.validate(pool, INFERENCE_POOL_V1)
     assert pool["metadata"]["namespace"] == "ml"
@@ -106,16 +109,20 @@ def test_inference_pool_selects_the_rank_pods_the_operator_makes():
                                                  "failureMode": "FailClose"}
     body = yaml.safe_load((CHART / "examples" / "llmservice-smollm2.yaml").read_text())
     body["metadata"].update(namespace="ml", uid="u1")
-    body["spec"]["replicas"] = 2
+    body["spec"].update(replicas=2, ranksPerReplica=2)
     spec, findings = validate(body, OperatorSettings())
     assert findings == []
     pods = [m for m in build_children(body, spec, OperatorSettings(), with_service_monitor=False)
             if m["kind"] == "Pod"]
     wanted = pool["spec"]["selector"]["matchLabels"]
     selected = [p["metadata"]["name"] for p in pods if wanted.items() <= p["metadata"]["labels"].items()]
-    assert selected == ["smollm2-g0-r0", "smollm2-g1-r0"], "the rank pods, never the head"
-    assert all(p["metadata"]["labels"][naming.LABEL_COMPONENT] == "rank" for p in pods
-               if p["metadata"]["name"] in selected)
+    assert selected == ["smollm2-g0-r0", "smollm2-g1-r0"], "the rank-0 pods, never the head or rank 1"
+    (target,) = pool["spec"]["targetPorts"]
+    for pod in (p for p in pods if p["metadata"]["name"] in selected):
+        (container,) = pod["spec"]["containers"]
+        assert {"name": "http", "containerPort": target["number"]} in container["ports"]
+        assert {"name": ENGINE_HTTP_PORT.name, "value": str(target["number"])} in container["env"]
+        assert container["readinessProbe"]["httpGet"]["port"] == "http"
 
 
 @pytest.mark.parametrize("setting", ["inferencePool.endpointPicker.failureMode=Sometimes",

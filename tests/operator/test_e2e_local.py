@@ -3,7 +3,8 @@ pods it creates run as local processes (local_kubelet.py): their own commands, e
 cluster, the operator applies the Serve app through the head's REST API, a gRPC Generate through the head's
 port streams tokens. Under 8 streams on a batch of 2, the rank pod's own queue gauge crosses the chart's HPA
 target, the HPA's rule asks for 2 replicas, and that scale (through the scale subresource, as the HPA writes it)
-is served without dropping a stream. Back at 1 replica, the weights' format changes: a rank pod of the new revision
+is served without dropping a stream; then each rank pod's own HTTP port answers the OpenAI API from its own engine,
+as an InferencePool's gateway reaches it. Back at 1 replica, the weights' format changes: a rank pod of the new revision
 starts beside the old one, Serve starts the new replica there before the old one drains and stops, the operator
 then removes the old pod; 8 streams and a probe every 0.2 s are served throughout, the ingress is never replaced.
 
@@ -20,6 +21,7 @@ import urllib.request
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
@@ -191,9 +193,24 @@ def test_kubectl_apply_to_tokens_then_scale(cluster):
         assert sum(len(m.token_ids) for m in out[i]) == STREAM_TOKENS, i
         assert done[i] > scaled_at, "the stream ran across the scale"
     wait_for("readyReplicas 2", lambda: server.kube.get("LLMService", NS, NAME)["status"]["readyReplicas"] == 2)
+    replicas = set()
     for pod in (f"{NAME}-g0-r0", f"{NAME}-g1-r0"):  # each model server (pod) has its own engine's gauges
         assert set(engine_gauges(kubelet, pod)) >= {"vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"}
+        replicas.add(ask_pod(kubelet, pod, ports["http"]))
+    assert len(replicas) == 2, "each pod's own HTTP port reaches its own engine (an InferencePool's target port)"
     assert not kubelet.exited, kubelet.exited
+
+
+def ask_pod(kubelet: LocalKubelet, pod: str, http_port: int) -> str:
+    """A chat completion on a rank pod's own `http` port (the LLMService's spec.ports.http, mapped to this host),
+    where an InferencePool's gateway sends it, with the official client; returns the replica that answered."""
+    port = kubelet.procs[pod][1][http_port]
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+    raw = client.chat.completions.with_raw_response.create(
+        model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0)
+    answer = raw.parse()
+    assert answer.model == DEFAULT_MODEL_NAME and answer.choices[0].message.content, answer
+    return raw.headers["x-cpuserve-replica"]
 
 
 def rank_pods(server) -> dict[str, str]:

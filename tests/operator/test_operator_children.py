@@ -7,7 +7,7 @@ import kubernetes_validate
 import pytest
 
 from cpuserve.operator import naming
-from cpuserve.engine.settings import ENGINE_METRICS_PORT
+from cpuserve.engine.settings import ENGINE_HTTP_PORT, ENGINE_METRICS_PORT
 from cpuserve.operator.children import build_children
 from cpuserve.operator.memory import GIB, MIB, bytes_per_parameter, plan_memory
 from cpuserve.operator.pods import RAY_STOP_SECONDS
@@ -212,3 +212,26 @@ def test_every_pod_starts_ray_with_the_settings_cpuserve_serve_uses():
     for pod in pods:
         env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
         assert {k: env.get(k) for k in RAY_ENV} == RAY_ENV, pod["metadata"]["name"]
+
+
+@pytest.mark.parametrize("security,scheme", [({}, "HTTP"), (SECURITY, "HTTPS")])
+def test_rank0_pods_serve_their_engines_openai_api_on_the_http_port(security, scheme):
+    """A group's engine runs on its rank-0 pod (its Ray node's rank label: serving/app.py), which declares the
+    LLMService's HTTP port, names it to the replica (CPUSERVE_ENGINE_HTTP_PORT) and is ready while its /health
+    answers: what an InferencePool selects and its gateway sends to. The other ranks open no HTTP port."""
+    body = make_body(replicas=2, ranksPerReplica=2, security=security,
+                     ports={"grpc": 9100, "http": 8100, "metrics": 8180, "engineMetrics": 8181})
+    for pod in by_kind(children(body), "Pod")[1:]:
+        (c,) = pod["spec"]["containers"]
+        rank = pod["metadata"]["labels"][naming.LABEL_RANK]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert f"{naming.LABEL_RANK}={rank}" in next(a for a in c["command"] if a.startswith("--labels="))
+        if rank == "0":
+            assert {"name": "http", "containerPort": 8100} in c["ports"] and env[ENGINE_HTTP_PORT.name] == "8100"
+            assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http", "scheme": scheme}
+        else:
+            assert "http" not in {p["name"] for p in c["ports"]} and ENGINE_HTTP_PORT.name not in env
+            assert c["readinessProbe"]["httpGet"]["port"] == "agent"
+        # the keys and certificate its API serves with (serve_document.engine_args names their paths)
+        mounts = {m["name"] for m in c["volumeMounts"]}
+        assert {"api-keys", "tls"} <= mounts if security else not {"api-keys", "tls"} & mounts

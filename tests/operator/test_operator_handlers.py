@@ -156,7 +156,9 @@ def test_model_change_adds_a_group_and_keeps_the_old_ones_while_their_use_is_unk
     assert new["metadata"]["labels"]["cpuserve.dev/revision"] != revision
     command = new["spec"]["containers"][0]["command"]
     assert "--node-name=gamma-g2-r0" in command
-    assert f"--labels=cpuserve.dev/revision={new['metadata']['labels']['cpuserve.dev/revision']}" in command
+    # its Ray node: the revision Serve places replicas by, and the rank a group's engine goes by (rank 0)
+    assert f"--labels=cpuserve.dev/revision={new['metadata']['labels']['cpuserve.dev/revision']},cpuserve.dev/rank=0" \
+        in command
     # the old groups serve until the new one takes over: the service stays Ready, and says it is rolling
     wait_for("observedGeneration 2", lambda: api.get(LLMS, NS, "gamma")["status"]["observedGeneration"] == 2)
     assert api.get(LLMS, NS, "gamma")["status"]["readyReplicas"] == 2

@@ -48,7 +48,10 @@ def test_the_document_is_a_valid_serve_deploy_config():
                               "kv_cache_gb": 2.5, "ranks_per_replica": 2, "cpus_per_rank": 16, "max_num_seqs": 64,
                               "max_num_batched_tokens": 2048, "max_queued_requests": 256, "host": "0.0.0.0",
                               "socket_resource": "cpuserve_socket", "placement_strategy": "STRICT_SPREAD",
-                              "direct_http": False, "direct_grpc": False}
+                              "direct_http": False, "direct_grpc": False,
+                              # each replica's own HTTP API on its rank pod (serving/engine_http.py) takes them too
+                              "api_key_file": "/etc/cpuserve/api-keys/keys.txt",
+                              "tls_cert_file": "/etc/cpuserve/tls/tls.crt", "tls_key_file": "/etc/cpuserve/tls/tls.key"}
     # one new replica starts before an old one stops (2 x 50% = 1), old ones drain their streams
     assert engine["deployments"] == [{"name": "LLMServer", "num_replicas": 2, "graceful_shutdown_timeout_s": 300.0,
                                       "max_surge_percent": 50}]

@@ -1,7 +1,9 @@
-"""A serving replica's own endpoint (serving/engine_metrics.py) against the Gateway API Inference Extension's
-model-server protocol: a real Serve app on 127.0.0.1 with the real SmolLM2, its LLMServer replica told its port the
-way a rank pod tells it (CPUSERVE_ENGINE_METRICS_PORT in the environment Ray's workers inherit), scraped while
-streams queue up behind a batch of 2.
+"""A serving replica's own endpoints, what an InferencePool's endpoint picker and gateway use: its gauges
+(serving/engine_metrics.py) against the Gateway API Inference Extension's model-server protocol, and its OpenAI HTTP
+API (serving/engine_http.py) through the official `openai` client. A real Serve app on 127.0.0.1 with the real
+SmolLM2, its LLMServer replica told its ports the way a rank pod tells them (CPUSERVE_ENGINE_METRICS_PORT and
+CPUSERVE_ENGINE_HTTP_PORT in the environment Ray's workers inherit), scraped while streams queue up behind a batch of
+2, half of them sent to the replica's own port as a gateway sends them.
 
 PROTOCOL is the protocol's "Metrics Reporting" table, written here from its document:
 kubernetes-sigs/gateway-api-inference-extension, docs/proposals/003-model-server-protocol/README.md
@@ -23,6 +25,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from cpuserve.serving.engine_http import ENGINE_HTTP_PORT_ENV
 from cpuserve.serving.engine_metrics import ENGINE_METRICS_PORT_ENV
 from cpuserve.serving.ports import free_port
 
@@ -46,10 +49,21 @@ VALUES = Path(__file__).resolve().parents[2] / "charts" / "cpuserve" / "values.y
 @pytest.fixture(scope="module", autouse=True)
 def engine_port():
     """The port a rank pod names, set before the module's app starts Ray (its workers inherit it)."""
+    yield from pod_port(ENGINE_METRICS_PORT_ENV)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def engine_http_url():
+    """The replica's own OpenAI API, the gateway's way in (its port set as engine_port's)."""
+    for port in pod_port(ENGINE_HTTP_PORT_ENV):
+        yield f"http://127.0.0.1:{port}"
+
+
+def pod_port(name: str):
     port = free_port()
-    os.environ[ENGINE_METRICS_PORT_ENV] = str(port)
+    os.environ[name] = str(port)
     yield port
-    os.environ.pop(ENGINE_METRICS_PORT_ENV, None)
+    os.environ.pop(name, None)
 
 
 def scrape(port: int) -> tuple[str, dict]:
@@ -85,17 +99,55 @@ def wait_for_endpoint(port: int, timeout: float = 120) -> tuple[str, dict]:
             time.sleep(0.5)
 
 
-def test_gauges_follow_the_engine_and_cross_the_autoscaling_threshold(serving, engine_port, http_url):
-    """9 streams on a batch of 2: the running gauge reads the batch, the queue climbs past the chart's default HPA
-    threshold (values.yaml autoscaling.queueDepthTarget), KV usage rises, then everything returns to 0."""
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def wait_for_health(url: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while True:  # the replica starts its server at Serve's first health check, moments after the app is up
+        try:
+            if httpx.get(f"{url}/health", timeout=30).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"the replica's own API at {url} did not become healthy"
+        time.sleep(0.5)
+
+
+def test_the_replicas_own_port_serves_the_openai_api(serving, engine_http_url, http_url):
+    """The official client on the replica's own port: the same answers as through the head (greedy, one engine),
+    streamed and not, and the Ingress's 400 naming the field."""
+    wait_for_health(engine_http_url)
+    pod, head = client(engine_http_url), client(http_url)
+    assert [m.id for m in pod.models.list().data] == [serving.model_name]
+    ask = dict(model=serving.model_name, messages=[{"role": "user", "content": "What is the capital of France?"}],
+               max_tokens=12, temperature=0)
+    answer = pod.chat.completions.create(**ask)
+    assert answer.choices[0].message.content == head.chat.completions.create(**ask).choices[0].message.content
+    assert 0 < answer.usage.completion_tokens <= 12 and answer.choices[0].message.content
+    chunks = list(pod.chat.completions.create(**ask, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == answer.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == answer.choices[0].finish_reason
+    with pytest.raises(openai.BadRequestError) as refused:
+        pod.completions.create(model=serving.model_name, prompt="hi", max_tokens=0)
+    assert refused.value.status_code == 400 and refused.value.param == "max_tokens"
+
+
+def test_gauges_follow_the_engine_and_cross_the_autoscaling_threshold(serving, engine_port, http_url,
+                                                                      engine_http_url):
+    """9 streams on a batch of 2, every other one through the replica's own port (as a gateway sends them): the
+    running gauge reads the batch, the queue climbs past the chart's default HPA threshold (values.yaml
+    autoscaling.queueDepthTarget), KV usage rises, then everything returns to 0."""
     threshold = yaml.safe_load(VALUES.read_text())["autoscaling"]["queueDepthTarget"]
     assert NUM_STREAMS - MAX_NUM_SEQS > threshold, "the load must be able to cross the threshold"
     wait_for_endpoint(engine_port)
-    client = openai.OpenAI(base_url=f"{http_url}/v1", api_key="none", max_retries=0, timeout=300)
+    wait_for_health(engine_http_url)
+    clients = [client(http_url), client(engine_http_url)]
     finished: list[str] = []
 
     def stream(i: int) -> None:
-        chunks = client.completions.create(model=serving.model_name, prompt=f"Story {i}: once upon a time",
+        chunks = clients[i % 2].completions.create(model=serving.model_name, prompt=f"Story {i}: once upon a time",
                                            max_tokens=NUM_TOKENS, temperature=0, stream=True,
                                            extra_body={"ignore_eos": True})
         finished.extend(c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason)

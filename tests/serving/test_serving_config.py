@@ -132,3 +132,22 @@ def test_engine_options_are_one_declaration_seen_by_the_cli_and_serve_config():
     options = ServeConfig().engine_options()
     assert set(options) == set(shared) | set(ENGINE_NAMES.values()) | {"show_progress"}
     EngineConfig(**options)
+
+
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_a_groups_engine_goes_to_a_rank0_pod_of_the_revision(ranks):
+    """With the operator's node labels (a revision), bundle 0 (the LLMServer replica: the engine, its HTTP port)
+    asks for a Ray node labelled rank 0, the other bundles for any other rank; Serve's own checks accept them."""
+    from cpuserve.serving.app import _server
+    from cpuserve.serving.names import RANK_LABEL
+
+    config = ServeConfig(ranks_per_replica=ranks, node_labels="cpuserve.dev/revision=abc",
+                         socket_resource="cpuserve_socket")
+    replica = _server(config)._replica_config
+    revision = {"cpuserve.dev/revision": "abc"}
+    if ranks == 1:  # no group: the replica's actor on any node of the revision (every rank pod is a rank 0)
+        assert replica.ray_actor_options["label_selector"] == revision
+        assert replica.placement_group_bundle_label_selector is None
+    else:
+        assert replica.placement_group_bundle_label_selector == [{**revision, RANK_LABEL: "0"}] + \
+            [{**revision, RANK_LABEL: "!0"}] * (ranks - 1)

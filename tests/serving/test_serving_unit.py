@@ -1,7 +1,7 @@
-"""The serving path without Ray and without a model, in milliseconds: IngressCore -> a stand-in DeploymentHandle ->
-LLMServer(engine_cls=FakeEngine). Bad input gets HTTP 4xx / a gRPC status naming the field, past the admission
-limit requests get 429 / RESOURCE_EXHAUSTED, a dead engine 503 / UNAVAILABLE. (The same through the real stack:
-test_serving_bad_input.py, test_serving_metrics_cancel.py.)"""
+"""The serving path without Ray and without a model, in milliseconds: IngressCore -> LocalHandle (the in-process
+DeploymentHandle of serving/local_handle.py) -> LLMServer(engine_cls=FakeEngine). Bad input gets HTTP 4xx / a gRPC
+status naming the field, past the admission limit requests get 429 / RESOURCE_EXHAUSTED, a dead engine 503 /
+UNAVAILABLE. (The same through the real stack: test_serving_bad_input.py, test_serving_metrics_cancel.py.)"""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from cpuserve.engine.outputs import StepOutput
 from cpuserve.engine.sampling_params import SamplingParams
 from cpuserve.serving.config import ServeConfig
 from cpuserve.serving.ingress import IngressCore
+from cpuserve.serving.local_handle import LocalHandle
 from cpuserve.serving.llm_server import LLMServer
 from cpuserve.serving.protocol import GenerateRequest, RequestError
 from cpuserve.v1 import inference_pb2 as pb
@@ -96,41 +97,6 @@ class FakeEngine:
         pass
 
 
-class Remote:
-    def __init__(self, fn) -> None:
-        self.remote = fn
-
-
-class Responses:
-    """A DeploymentResponseGenerator: iterate it, cancel it."""
-
-    def __init__(self, chunks) -> None:
-        self.chunks = chunks
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        return await self.chunks.__anext__()
-
-    def cancel(self) -> None:
-        asyncio.get_running_loop().create_task(self.chunks.aclose())
-
-
-class FakeHandle:
-    """What the ingress uses of its DeploymentHandle to LLMServer, calling the server in this process."""
-
-    def __init__(self, server: LLMServer) -> None:
-        self.server = server
-        self.generate = Remote(lambda request: Responses(server.generate(request)))
-        self.info = Remote(server.info)
-        self.probe = Remote(server.probe)
-        self.tokenize = Remote(server.tokenize)
-
-    def options(self, **options: Any) -> "FakeHandle":
-        return self
-
-
 class FakeContext:
     """A gRPC servicer context: records the status code and details."""
 
@@ -158,7 +124,7 @@ def make_ingress(**fields: Any) -> tuple[IngressCore, FakeEngine]:
     config = ServeConfig(**{"metrics_port": 0, "max_num_seqs": 2, "max_queued_requests": 1, "max_request_bytes": 4096,
                             **fields})
     server = LLMServer(config, engine_cls=FakeEngine)
-    return IngressCore(config.model_dump(), FakeHandle(server)), server.engine
+    return IngressCore(config.model_dump(), LocalHandle(server)), server.engine
 
 
 def http_request(body: bytes | dict, leaves_after_s: float | None = None) -> Request:
