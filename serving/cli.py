@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import Callable
 
 from cpuserve.engine.settings import SERVE_SUPERVISED
@@ -42,7 +43,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                                         "this node belongs to)")
     d.add_argument("--wait-only", action="store_true",
                    help="only wait for the running requests, refusing nothing (a rank pod's preStop: the head pod "
-                        "drains; this pod's rank keeps serving until they end) (default: off)")
+                        "drains; this pod's rank keeps serving until they end, and so does the engine behind this "
+                        "pod's own HTTP port, if it has one) (default: off)")
     d.set_defaults(func=_drain_command)
 
 
@@ -97,14 +99,19 @@ def _serve(args: argparse.Namespace) -> int:
 def _drain_command(args: argparse.Namespace) -> int:
     import ray
 
-    from cpuserve.serving.drain import drain_serving
+    from cpuserve.engine import settings
+    from cpuserve.serving.drain import drain_serving, wait_for_engine_idle
     from cpuserve.serving.ray_env import RAY_ENV
 
     for name, value in RAY_ENV.items():
         os.environ.setdefault(name, value)
     try:
         ray.init(address=args.ray_address, log_to_driver=False, logging_level="WARNING")
+        deadline = time.monotonic() + args.timeout_s
         left = drain_serving(args.timeout_s, refuse=not args.wait_only)
+        if args.wait_only and settings.ENGINE_HTTP_PORT.get() and (port := settings.ENGINE_METRICS_PORT.get()):
+            # this pod's engine answers a gateway too: its requests end here, not at the Ingress
+            left = max(left, wait_for_engine_idle(port, max(0.0, deadline - time.monotonic())))
     except Exception as e:  # noqa: BLE001 (no app, or it is failing: nothing to wait for)
         print(f"drain: no serving app answers on {args.ray_address} ({e!r})", file=sys.stderr, flush=True)
         return 1

@@ -25,6 +25,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from cpuserve.serving.drain import engine_requests, wait_for_engine_idle
 from cpuserve.serving.engine_http import ENGINE_HTTP_PORT_ENV
 from cpuserve.serving.engine_metrics import ENGINE_METRICS_PORT_ENV
 from cpuserve.serving.ports import free_port
@@ -172,3 +173,33 @@ def test_gauges_follow_the_engine_and_cross_the_autoscaling_threshold(serving, e
     assert 0 < seen["usage"] <= 1
     _, f = scrape(engine_port)
     assert value(f, "vllm:num_requests_running") == value(f, "vllm:num_requests_waiting") == 0
+
+
+def test_a_rank_pods_drain_waits_for_the_streams_on_its_own_port(serving, engine_port, engine_http_url):
+    """The preStop's wait (serving/drain.py) on streams sent to the replica's own port, past the Ingress: cut short
+    it reports them; given the time it returns only once the last one has ended, and then reports none."""
+    wait_for_health(engine_http_url)
+    pod = client(engine_http_url)
+    ended: list[float] = []
+
+    def stream(i: int) -> None:
+        for _ in pod.completions.create(model=serving.model_name, prompt=f"Story {i}: once upon a time",
+                                        max_tokens=NUM_TOKENS, temperature=0, stream=True,
+                                        extra_body={"ignore_eos": True}):
+            pass
+        ended.append(time.monotonic())
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while engine_requests(engine_port) != 3:  # two running (the batch), one waiting
+        assert time.monotonic() < deadline, "the three streams never reached the engine together"
+        time.sleep(0.02)
+    assert wait_for_engine_idle(engine_port, timeout_s=0.1) == 3
+    left = wait_for_engine_idle(engine_port, timeout_s=120)
+    returned = time.monotonic()
+    for t in threads:
+        t.join()
+    assert left == 0 and len(ended) == 3 and max(ended) <= returned
+    assert wait_for_engine_idle(free_port(), timeout_s=5) == 0  # no engine answers there: nothing to wait for
