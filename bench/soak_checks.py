@@ -82,18 +82,37 @@ def check_metrics(before: dict[str, float], after: dict[str, float], results: li
     return "metrics = client", same, detail
 
 
-def check_memory(baseline: dict[int, tuple[str, int]], end: dict[int, tuple[str, int]],
+def low_water(samples: list[tuple[float, dict[int, tuple[str, int]]]], start: float, stop: float
+              ) -> dict[int, tuple[str, int]]:
+    """pid -> (name, the least kB sampled between start and stop seconds) of the processes in every such sample."""
+    window = [mem for t, mem in samples if start <= t <= stop]
+    pids = set.intersection(*(set(mem) for mem in window)) if window else set()
+    return {pid: (window[0][pid][0], min(mem[pid][1] for mem in window)) for pid in pids}
+
+
+def check_memory(samples: list[tuple[float, dict[int, tuple[str, int]]]], window_s: float,
                  min_kb: int = 0) -> tuple[str, bool, str]:
-    """Each process alive at both points and holding min_kb at the baseline: RssAnon + VmSwap grew less than
-    MAX_GROWTH (or than NOISE_KB)."""
+    """Each process alive from the first sample (the baseline) to the last and holding min_kb at the baseline: its
+    low-water mark (RssAnon + VmSwap) over the last window_s of samples grew less than MAX_GROWTH (or than NOISE_KB)
+    from the one over the first window_s. The point-to-point growth (first sample to last) is shown beside it."""
+    first_t, last_t = samples[0][0], samples[-1][0]
+    baseline = low_water(samples, first_t, first_t + window_s)
+    end = low_water(samples, last_t - window_s, last_t)
+    first, last = samples[0][1], samples[-1][1]
     both = [(pid, baseline[pid][0], baseline[pid][1], end[pid][1]) for pid in baseline
-            if pid in end and baseline[pid][1] >= min_kb]
+            if pid in end and pid in first and first[pid][1] >= min_kb]
     growth = sorted(((e - b) / b if b else 0.0, name, pid, b, e) for pid, name, b, e in both)
     over = [g for g in growth if g[0] >= MAX_GROWTH and g[4] - g[3] >= NOISE_KB]
     worst = growth[-3:][::-1]
-    detail = f"{len(both)} processes" + (f" of {min_kb // 1024} MiB or more" if min_kb else "") + "; largest growth: " + "; ".join(
-        f"{name} {b / 1024:.0f} -> {e / 1024:.0f} MiB ({g:+.1%})" for g, name, _, b, e in worst)
-    gone = len(baseline) - len(both)
+
+    def point(pid: int) -> str:
+        b, e = first[pid][1], last.get(pid, (None, 0))[1]
+        return f"; one sample each {b / 1024:.0f} -> {e / 1024:.0f}" if pid in last else ""
+
+    detail = (f"{len(both)} processes" + (f" of {min_kb // 1024} MiB or more" if min_kb else "")
+              + f"; low-water marks over {window_s:.0f} s, largest growth: " + "; ".join(
+                  f"{name} {b / 1024:.0f} -> {e / 1024:.0f} MiB ({g:+.1%}{point(pid)})" for g, name, pid, b, e in worst))
+    gone = len(samples[0][1]) - len(both) - sum(1 for pid in first if first[pid][1] < min_kb)
     if gone:
         detail += f"; {gone} process(es) of the baseline ended"
     return "memory (RssAnon+VmSwap)", bool(both) and not over, detail
