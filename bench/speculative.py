@@ -113,10 +113,11 @@ def batches(ids: list[list[int]], streams: int) -> list[list[list[int]]]:
     return [ids[i:i + streams] for i in range(0, len(ids), streams)]
 
 
-def measure(runners: dict, ids: list[list[int]], streams: int, reps: int, where: str) -> tuple[dict, dict]:
+def measure(runners: dict, ids: list[list[int]], streams: int, reps: int, where: str,
+            exact: bool = True) -> tuple[dict, dict]:
     """Each runner on every batch of the set, alternating within a repetition. Returns per label
     {"speed": [tok/s of each repetition], "drafted", "accepted", "same": [greedy outputs equal to its no-speculation
-    run's, of]} and {label: why it failed}; cpuserve's outputs must be equal (SystemExit otherwise)."""
+    run's, of]} and {label: why it failed}; with exact, cpuserve's outputs must be equal (SystemExit otherwise)."""
     stats = {label: {"speed": [], "drafted": 0, "accepted": 0, "same": [0, 0]} for label in runners}
     failed = {}
     for _ in range(reps):
@@ -132,7 +133,7 @@ def measure(runners: dict, ids: list[list[int]], streams: int, reps: int, where:
                     if label.startswith("cpuserve"):
                         raise
                     failed[label] = f"{type(e).__name__}: {str(e)[:300]}"
-            if any(label.startswith("cpuserve") and outputs != results["cpuserve off"][2]
+            if exact and any(label.startswith("cpuserve") and outputs != results["cpuserve off"][2]
                    for label, (_, _, outputs, _, _) in results.items()):
                 raise SystemExit(f"{where}: greedy outputs differ with speculation")
             for label, (s, n, outputs, drafted, accepted) in results.items():
@@ -200,6 +201,10 @@ def main() -> None:
     ap.add_argument("--weights", default="int4", help="the model's weight format (every engine's)")
     ap.add_argument("--spec-draft-model", default=None, help="the draft model (default: the embedded SmolLM2)")
     ap.add_argument("--spec-draft-weights", default=None, help="the draft model's weights (default: --weights)")
+    ap.add_argument("--allow-diverging", action="store_true",
+                    help="count the greedy outputs equal to no speculation's instead of stopping at one that is not "
+                         "(fp32 / bf16 weights: a verification step's rows round unlike a one-token decode's, so a "
+                         "near-tie can flip)")
     ap.add_argument("--peers", nargs="*", default=[], choices=["llama-server"],
                     help="also llama-server without speculation and with ngram-simple and ngram-mod "
                          "(bench/spec_peers.py; builds it the first time, ~10 min)")
@@ -252,7 +257,8 @@ def main() -> None:
             for mode in spec_peers.MODES if args.peers else []:
                 runners[f"llama-server {mode}"] = functools.partial(
                     spec_peers.run, mode, default_model_path(), threads, streams, max_tokens=args.max_tokens)
-            stats, failed = measure(runners, ids, streams, args.reps, f"{set_name}, {streams} streams")
+            stats, failed = measure(runners, ids, streams, args.reps, f"{set_name}, {streams} streams",
+                                    exact=not args.allow_diverging)
             print("\n".join(rows(set_name, streams, stats, failed)), flush=True)
 
 

@@ -85,3 +85,22 @@ def chi2_homogeneity_p(a: collections.Counter, b: collections.Counter, min_expec
     df = len(cells) - 1
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
                                          torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def assert_sampled_like_without(llm_spec: LLM, llm_plain: LLM) -> None:
+    """Speculative sampling on the real model: a prompt a drafter continues ("a b c d e" repeated), three tokens drawn
+    at temperature 1.5 from the top 3 (a small vocabulary), 400 requests with drafts against 400 without. The first
+    token and the three together are distributed alike (chi-square, p > 0.001; the engines' seeds are fixed, so a
+    run repeats its result), and drafts were both accepted and rejected on the way."""
+    ids = llm_spec.tokenizer.encode("a b c d e a b c d e a b c d e a b c", add_special_tokens=False)
+    params = SamplingParams(max_tokens=3, temperature=1.5, top_k=3, ignore_eos=True)
+    stats = llm_spec.engine.scheduler
+    drafted, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
+    # batches of 16, the fixture's spec_max_batch: every step may draft
+    with_drafts = [tuple(o.token_ids) for _ in range(25) for o in llm_spec.generate([ids] * 16, params)]
+    drafted, accepted = stats.num_draft_tokens - drafted, stats.num_accepted_tokens - accepted
+    assert 0 < accepted < drafted, (drafted, accepted)
+    without = [tuple(o.token_ids) for _ in range(25) for o in llm_plain.generate([ids] * 16, params)]
+    assert chi2_homogeneity_p(collections.Counter(t[0] for t in with_drafts),
+                              collections.Counter(t[0] for t in without)) > 1e-3
+    assert chi2_homogeneity_p(collections.Counter(with_drafts), collections.Counter(without)) > 1e-3

@@ -1,13 +1,14 @@
 """Speculative decoding with a draft model (engine/spec/draft_model.py) on the real model: greedy output is decoding's,
 token for token, whether the draft agrees (SmolLM2 drafting for itself) or not (a random-weight model with SmolLM2's
-tokenizer), in staggered runs and in one batch mixing drafting and plain requests; the draft's own KV pool is all
-free once requests end or are cancelled; a draft model with another vocabulary is refused by name."""
+tokenizer), in staggered runs and in one batch mixing drafting and plain requests; sampled tokens are distributed
+as without it; the draft's own KV pool is all free once requests end or are cancelled; a draft model with another
+vocabulary is refused by name."""
 
 from __future__ import annotations
 
 import pytest
 from arch_factory import build_hf_model, save_hf_folder, tiny_tokenizer
-from spec_cases import USER_TURNS, chat_ids, request_params, run_staggered
+from spec_cases import USER_TURNS, assert_sampled_like_without, chat_ids, request_params, run_staggered
 
 from cpuserve.engine.config import EngineConfig
 from cpuserve.engine.llm import LLM
@@ -69,6 +70,13 @@ def test_one_batch_mixing_drafting_and_plain_requests_decodes_the_same(llm_rando
         assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason), i
     assert [lp.logprob for lp in got[2].logprobs] == [lp.logprob for lp in want[2].logprobs]
     assert_draft_pool_free(llm_random_draft)
+
+
+def test_sampled_tokens_are_distributed_as_without_speculation(llm_self_draft, llm_int4):
+    """A greedy draft is a point mass on its token: verify.py's rule (keep it with probability p(d)) is speculative
+    sampling's for it too (spec_cases.assert_sampled_like_without)."""
+    assert_sampled_like_without(llm_self_draft, llm_int4)
+    assert_draft_pool_free(llm_self_draft)
 
 
 def test_cancelled_requests_leave_the_draft_pool_free(llm_self_draft):
