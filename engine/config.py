@@ -12,7 +12,7 @@ KV_CACHE_DTYPES = ("int8", "bf16", "fp32")
 # int8 codes with one scale per token (vLLM's W8A8 scheme; per-channel int8 weights only), or bf16
 ACTIVATION_FORMATS = ("int8", "int8-token", "bf16")
 GROUP_SIZES = (32, 64, 128, 256)  # int4 groups along K: the ones torch's int4 CPU kernel (and ours) accept
-SPECULATIVE_METHODS = ("ngram",)  # drafters (engine/spec/); None = no speculation
+SPECULATIVE_METHODS = ("ngram", "draft")  # drafters (engine/spec/); None = no speculation
 
 
 def option(default: Any, help: str, choices: tuple = ()) -> Any:
@@ -55,12 +55,20 @@ class EngineConfig:
     launcher: Any = None  # starts ranks 1..k-1 (distributed/group.py); None = processes on this host
     seed: int = option(0, "Seed of the engine's generator for unseeded requests.")
     show_progress: bool = True
-    # speculative decoding (engine/spec/): "ngram" drafts from each request's own tokens and the prefix cache's blocks.
+    # speculative decoding (engine/spec/): "ngram" drafts from each request's own tokens and the prefix cache's blocks,
+    # "draft" from a draft model with the same tokenizer (its own KV pool: spec/draft_model.py).
     # The thresholds below are measured (docs/engine.md, "Speculative decoding": bench/speculative.py).
     speculative: str | None = option(None, "Speculative decoding: \"ngram\" drafts tokens from each request's own "
-                                     "text and from the prefix cache's blocks (no draft model), verified in the "
-                                     "batched step; greedy output is unchanged. None = off.", SPECULATIVE_METHODS)
+                                     "text and from the prefix cache's blocks (no draft model); \"draft\" runs "
+                                     "spec_draft_model. Drafts are verified in the batched step; greedy output is "
+                                     "unchanged. None = off.", SPECULATIVE_METHODS)
     spec_tokens: int = option(4, "Draft tokens a request may verify per step, at most.")
+    spec_draft_model: str | None = option(None, "Draft model of speculative=\"draft\": a GGUF file or Hugging Face "
+                                          "folder with the model's tokenizer; None = the embedded "
+                                          "SmolLM2-135M-Instruct.")
+    spec_draft_weights: str | None = option(None, "Runtime weight format of the draft model; None = weights'.",
+                                            WEIGHT_FORMATS)
+    spec_draft_kv_cache_gb: float = option(0.25, "Memory budget of the draft model's own KV block pool, GiB.")
     spec_ngram_min: int = 2  # n: the shortest suffix matched (the longest, spec_ngram_max, is tried first)
     spec_ngram_max: int = 4
     spec_max_batch: int = option(4, "No drafting in a step that runs more requests than this (a large batch is "
@@ -123,6 +131,17 @@ class EngineConfig:
             raise ValueError(f"spec_pause_steps={self.spec_pause_steps} must be >= 0")
         if not 0 <= self.spec_min_acceptance <= 1:
             raise ValueError(f"spec_min_acceptance={self.spec_min_acceptance} must be between 0 and 1")
+        if self.spec_draft_weights is not None and self.spec_draft_weights not in WEIGHT_FORMATS:
+            raise ValueError(f"spec_draft_weights={self.spec_draft_weights!r} is not supported; use one of "
+                             f"{', '.join(WEIGHT_FORMATS)}")
+        if not self.spec_draft_kv_cache_gb > 0:
+            raise ValueError(f"spec_draft_kv_cache_gb={self.spec_draft_kv_cache_gb} must be > 0")
+        if self.spec_draft_model is not None and self.speculative != "draft":
+            raise ValueError(f"spec_draft_model={self.spec_draft_model!r} is set but speculative="
+                             f"{self.speculative!r}: set speculative='draft' to use a draft model")
+        if self.spec_draft_model is not None and not os.path.exists(self.spec_draft_model):
+            raise ValueError(f"spec_draft_model={self.spec_draft_model!r}: no such file or folder; give a .gguf "
+                             "file or a Hugging Face folder")
         if self.spec_tokens >= self.max_num_batched_tokens:
             raise ValueError(f"spec_tokens={self.spec_tokens} must be below max_num_batched_tokens="
                              f"{self.max_num_batched_tokens}")

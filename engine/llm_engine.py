@@ -71,7 +71,7 @@ class LLMEngine:
         tune_allocator()  # from here on keep freed activations for the next step
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
                                           key_by_role=self.runner.has_prompt_scheme)
-        drafter = build_drafter(config, self.block_manager)
+        drafter = build_drafter(config, self.block_manager, self.tokenizer, self.args.vocab_size, self.max_model_len)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, drafter,
                                    SpecPolicy.from_config(config) if drafter is not None else None)
         self.outputs = OutputProcessor(self.tokenizer)

@@ -85,6 +85,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         self.num_steps += 1
         drafting = self.drafter is not None and self.spec_policy.is_on(len(self.running))
+        if drafting:
+            self._prepare_drafts(budget)
         i = 0
         while i < len(self.running) and budget > 0:  # running first: decodes and unfinished prefills
             request = self.running[i]
@@ -111,6 +113,16 @@ class Scheduler:
             if victim is request:
                 return False
         return True
+
+    def _prepare_drafts(self, budget: int) -> None:
+        """Let the drafter make the step's drafts at once (a draft model batches them): for each running request that
+        may draft, at most what the whole budget would leave it; _draft cuts that to what is left at its turn."""
+        requests, sizes = [], []
+        for i, request in enumerate(self.running):
+            if num_draft := self.spec_policy.max_draft(request, self.num_steps, budget - (len(self.running) - i - 1)):
+                requests.append(request)
+                sizes.append(num_draft)
+        self.drafter.prepare(requests, sizes)
 
     def _draft(self, request: Request, budget: int, i: int) -> list[int]:
         """running[i]'s draft, from what the budget and the pool leave after one token for each request after it: a

@@ -73,6 +73,9 @@ class ServeConfig(BaseSettings):
     speculative: Literal[SPECULATIVE_METHODS] | None = engine_field("speculative")  # type: ignore[valid-type]
     spec_tokens: int = engine_field("spec_tokens", ge=1)
     spec_max_batch: int = engine_field("spec_max_batch", ge=1)
+    spec_draft_model: str | None = engine_field("spec_draft_model")
+    spec_draft_weights: Literal[WEIGHT_FORMATS] | None = engine_field("spec_draft_weights")  # type: ignore[valid-type]
+    spec_draft_kv_cache_gb: float = engine_field("spec_draft_kv_cache_gb", gt=0)
 
     # -- replicas and placement ---------------------------------------------------------------------------
     replicas: int = Field(1, ge=1)

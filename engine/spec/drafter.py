@@ -1,10 +1,12 @@
 """The drafter interface: what the scheduler asks of whatever proposes draft tokens.
 
+    prepare(requests, max_tokens)               once a step, before propose: the requests that may draft and at most
+                                                how many tokens each (a drafter that runs a model batches them here)
     propose(request, max_tokens) -> list[int]   up to max_tokens tokens to follow the request's tokens ([] = none)
     forget(request_id)                          the request ended: drop what was kept for it
 
-The n-gram drafter (ngram.py) is the one built today; a draft model with the same tokenizer would be a second
-implementation behind this interface. Drafters never import torch and never touch the KV pool.
+Two drafters: the n-gram one (ngram.py: no model, no torch) and a draft model with the model's tokenizer
+(draft_model.py: its own runner and KV pool, loaded only when chosen). Neither touches the model's KV pool.
 """
 
 from __future__ import annotations
@@ -19,16 +21,24 @@ from cpuserve.engine.spec.ngram import NgramDrafter
 
 
 class Drafter(Protocol):
+    def prepare(self, requests: list[Request], max_tokens: list[int]) -> None: ...
+
     def propose(self, request: Request, max_tokens: int) -> list[int]: ...
 
     def forget(self, request_id: str) -> None: ...
 
 
-def build_drafter(config: EngineConfig, block_manager: BlockManager) -> Drafter | None:
+def build_drafter(config: EngineConfig, block_manager: BlockManager, tokenizer, vocab_size: int,
+                  max_model_len: int) -> Drafter | None:
     """The drafter config.speculative names (None when speculation is off); the n-gram drafter indexes the blocks
-    the block manager caches (when prefix caching is on)."""
+    the block manager caches (when prefix caching is on); the draft model is checked against the model's tokenizer
+    and vocab_size and drafts within max_model_len."""
     if config.speculative is None:
         return None
+    if config.speculative == "draft":
+        from cpuserve.engine.spec.draft_model import build_draft_model_drafter
+
+        return build_draft_model_drafter(config, tokenizer, vocab_size, max_model_len)
     assert config.speculative == "ngram", config.speculative  # EngineConfig checked the name
     index = None
     if block_manager.enable_prefix_caching:

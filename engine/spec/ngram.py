@@ -29,6 +29,9 @@ class NgramDrafter:
         self.block_index = block_index
         self._contexts: dict[str, _ContextIndex] = {}
 
+    def prepare(self, requests: list[Request], max_tokens: list[int]) -> None:
+        pass  # each propose is a few dict lookups: nothing to batch
+
     def propose(self, request: Request, max_tokens: int) -> list[int]:
         """Up to max_tokens draft tokens to follow the request's tokens; [] when no n-gram matched."""
         tokens = request.all_token_ids

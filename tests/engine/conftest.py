@@ -30,6 +30,16 @@ def llm_int4():
 
 
 @pytest.fixture(scope="session")
+def decoded(llm_int4):
+    """The speculative tests' requests (spec_cases.py) run without speculation, in one batch (batching never changes
+    a request's tokens: test_batching.py): (prompts, outputs)."""
+    from spec_cases import USER_TURNS, chat_ids, request_params
+
+    prompts = [chat_ids(llm_int4, t) for t in USER_TURNS]
+    return prompts, llm_int4.generate(prompts, [request_params(i) for i in range(len(prompts))])
+
+
+@pytest.fixture(scope="session")
 def hf_model(model_path):
     """transformers loading the same GGUF, dequantized to fp32: the independent reference."""
     from transformers import AutoModelForCausalLM

@@ -190,6 +190,10 @@ class FixedDrafter:
     def __init__(self, draft: list[int]):
         self.draft = draft
         self.forgotten: list[str] = []
+        self.prepared: list[list[tuple[str, int]]] = []  # per step that drafts: (request id, at most) it was given
+
+    def prepare(self, requests: list[Request], max_tokens: list[int]) -> None:
+        self.prepared.append([(r.request_id, n) for r, n in zip(requests, max_tokens)])
 
     def propose(self, request: Request, max_tokens: int) -> list[int]:
         return self.draft[:max_tokens]
@@ -199,7 +203,8 @@ class FixedDrafter:
 
 
 def test_drafting_pauses_after_repeated_rejections_and_is_off_above_the_batch_size():
-    s = Scheduler(BlockManager(32, 4), 8, 64, FixedDrafter([42, 43]), SpecPolicy(2, 1, pause_after=2, pause_steps=3))
+    drafter = FixedDrafter([42, 43])
+    s = Scheduler(BlockManager(32, 4), 8, 64, drafter, SpecPolicy(2, 1, pause_after=2, pause_steps=3))
     s.add(make_request("a", [1, 2, 3], max_tokens=30))
     finish_step(s, s.schedule(), {"a": [5]})
     drafts = []
@@ -208,6 +213,8 @@ def test_drafting_pauses_after_repeated_rejections_and_is_off_above_the_batch_si
         drafts.append(out.scheduled[0].num_draft_tokens)
         finish_step(s, out, {"a": [1]})  # never 42: every draft wholly rejected
     assert drafts == [2, 2, 0, 0, 0, 2, 2, 0, 0]
+    # prepare saw the request exactly in the steps it drafted (not while prefilling nor paused)
+    assert drafter.prepared == [[]] + [[("a", n)] if n else [] for n in drafts]
     s.add(make_request("b", [7, 8], max_tokens=30))
     finish_step(s, s.schedule(), {"a": [1], "b": [9]})
     for _ in range(3):

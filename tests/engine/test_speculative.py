@@ -4,11 +4,9 @@ request leaves in the prefix cache hold the same KV bits as without speculation.
 
 from __future__ import annotations
 
-import collections
-import json
-
 import pytest
 import torch
+from spec_cases import STOP, USER_TURNS, assert_sampled_like_without, chat_ids, request_params, run_staggered
 
 from cpuserve.engine.llm import LLM
 from cpuserve.engine.request import Request
@@ -16,72 +14,11 @@ from cpuserve.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
-CODE = '''def total_price(items, tax_rate):
-    subtotal = 0
-    for item in items:
-        subtotal += item["price"] * item["quantity"]
-    return subtotal * (1 + tax_rate)
-'''
-PASSAGE = ("The lighthouse on Skerry Point was built in 1871 from granite quarried on the island itself. Its lamp "
-           "burned paraffin until 1934, when it was converted to electricity, and the last keeper left in 1989.")
-TOOL = '{"city": "Oslo", "forecast": [{"day": "Mon", "high": 4, "low": -2}, {"day": "Tue", "high": 6, "low": 0}]}'
-USER_TURNS = [
-    f"Rename subtotal to running_total in this code and return the whole function:\n{CODE}",
-    'Fix this JSON and return it: {"name": "Ann", "age": 31, "tags": ["a", "b",], "city": "Paris",}',
-    f"Quoting the passage exactly, when was the lamp converted to electricity?\n{PASSAGE}",
-    f"The weather tool returned:\n{TOOL}\nSummarise the forecast, repeating the numbers.",
-    "Write a short poem about autumn leaves.",
-    "What is the capital of Japan? Answer in one sentence.",
-    f"Repeat this code exactly:\n{CODE}",
-    "List three prime numbers.",
-]
-STOP = " * (1 + tax_rate) * (1 + tax_rate) *"
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
-                                           "age": {"type": "integer"}}, "required": ["name", "age"]}
-
-
-def chat_ids(llm: LLM, text: str) -> list[int]:
-    tok = llm.tokenizer
-    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
-
-
-def request_params(i: int) -> SamplingParams:
-    if i == 1:  # a JSON schema: drafts from the prompt's JSON must pass the grammar too
-        return SamplingParams(max_tokens=40, temperature=0, structured_output={"kind": "json_schema",
-                                                                               "spec": json.dumps(SCHEMA)})
-    if i == 6:  # a stop string inside text the drafter proposes (this model repeats "(1 + tax_rate) *" here)
-        return SamplingParams(max_tokens=64, temperature=0, stop=[STOP])
-    if i == 7:  # seeded sampling never drafts: a plain row in a drafting batch
-        return SamplingParams(max_tokens=24, temperature=0.8, seed=7)
-    return SamplingParams(max_tokens=36 + 2 * i, temperature=0, logprobs=1 if i == 2 else None)
-
-
-def run_staggered(llm: LLM, prompts: list[list[int]]) -> dict[str, tuple[list[int], str, str]]:
-    """A new request every step while the others run: prefill chunks and drafts share steps."""
-    engine, results, pending = llm.engine, {}, list(enumerate(prompts))
-    while pending or engine.has_unfinished_requests():
-        if pending:
-            i, ids = pending.pop(0)
-            engine.add_request(ids, request_params(i), request_id=f"r{i}")
-            results[f"r{i}"] = ([], "", None)
-        for chunk in engine.step():
-            ids, text, _ = results[chunk.request_id]
-            results[chunk.request_id] = (ids + chunk.new_token_ids, text + chunk.new_text, chunk.finish_reason)
-    return results
-
 
 @pytest.fixture(scope="module")
 def llm_spec():
     return LLM(weights="int4", kv_cache="int8", kv_cache_gb=0.25, show_progress=False, speculative="ngram",
                spec_max_batch=16)
-
-
-@pytest.fixture(scope="module")
-def decoded(llm_int4):
-    """Every request run without speculation, in one batch (batching never changes a request's tokens:
-    test_batching.py)."""
-    prompts = [chat_ids(llm_int4, t) for t in USER_TURNS]
-    return prompts, llm_int4.generate(prompts, [request_params(i) for i in range(len(prompts))])
 
 
 def test_greedy_output_is_decodings_token_for_token_with_requests_arriving_mid_run(llm_spec, decoded):
@@ -134,41 +71,6 @@ def test_cached_blocks_hold_decodings_kv_bits_and_nothing_of_rejected_drafts(llm
         assert torch.equal(kv_a.scale[ids_a], kv_b.scale[ids_b])
 
 
-def chi2_homogeneity_p(a: collections.Counter, b: collections.Counter, min_expected: float = 5.0) -> float:
-    """p-value that two samples' counts come from one distribution (Pearson's chi-square, cells expected below
-    min_expected in either sample pooled into one)."""
-    na, nb = sum(a.values()), sum(b.values())
-    big, rest = [], [0, 0]
-    for key in set(a) | set(b):
-        pooled = (a[key] + b[key]) / (na + nb)
-        if min(pooled * na, pooled * nb) >= min_expected:
-            big.append((a[key], b[key]))
-        else:
-            rest[0], rest[1] = rest[0] + a[key], rest[1] + b[key]
-    cells = big + ([tuple(rest)] if sum(rest) else [])
-    stat = 0.0
-    for ca, cb in cells:
-        pooled = (ca + cb) / (na + nb)
-        stat += (ca - pooled * na) ** 2 / (pooled * na) + (cb - pooled * nb) ** 2 / (pooled * nb)
-    df = len(cells) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
-
-
 def test_sampled_tokens_are_distributed_as_without_speculation(llm_spec, llm_int4):
-    """Speculative sampling on the real model: a prompt the drafter continues ("a b c d e" repeated), three tokens
-    drawn at temperature 1.5 from the top 3 (a small vocabulary), 400 requests with drafts against 400 without. The
-    first token and the three together are distributed alike (chi-square, p > 0.001; the engines' seeds are fixed,
-    so a run repeats its result), and drafts were both accepted and rejected on the way."""
-    ids = llm_spec.tokenizer.encode("a b c d e a b c d e a b c d e a b c", add_special_tokens=False)
-    params = SamplingParams(max_tokens=3, temperature=1.5, top_k=3, ignore_eos=True)
-    stats = llm_spec.engine.scheduler
-    drafted, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
-    # batches of 16, the fixture's spec_max_batch: every step may draft
-    with_drafts = [tuple(o.token_ids) for _ in range(25) for o in llm_spec.generate([ids] * 16, params)]
-    drafted, accepted = stats.num_draft_tokens - drafted, stats.num_accepted_tokens - accepted
-    assert 0 < accepted < drafted, (drafted, accepted)
-    without = [tuple(o.token_ids) for _ in range(25) for o in llm_int4.generate([ids] * 16, params)]
-    assert chi2_homogeneity_p(collections.Counter(t[0] for t in with_drafts),
-                              collections.Counter(t[0] for t in without)) > 1e-3
-    assert chi2_homogeneity_p(collections.Counter(with_drafts), collections.Counter(without)) > 1e-3
+    """n-gram drafts under the speculative-sampling rule (spec_cases.assert_sampled_like_without)."""
+    assert_sampled_like_without(llm_spec, llm_int4)
