@@ -3,7 +3,7 @@
     flock /tmp/cpuserve-bench.lock .venv/bin/python bench/speculative.py [--streams 1 8 32] [--reps 3]
         [--max-tokens 160] [--spec-tokens K] [--spec-max-batch B] [--spec-pause-after N] [--spec-pause-steps S]
         [--prompts N] [--peers llama-server] [--speculative ngram draft] [--weights W]
-        [--spec-draft-model PATH] [--spec-draft-weights W]
+        [--spec-draft-model PATH] [--spec-draft-weights W] [--model PATH]
 
 Two prompt sets: copy-heavy (edit this code, fix this JSON, answer quoting a passage, summarise a tool result: the
 output repeats the prompt) and open chat (it does not). For each set and each number of streams, the same greedy
@@ -199,6 +199,8 @@ def main() -> None:
     ap.add_argument("--speculative", nargs="+", default=["ngram"], choices=["ngram", "draft"],
                     help="the drafters measured against no speculation")
     ap.add_argument("--weights", default="int4", help="the model's weight format (every engine's)")
+    ap.add_argument("--model", default=None, help="the model every engine serves (default: the embedded SmolLM2; "
+                                                  "bench/deep_smollm2.py makes one a draft model pays on)")
     ap.add_argument("--spec-draft-model", default=None, help="the draft model (default: the embedded SmolLM2)")
     ap.add_argument("--spec-draft-weights", default=None, help="the draft model's weights (default: --weights)")
     ap.add_argument("--allow-diverging", action="store_true",
@@ -223,7 +225,8 @@ def main() -> None:
     for name in ("spec_tokens", "spec_pause_after", "spec_pause_steps"):
         if getattr(args, name) is not None:
             spec[name] = getattr(args, name)
-    common = dict(weights=args.weights, kv_cache="int8", kv_cache_gb=1.0, max_num_seqs=max(args.streams),
+    common = dict(model=args.model, weights=args.weights, kv_cache="int8", kv_cache_gb=1.0,
+                  max_num_seqs=max(args.streams),
                   show_progress=False)
     draft = {"spec_draft_model": args.spec_draft_model, "spec_draft_weights": args.spec_draft_weights}
     engines = {"off": LLM(**common)}
