@@ -11,7 +11,7 @@ from typing import Any
 from pydantic.alias_generators import to_camel
 
 from cpuserve.engine.config import engine_option
-from cpuserve.operator.spec import LLMServiceSpec
+from cpuserve.operator.spec import SERVE_FIELDS_FROM_SPEC, LLMServiceSpec
 from cpuserve.serving.serve_options import SERVE_OPTION_HELP, described
 
 GROUP = "cpuserve.dev"
@@ -100,8 +100,6 @@ def option_help(serve_name: str) -> str:
 def _with_option_help(schema: dict[str, Any]) -> None:
     """Each field that sets a `cpuserve serve` option describes it with that option's help first, then with its own
     docstring (what holds on Kubernetes), so the two never tell different stories."""
-    from cpuserve.operator.serve_document import SERVE_FIELDS_FROM_SPEC  # it imports this module's names
-
     for serve_name, path in SERVE_FIELDS_FROM_SPEC.items():
         node = schema
         for name in path.split("."):

@@ -24,7 +24,7 @@ from typing import Any
 
 from cpuserve.operator import naming
 from cpuserve.operator.pods import API_KEYS_DIR, TLS_DIR, model_path
-from cpuserve.operator.spec import LLMServiceSpec
+from cpuserve.operator.spec import SERVE_FIELDS_FROM_SPEC, LLMServiceSpec
 from cpuserve.serving.names import (APP_NAME, ENGINE_APP_NAME, ENGINE_IMPORT_PATH, GRPC_SERVICER, INGRESS_DEPLOYMENT,
                                     INGRESS_IMPORT_PATH, SERVER_DEPLOYMENT)
 
@@ -39,19 +39,6 @@ INGRESS_FIELDS = frozenset({"host", "metrics_port", "api_key_file"})
 INGRESS_LIMITS = ("replicas", "max_num_seqs", "max_queued_requests")
 
 
-# The LLMService fields the head's ServeConfig takes as they are: ServeConfig field -> the spec's field (snake_case
-# path). tests/operator/test_operator_spec_table.py checks both ends, and that every spec field is here or in
-# SPEC_ELSEWHERE.
-SERVE_FIELDS_FROM_SPEC = {
-    "weights": "quantization.weights", "group_size": "quantization.group_size",
-    "activations": "quantization.activations", "kv_cache": "quantization.kv_cache",
-    "kv_cache_gb": "resources.kv_cache_gb", "cpus_per_rank": "resources.cpus_per_rank",
-    "ranks_per_replica": "ranks_per_replica",
-    "max_num_seqs": "batching.max_num_seqs", "max_num_batched_tokens": "batching.max_num_batched_tokens",
-    "max_queued_requests": "batching.max_queued_requests",
-    "max_queued_tokens": "batching.max_queued_tokens",  # only when set: a service that never set it keeps its args
-    "grpc_port": "ports.grpc", "http_port": "ports.http", "metrics_port": "ports.metrics",
-}
 # The spec's other fields: where each goes instead (a folder: all of its fields)
 SPEC_ELSEWHERE = {
     "replicas": "serve_fields: replicas, at least 1 (at 0 the one LLMServer replica waits for a rank pod)",

@@ -1,7 +1,7 @@
 """The LLMService spec (desired state) as pydantic models: the one definition the CRD schema is built from.
 
 Field docstrings become the CRD's descriptions (see crd.py); a field that sets a `cpuserve serve` option
-(serve_document.SERVE_FIELDS_FROM_SPEC) has that option's help first, and its docstring says only what holds on
+(SERVE_FIELDS_FROM_SPEC) has that option's help first, and its docstring says only what holds on
 Kubernetes. Ranges, enums and patterns become its validation, so the API server rejects what these models reject. Cross-field rules that a schema cannot say
 (KV budget over the memory, ranks over the sockets allowed, a checkpoint type the format does not have)
 live in validation.py and surface as the ValidationFailed condition.
@@ -19,6 +19,22 @@ DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 SECRET_KEY = r"^[-._a-zA-Z0-9]+$"
 # SmolLM2-135M-Instruct, the model embedded in the image.
 EMBEDDED_NUM_PARAMETERS = 134_515_008
+
+
+# The LLMService fields the head's ServeConfig takes as they are (serve_document.py), whose CRD descriptions start
+# with the option's help (crd.py): ServeConfig field -> the spec's field (snake_case path).
+# tests/operator/test_operator_spec_table.py checks both ends, and that every spec field is here or in
+# serve_document.SPEC_ELSEWHERE.
+SERVE_FIELDS_FROM_SPEC = {
+    "weights": "quantization.weights", "group_size": "quantization.group_size",
+    "activations": "quantization.activations", "kv_cache": "quantization.kv_cache",
+    "kv_cache_gb": "resources.kv_cache_gb", "cpus_per_rank": "resources.cpus_per_rank",
+    "ranks_per_replica": "ranks_per_replica",
+    "max_num_seqs": "batching.max_num_seqs", "max_num_batched_tokens": "batching.max_num_batched_tokens",
+    "max_queued_requests": "batching.max_queued_requests",
+    "max_queued_tokens": "batching.max_queued_tokens",  # only when set: a service that never set it keeps its args
+    "grpc_port": "ports.grpc", "http_port": "ports.http", "metrics_port": "ports.metrics",
+}
 
 
 class Spec(BaseModel):
