@@ -12,8 +12,8 @@ torch.ops.cpuserve.*) and its plain-torch reference, which the tests compare the
     argmax_rows        cpuserve.argmax_rows                       logits.max(dim=-1).indices
     decode_layers      cpuserve.decode_layers (models/fused_decode.py; the op-by-op path of the model's own modules
                        is its reference: decode_layers_enabled() says whether it can run)
-    moe_experts        cpuserve.moe_experts (a mixture of experts' routed experts in one call; its reference is
-                       models/moe.py's MoE.experts_reference, the experts' own modules one by one)
+    moe_experts        cpuserve.moe_experts (a mixture of experts' router and routed experts in one call; its reference
+                       is models/moe.py's MoE.route and experts_reference, the experts' own modules one by one)
 
 Model code (engine/models, engine/distributed/sharding.py) calls these and never asks native.py itself. The
 weight formats' matmuls choose their GEMM in engine/layers/linear/.
@@ -165,8 +165,8 @@ def moe_experts_enabled() -> bool:
     return native.vnni_gemm_enabled()
 
 
-def moe_experts(x: Tensor, weights: Tensor, chosen: Tensor, gate_up: list[Tensor | None], down: list[Tensor | None],
-                meta: list[int]) -> Tensor:
-    """A mixture of experts' routed experts over x [N, dim] bf16 in one C++ call (engine/csrc/moe_experts.cpp
-    documents the arguments); only where moe_experts_enabled()."""
-    return torch.ops.cpuserve.moe_experts(x, weights, chosen, gate_up, down, meta)
+def moe_experts(x: Tensor, router: Tensor, n_used: int, norm_topk_prob: bool, gate_up: list[Tensor | None],
+                down: list[Tensor | None], meta: list[int]) -> Tensor:
+    """A mixture of experts' router and routed experts over x [N, dim] bf16 in one C++ call
+    (engine/csrc/moe_experts.cpp documents the arguments); only where moe_experts_enabled()."""
+    return torch.ops.cpuserve.moe_experts(x, router, n_used, norm_topk_prob, gate_up, down, meta)

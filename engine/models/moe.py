@@ -16,8 +16,8 @@ the same bits batched with any others as alone. The router multiplies in float64
 reduction order that changes with the batch's size could only change a logit where the float64 sums of the two
 orders straddle an fp32 rounding boundary.
 
-The experts run in one C++ call a layer (ops.moe_experts, engine/csrc/moe_experts.cpp: the same kernels in the same
-order, the same bits) where their weights stack (ExpertStack: every expert's gate_up, and every down, in one int8
+The router and the experts run in one C++ call a layer (ops.moe_experts, engine/csrc/moe_experts.cpp: the same torch
+ops and kernels in the same order, the same bits) where their weights stack (ExpertStack: every expert's gate_up, and every down, in one int8
 dot-product layout) and no row of the step takes a prompt kernel (AMX-BF16 prompt rows, act_int8.py); otherwise,
 and as its reference, experts_reference runs each expert's own modules from Python.
 
@@ -57,10 +57,10 @@ class MoE(nn.Module):
         return weights, chosen
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
-        weights, chosen = self.route(x)
         if self.stack is not None and x.dtype == torch.bfloat16 and not (
                 meta.prompt_rows and self.experts[0].gate_up.has_prompt_kernel()):
-            return self.stack.run(x, weights, chosen)
+            return self.stack.run(x, self.router, self.n_used, self.norm_topk_prob)
+        weights, chosen = self.route(x)
         return self.experts_reference(x, weights, chosen, meta.prompt_rows)
 
     def experts_reference(self, x: Tensor, weights: Tensor, chosen: Tensor, prompt_rows: RowRanges) -> Tensor:
@@ -105,9 +105,9 @@ class ExpertStack:
         meta = [gate_ups[0].bits, gate_ups[0].act_group, downs[0].bits, downs[0].act_group]
         return cls(_stack(gate_ups), _stack(downs), meta)
 
-    def run(self, x: Tensor, weights: Tensor, chosen: Tensor) -> Tensor:
-        return ops.moe_experts(x.contiguous(), weights.contiguous(), chosen.contiguous(), self.gate_up, self.down,
-                               self.meta)
+    def run(self, x: Tensor, router: Tensor, n_used: int, norm_topk_prob: bool) -> Tensor:
+        """MoE.route and experts_reference's bits: x [N, dim] bf16 -> [N, dim] bf16."""
+        return ops.moe_experts(x.contiguous(), router, n_used, norm_topk_prob, self.gate_up, self.down, self.meta)
 
 
 def _stackable(linears: list) -> bool:

@@ -144,10 +144,10 @@ def _trace_experts(model) -> list[list[tuple[int, int, int]]]:
         if moe.stack is not None:
             run = moe.stack.run
 
-            def stack_run(x, weights, chosen, run=run, i=i):
+            def stack_run(x, *route_args, run=run, i=i, moe=moe):
                 before = torch.ops.cpuserve.vnni_gemm_runs()
-                out = run(x, weights, chosen)
-                ids, counts = chosen.unique(return_counts=True)
+                out = run(x, *route_args)
+                ids, counts = moe.route(x)[1].unique(return_counts=True)
                 calls[-1].extend((i, int(e), int(c)) for e, c in zip(ids, counts))
                 calls[-1].append((i, -1, torch.ops.cpuserve.vnni_gemm_runs() - before))
                 return out
@@ -207,14 +207,14 @@ def test_a_decode_step_runs_only_the_routed_experts(default_engine, path, reques
 @needs_vnni
 @pytest.mark.parametrize("num_rows", [1, 3, 40])
 def test_experts_kernel_gives_the_references_bits(default_engine, num_rows):
-    """ops.moe_experts (one C++ call a layer) against MoE.experts_reference (each expert's modules from Python) on
-    the same rows and routes: the same bits, at decode's one row and at a prompt's many."""
+    """ops.moe_experts (router and experts in one C++ call a layer) against MoE.route and experts_reference (each
+    expert's modules from Python) on the same rows: the same bits, at decode's one row and at a prompt's many."""
     gen = torch.Generator().manual_seed(num_rows)
     for layer in default_engine.engine.runner.model.layers:
         moe = layer.mlp
         x = torch.randn(num_rows, moe.router.shape[1], generator=gen).to(torch.bfloat16)
-        weights, chosen = moe.route(x)
-        assert torch.equal(moe.stack.run(x, weights, chosen), moe.experts_reference(x, weights, chosen, ()))
+        want = moe.experts_reference(x, *moe.route(x), ())
+        assert torch.equal(moe.stack.run(x, moe.router, moe.n_used, moe.norm_topk_prob), want)
 
 
 @needs_vnni
