@@ -169,13 +169,15 @@ def _untrace(model) -> None:
 @pytest.fixture
 def reference_experts(default_engine):
     """The engine's layers on MoE.experts_reference (their ExpertStack set aside) for one test."""
-    layers = default_engine.engine.runner.model.layers
-    stacks = [layer.mlp.stack for layer in layers]
-    for layer in layers:
+    model = default_engine.engine.runner.model
+    stacks = [layer.mlp.stack for layer in model.layers]
+    for layer in model.layers:
         layer.mlp.stack = None
+    model._fused = False  # rebuilt on next use: without stacks, no fused decode step
     yield default_engine
-    for layer, stack in zip(layers, stacks):
+    for layer, stack in zip(model.layers, stacks):
         layer.mlp.stack = stack
+    model._fused = False
 
 
 @pytest.mark.parametrize("path", ["kernel", "reference"])
@@ -185,14 +187,16 @@ def test_a_decode_step_runs_only_the_routed_experts(default_engine, path, reques
     elif not native.vnni_gemm_enabled():
         pytest.skip("the int8-activation kernels are not built")
     model = default_engine.engine.runner.model
-    assert model.fused_decode() is None  # decode_layers.cpp takes dense blocks only
     assert all((layer.mlp.stack is None) == (path == "reference") for layer in model.layers)
+    assert (model.fused_decode() is None) == (path == "reference")  # decode_layers.cpp takes stacked experts
     prompt = IDS if path == "kernel" else IDS[::-1]  # apart: the other's prompt would be a cached prefix
     calls = _trace_experts(model)
+    model._fused = None  # every step through MoE.forward (the fused step: test_fused_decode.py)
     try:
         default_engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     finally:
         _untrace(model)
+        model._fused = False
     assert len(calls) == 4  # the prompt, then 3 decode steps
     runs = [[(i, e, rows) for i, e, rows in step if e >= 0] for step in calls]
     assert sum(rows for _, _, rows in runs[0]) == len(IDS) * 2 * len(model.layers)  # each token, its k experts
