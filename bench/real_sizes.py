@@ -79,11 +79,14 @@ PEER_KEYS = {"llama.cpp": "llama_cpp", "vllm": "vllm", "vllm-bf16": "vllm_bf16"}
 def measure(sizes: list[str], cfg: dict, cache_dir: str, compare, peer_engines, log=print,
             peers: tuple[str, ...] = ("llama.cpp",)) -> dict:
     """Decode at every batch of cfg, cpuserve and each of peers (of FILE_PEERS) on each size's file (compare /
-    peer_engines are bench/engine.py's), and prefill of cfg's prompt for all but llama.cpp (without its AMX repack,
-    which dies on our Xeons, a 3B prefill takes it minutes); plus each file's bytes per token and the memory
+    peer_engines are bench/engine.py's), and prefill of cfg's prompt for all but llama.cpp on the dense sizes
+    (without its AMX repack, which dies on our Xeons, a 3B prefill takes it minutes; the mixture of experts reads
+    3B parameters a token and its prefill target is against llama.cpp); plus each file's bytes per token and the memory
     bandwidth, sampled before and after each size's measures (a shared machine's bandwidth moves by 1.5x within
     minutes: the median of the samples is used). vLLM reads a Hugging Face folder made from the file (peer_vllm.py):
     the same shapes and values."""
+    from synthetic_gguf import MOE_PRESETS
+
     raw = {"bandwidth_samples_gb_s": [], "real_files": {}}
     peers = [p for p in peers if p in FILE_PEERS]
     for size in sizes:
@@ -92,7 +95,9 @@ def measure(sizes: list[str], cfg: dict, cache_dir: str, compare, peer_engines, 
         raw["bandwidth_samples_gb_s"].append(memory_bandwidth(cfg["threads"]))
         suffix = f"_q4km_{size}"
         engines = peer_engines(peers, dict(cfg, model=path), suffix)
-        measures = [("prefill", (), [n for n in engines if n != "llama_cpp" + suffix])] if cfg["prefill_len"] else []
+        moe = REAL[size] in MOE_PRESETS
+        prefill = [n for n in engines if moe or n != "llama_cpp" + suffix]
+        measures = [("prefill", (), prefill)] if cfg["prefill_len"] else []
         measures += [("decode", (b,), list(engines)) for b in cfg["batches"]]
         raw.update(compare(engines, measures, cfg["reps"]))
         raw["bandwidth_samples_gb_s"].append(memory_bandwidth(cfg["threads"]))

@@ -8,9 +8,12 @@
 //     h = rms_norm(x) -> qkv GEMM -> RoPE + K/V into the pool -> paged decode attention -> o GEMM -> x += o
 //     h = rms_norm(x) -> gate_up GEMM -> silu(gate) * up -> down GEMM -> x += down
 //
+//     (a mixture of experts:  h = rms_norm(x) -> moe_experts (router, routed experts) -> x += out)
+//
 // Only decode rows (one new token per sequence) and the Llama family's layers with int8 dot-product weights
 // (W4A8 / W6A8 / W8A8, or a StackedLinear of them), with Qwen2's biases and Qwen3's q/k norms where the model has
-// them: engine/models/fused_decode.py checks and otherwise keeps the op-by-op path.
+// them, and stacked experts (models/moe.py ExpertStack): engine/models/fused_decode.py checks and otherwise keeps
+// the op-by-op path.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -55,6 +58,14 @@ struct Projection {
   }
 };
 
+// A mixture of experts' MLP: its router and stacked experts (moe_experts.cpp)
+struct Experts {
+  const at::Tensor* router;
+  int64_t k;
+  bool norm_topk_prob;
+  cpuserve_ops::ExpertWeights gate_up, down;
+};
+
 // Takes the layers' tensors and ints in order (see decode_layers)
 struct Reader {
   at::TensorList weights;
@@ -80,11 +91,30 @@ struct Reader {
     }
     return p;
   }
+  // gate_up's part count 0 marks a mixture of experts: k, norm_topk_prob, then for gate_up and down bits, act_group,
+  // 1 if it has supers; tensors: the router, then each stack's packed, scales, zoffs (and supers)
+  c10::optional<Experts> experts() {
+    TORCH_CHECK(m < meta.size(), "linear_meta holds fewer ints (", meta.size(), ") than its part counts describe");
+    if (meta[m] != 0) return c10::nullopt;
+    ++m;
+    const at::Tensor* router = &tensor();
+    const int64_t k = value();
+    const bool norm = value() != 0;
+    const auto stack = [&]() {
+      const at::Tensor &packed = tensor(), &scales = tensor(), &zoffs = tensor();
+      const int64_t bits = value(), act_group = value();
+      const auto supers = value() ? c10::optional<at::Tensor>(tensor()) : c10::nullopt;
+      return cpuserve_ops::ExpertWeights{packed, scales, zoffs, supers, bits, act_group};
+    };
+    auto gate_up = stack();
+    return Experts{router, k, norm, std::move(gate_up), stack()};
+  }
 };
 
 struct Layer {
   const at::Tensor *attention_norm, *ffn_norm;
-  Projection qkv, o, gate_up, down;
+  Projection qkv, o, gate_up, down;  // gate_up, down: no parts where the layer's MLP is experts
+  c10::optional<Experts> experts;
 };
 
 // Every layer's weights, checked against the counts before any layer runs (a KV pool is written only by a call
@@ -97,9 +127,11 @@ std::vector<Layer> read_layers(at::TensorList weights, at::IntArrayRef linear_me
     const at::Tensor *attention_norm = &reader.tensor(), *ffn_norm = &reader.tensor();
     auto qkv = reader.projection(bias(0));
     auto o = reader.projection(bias(1));
-    auto gate_up = reader.projection(bias(2));
-    auto down = reader.projection(bias(3));
-    layers.push_back(Layer{attention_norm, ffn_norm, std::move(qkv), std::move(o), std::move(gate_up), std::move(down)});
+    auto experts = reader.experts();
+    auto gate_up = experts ? Projection{} : reader.projection(bias(2));
+    auto down = experts ? Projection{} : reader.projection(bias(3));
+    layers.push_back(Layer{attention_norm, ffn_norm, std::move(qkv), std::move(o), std::move(gate_up), std::move(down),
+                           std::move(experts)});
   }
   TORCH_CHECK(reader.w == weights.size() && reader.m == linear_meta.size(), "weights and linear_meta hold more than ",
               L, " layers describe: ", weights.size(), " tensors, ", linear_meta.size(), " ints");
@@ -116,6 +148,7 @@ void norm_heads(at::Tensor heads, const c10::optional<at::Tensor>& weight, doubl
 //                where the part has them) of each part
 //   linear_meta  for qkv, o, gate_up, down: the number of parts, then bits, act_group and 1 if it has supers (else
 //                0) of each part
+//   (a mixture of experts' layer: after o, a 0 and Reader::experts' ints; its tensors the router and the stacks)
 //   pools        the KV pool [blocks, B, 2 Hkv, D], followed by its scales when the pools are int8 (2 per layer)
 //   extras       kLayerExtras, None where the model has none
 // (one part per projection but where a StackedLinear keeps row blocks of different storage: a Q4_K_M's qkv).
@@ -159,6 +192,12 @@ at::Tensor decode_layers(const at::Tensor& x, at::TensorList weights, at::IntArr
     o_proj(attn, proj);
     h.add_(proj);
 
+    if (layer.experts) {  // router and routed experts in one call
+      const Experts& ex = *layer.experts;
+      h.add_(cpuserve_ops::moe_experts(cpuserve_ops::rms_norm(h, ffn_norm, eps), *ex.router, ex.k, ex.norm_topk_prob,
+                                       ex.gate_up, ex.down));
+      continue;
+    }
     if (!gate_up.defined() || gate_up.size(1) != gate_up_proj.n()) {
       gate_up = at::empty({S, gate_up_proj.n()}, x.options());
       act = at::empty({S, gate_up_proj.n() / 2}, x.options());

@@ -17,6 +17,15 @@ at::Tensor& decode_attention_out(const at::Tensor& q, const at::Tensor& kv, cons
 at::Tensor& vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                           const at::Tensor& zoffs, int64_t bits, int64_t act_group,
                           const c10::optional<at::Tensor>& supers, at::Tensor& out);  // vnni_gemm.cpp
+// A stacked projection of a mixture of experts' experts: expert e's vnni_gemm operands at index e of each tensor
+struct ExpertWeights {
+  at::Tensor packed, scales, zoffs;
+  c10::optional<at::Tensor> supers;
+  int64_t bits, act_group;
+};
+// x [N, dim] bf16 through the layer's router [E, dim] float64 and its k routed experts -> [N, dim] bf16
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& router, int64_t k, bool norm_topk_prob,
+                       const ExpertWeights& gate_up, const ExpertWeights& down);  // moe_experts.cpp
 // The checks of every GEMM over vnni_layouts.h's operands (vnni_gemm, amx_bf16_gemm): TORCH_CHECK on a mismatch
 void check_gemm_operands(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                          const at::Tensor& zoffs, int64_t bits, int64_t act_group,

@@ -12,6 +12,8 @@ torch.ops.cpuserve.*) and its plain-torch reference, which the tests compare the
     argmax_rows        cpuserve.argmax_rows                       logits.max(dim=-1).indices
     decode_layers      cpuserve.decode_layers (models/fused_decode.py; the op-by-op path of the model's own modules
                        is its reference: decode_layers_enabled() says whether it can run)
+    moe_experts        cpuserve.moe_experts (a mixture of experts' router and routed experts in one call; its reference
+                       is models/moe.py's MoE.route and experts_reference, the experts' own modules one by one)
 
 Model code (engine/models, engine/distributed/sharding.py) calls these and never asks native.py itself. The
 weight formats' matmuls choose their GEMM in engine/layers/linear/.
@@ -156,3 +158,15 @@ def decode_layers(x: Tensor, weights: list[Tensor], linear_meta: list[int], pool
     arguments); only where decode_layers_enabled()."""
     return torch.ops.cpuserve.decode_layers(x, weights, linear_meta, pools, extras, cos, sin, slot_mapping,
                                             block_tables, context_lens, n_heads, eps, scale)
+
+
+def moe_experts_enabled() -> bool:
+    """moe_experts can run: the kernels are built, with the int8 dot-product GEMMs it calls per expert."""
+    return native.vnni_gemm_enabled()
+
+
+def moe_experts(x: Tensor, router: Tensor, n_used: int, norm_topk_prob: bool, gate_up: list[Tensor | None],
+                down: list[Tensor | None], meta: list[int]) -> Tensor:
+    """A mixture of experts' router and routed experts over x [N, dim] bf16 in one C++ call
+    (engine/csrc/moe_experts.cpp documents the arguments); only where moe_experts_enabled()."""
+    return torch.ops.cpuserve.moe_experts(x, router, n_used, norm_topk_prob, gate_up, down, meta)

@@ -6,9 +6,9 @@ for bit (tests/engine/test_fused_decode.py). It takes a step when
 
     every scheduled row is a decode (no prefill chunk in the step),
     the kernels are built (CPUSERVE_KERNELS is not torch) with the int8 dot-product GEMMs, activations are bf16,
-    every layer is a dense Llama-family block (an MoE block, moe.py, is not) with W4A8 / W6A8 / W8A8 projections,
-    or StackedLinear ones of them (a Q4_K_M qkv: one GEMM per part, into its columns), with Qwen2's biases and
-    Qwen3's q/k norms too,
+    every layer is a Llama-family block with W4A8 / W6A8 / W8A8 projections, or StackedLinear ones of them (a
+    Q4_K_M qkv: one GEMM per part, into its columns), with Qwen2's biases and Qwen3's q/k norms too, and an MLP
+    that is dense or a mixture of experts whose experts stack (moe.py ExpertStack: router and experts in one call),
 
 and CPUSERVE_FUSED_DECODE is not 0. Otherwise, and for replica groups (whose layers call collectives between the
 matmuls), the op-by-op path runs.
@@ -49,9 +49,10 @@ class FusedDecode:
         extras: list[Tensor | None] = []
         for layer in model.layers:
             att, mlp = layer.attention, layer.mlp
-            if not hasattr(mlp, "gate_up"):  # a mixture-of-experts block (moe.py): its experts run op by op
+            experts = getattr(mlp, "stack", False)  # a mixture of experts (moe.py): its ExpertStack, or None
+            if experts is None:
                 return None
-            linears = (att.qkv, att.o_proj, mlp.gate_up, mlp.down)
+            linears = (att.qkv, att.o_proj) + (() if experts else (mlp.gate_up, mlp.down))
             head_norms = [n for n in (att.q_norm, att.k_norm) if n is not None]
             norms = [layer.attention_norm, layer.ffn_norm, *head_norms]
             if att.kv is None or not all(isinstance(lin, (Int8ActLinear, StackedLinear)) for lin in linears) or any(
@@ -62,8 +63,15 @@ class FusedDecode:
                 parts = list(lin.parts) if isinstance(lin, StackedLinear) else [lin]
                 weights += [t for part in parts for t in _gemm(part)]
                 meta += [len(parts), *(v for part in parts for v in (part.bits, part.act_group, _has_supers(part)))]
+            if experts:
+                weights.append(mlp.router)
+                meta += [0, mlp.n_used, int(mlp.norm_topk_prob)]
+                for stack, (bits, act_group) in ((experts.gate_up, experts.meta[:2]), (experts.down, experts.meta[2:])):
+                    weights += [t for t in stack if t is not None]
+                    meta += [bits, act_group, int(stack[3] is not None)]
             pools += [att.kv.kv] if att.kv.scale is None else [att.kv.kv, att.kv.scale]
-            extras += [lin.bias for lin in linears] + [n.weight if n is not None else None for n in (att.q_norm, att.k_norm)]
+            biases = [lin.bias for lin in linears] + [None, None] * bool(experts)
+            extras += biases + [n.weight if n is not None else None for n in (att.q_norm, att.k_norm)]
         att = model.layers[0].attention
         return cls(weights, meta, pools, extras, att.n_heads, model.args.norm_eps, att.scale)
 

@@ -16,8 +16,13 @@ the same bits batched with any others as alone. The router multiplies in float64
 reduction order that changes with the batch's size could only change a logit where the float64 sums of the two
 orders straddle an fp32 rounding boundary.
 
+The router and the experts run in one C++ call a layer (ops.moe_experts, engine/csrc/moe_experts.cpp: the same torch
+ops and kernels in the same order, the same bits) where their weights stack (ExpertStack: every expert's gate_up, and every down, in one int8
+dot-product layout) and no row of the step takes a prompt kernel (AMX-BF16 prompt rows, act_int8.py); otherwise,
+and as its reference, experts_reference runs each expert's own modules from Python.
+
 Replica groups do not shard experts yet (engine/runner.py refuses them); the fused decode step (fused_decode.py)
-takes dense blocks only, so MoE models run op by op.
+takes dense blocks only, so the rest of an MoE model's layers run op by op.
 """
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ from bisect import bisect_left
 import torch
 from torch import Tensor, nn
 
+from cpuserve.engine.layers import ops
+from cpuserve.engine.layers.linear.act_int8 import Int8ActLinear
 from cpuserve.engine.layers.linear.coded import as_float, concat_rows
 from cpuserve.engine.models.llama import MLP, AttentionMetadata
 
@@ -39,6 +46,7 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(experts)
         self.n_used = n_used
         self.norm_topk_prob = norm_topk_prob
+        self.stack = ExpertStack.build(experts)
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [N, dim] -> (weights [N, k] fp32, expert ids [N, k] int64)."""
@@ -49,8 +57,16 @@ class MoE(nn.Module):
         return weights, chosen
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
-        k = self.n_used
+        if self.stack is not None and x.dtype == torch.bfloat16 and not (
+                meta.prompt_rows and self.experts[0].gate_up.has_prompt_kernel()):
+            return self.stack.run(x, self.router, self.n_used, self.norm_topk_prob)
         weights, chosen = self.route(x)
+        return self.experts_reference(x, weights, chosen, meta.prompt_rows)
+
+    def experts_reference(self, x: Tensor, weights: Tensor, chosen: Tensor, prompt_rows: RowRanges) -> Tensor:
+        """x [N, dim], route's weights and chosen [N, k] -> [N, dim]: each active expert's own modules over its rows
+        (the prompt rows among them as such), then the weighted sum."""
+        k = self.n_used
         order = torch.argsort(chosen.view(-1), stable=True)  # order: [N k], the (token, slot) pairs by expert
         counts = torch.bincount(chosen.view(-1), minlength=len(self.experts)).tolist()
         tokens = order // k  # each pair's token, ascending within an expert (a token picks an expert once)
@@ -62,10 +78,59 @@ class MoE(nn.Module):
                 continue
             stop = start + count
             rows = tokens[start:stop]
-            y = self.experts[e].run(x[rows], _local_ranges(rows, meta.prompt_rows))  # y: [count, dim]
+            y = self.experts[e].run(x[rows], _local_ranges(rows, prompt_rows))  # y: [count, dim]
             out.index_add_(0, rows, y.float() * pair_weights[start:stop])
             start = stop
         return out.to(x.dtype)
+
+
+class ExpertStack:
+    """Every expert's gate_up, and every expert's down, as one stacked tensor per buffer [E, ...] (expert e at index
+    e), for ops.moe_experts; each expert's module keeps views into them (no second copy). Only where every expert's
+    projection is an int8 dot-product layer (Int8ActLinear) of one layout: the same class, bits, activation group,
+    buffer shapes and dtypes, no bias (a GGUF's stacked experts are one tensor type)."""
+
+    BUFFERS = ("packed", "scales", "zoffs", "supers")
+
+    def __init__(self, gate_up: list[Tensor | None], down: list[Tensor | None], meta: list[int]):
+        self.gate_up, self.down, self.meta = gate_up, down, meta
+
+    @classmethod
+    def build(cls, experts: list[MLP]) -> "ExpertStack | None":
+        if not experts or not ops.moe_experts_enabled():
+            return None
+        gate_ups, downs = [e.gate_up for e in experts], [e.down for e in experts]
+        if not (_stackable(gate_ups) and _stackable(downs)):
+            return None
+        meta = [gate_ups[0].bits, gate_ups[0].act_group, downs[0].bits, downs[0].act_group]
+        return cls(_stack(gate_ups), _stack(downs), meta)
+
+    def run(self, x: Tensor, router: Tensor, n_used: int, norm_topk_prob: bool) -> Tensor:
+        """MoE.route and experts_reference's bits: x [N, dim] bf16 -> [N, dim] bf16."""
+        return ops.moe_experts(x.contiguous(), router, n_used, norm_topk_prob, self.gate_up, self.down, self.meta)
+
+
+def _stackable(linears: list) -> bool:
+    first = linears[0]
+    if not isinstance(first, Int8ActLinear):
+        return False
+    layout = lambda lin: (type(lin), lin.bits, lin.act_group, lin.bias is None, *(  # noqa: E731
+        None if t is None else (t.dtype, tuple(t.shape)) for t in (getattr(lin, b) for b in ExpertStack.BUFFERS)))
+    return first.bias is None and all(type(lin) is type(first) and layout(lin) == layout(first) for lin in linears)
+
+
+def _stack(linears: list[Int8ActLinear]) -> list[Tensor | None]:
+    """The stacked buffers; each linear's buffers rebound to its views of them."""
+    stacked = []
+    for name in ExpertStack.BUFFERS:
+        if getattr(linears[0], name) is None:
+            stacked.append(None)
+            continue
+        whole = torch.stack([getattr(lin, name) for lin in linears])  # whole: [E, ...]
+        for e, lin in enumerate(linears):
+            lin.register_buffer(name, whole[e])
+        stacked.append(whole)
+    return stacked
 
 
 def _local_ranges(rows: Tensor, prompt_rows: RowRanges) -> RowRanges:

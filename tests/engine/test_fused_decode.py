@@ -87,6 +87,21 @@ def test_q4_k_m_layers_with_stacked_qkv_match_too(tmp_path):
     _check_every_decode_step(llm, [[5, 17, 99], [3, 250, 42, 42, 7, 130, 64], [8]])
 
 
+def test_mixture_of_experts_layers_match_too(tmp_path):
+    """A tiny Qwen3-MoE with Q4_K gate/up and Q6_K down experts (Q4_K_M's types): each layer's router and routed
+    experts in one call (moe_experts.cpp) inside the fused step."""
+    from arch_factory import build_hf_model, write_gguf
+
+    from cpuserve.engine.llm import LLM
+
+    model = build_hf_model("qwen3moe", hidden_size=256, moe_intermediate_size=256, head_dim=64)
+    experts = {"ffn_gate_exps.weight": "Q4_K", "ffn_up_exps.weight": "Q4_K", "ffn_down_exps.weight": "Q6_K"}
+    path = write_gguf(model, tmp_path / "moe.gguf", "qwen3moe", expert_qtype=experts, dense_qtype="Q8_0")
+    llm = LLM(model=path, kv_cache_gb=0.02, show_progress=False)
+    assert all(layer.mlp.stack is not None for layer in llm.engine.runner.model.layers)
+    _check_every_decode_step(llm, [[5, 17, 99], [3, 250, 42, 42, 7, 130, 64], [8]])
+
+
 def test_layers_that_do_not_fit_keep_the_op_by_op_path(llm_int4, monkeypatch):
     model = llm_int4.engine.runner.model
     norm = model.layers[3].ffn_norm

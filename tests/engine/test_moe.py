@@ -15,7 +15,7 @@ from cpuserve.engine.layers.linear.act_int8 import W4A8Linear, W6A8Linear
 from cpuserve.engine.llm import LLM
 from cpuserve.engine.loader import load_checkpoint
 from cpuserve.engine.loader.gguf_codes import CODED_TYPES
-from cpuserve.engine.models.moe import MoE, _local_ranges
+from cpuserve.engine.models.moe import ExpertStack, MoE, _local_ranges
 from cpuserve.engine.sampling_params import SamplingParams
 
 QT = gguf.GGMLQuantizationType
@@ -126,7 +126,9 @@ def test_default_engine_keeps_the_experts_codes(default_engine, kquant_file):
 
 
 def _trace_experts(model) -> list[list[tuple[int, int, int]]]:
-    """Record (layer, expert, rows) of every expert run, one list per forward."""
+    """Record (layer, expert, rows) of every expert run, one list per forward: on the reference path each expert
+    module's run; on the kernel's, the experts route chose, each with the number of its rows, and the GEMMs the
+    call ran (two per expert, gate_up and down: the kernels' counter), as (layer, -1, GEMMs)."""
     calls: list[list[tuple[int, int, int]]] = []
     forward = model.forward
 
@@ -135,9 +137,22 @@ def _trace_experts(model) -> list[list[tuple[int, int, int]]]:
         return forward(token_ids, meta, logit_rows)
 
     for i, layer in enumerate(model.layers):
-        for e, expert in enumerate(layer.mlp.experts):
+        moe = layer.mlp
+        for e, expert in enumerate(moe.experts):
             run = expert.run
             expert.run = lambda x, rows, run=run, i=i, e=e: calls[-1].append((i, e, x.shape[0])) or run(x, rows)
+        if moe.stack is not None:
+            run = moe.stack.run
+
+            def stack_run(x, *route_args, run=run, i=i, moe=moe):
+                before = torch.ops.cpuserve.vnni_gemm_runs()
+                out = run(x, *route_args)
+                ids, counts = moe.route(x)[1].unique(return_counts=True)
+                calls[-1].extend((i, int(e), int(c)) for e, c in zip(ids, counts))
+                calls[-1].append((i, -1, torch.ops.cpuserve.vnni_gemm_runs() - before))
+                return out
+
+            moe.stack.run = stack_run
     model.forward = traced
     return calls
 
@@ -147,21 +162,73 @@ def _untrace(model) -> None:
     for layer in model.layers:
         for expert in layer.mlp.experts:
             del expert.run
+        if layer.mlp.stack is not None:
+            del layer.mlp.stack.run
 
 
-def test_a_decode_step_runs_only_the_routed_experts_on_the_op_by_op_path(default_engine):
+@pytest.fixture
+def reference_experts(default_engine):
+    """The engine's layers on MoE.experts_reference (their ExpertStack set aside) for one test."""
     model = default_engine.engine.runner.model
-    assert model.fused_decode() is None  # decode_layers.cpp takes dense blocks only
+    stacks = [layer.mlp.stack for layer in model.layers]
+    for layer in model.layers:
+        layer.mlp.stack = None
+    model._fused = False  # rebuilt on next use: without stacks, no fused decode step
+    yield default_engine
+    for layer, stack in zip(model.layers, stacks):
+        layer.mlp.stack = stack
+    model._fused = False
+
+
+@pytest.mark.parametrize("path", ["kernel", "reference"])
+def test_a_decode_step_runs_only_the_routed_experts(default_engine, path, request):
+    if path == "reference":
+        request.getfixturevalue("reference_experts")
+    elif not native.vnni_gemm_enabled():
+        pytest.skip("the int8-activation kernels are not built")
+    model = default_engine.engine.runner.model
+    assert all((layer.mlp.stack is None) == (path == "reference") for layer in model.layers)
+    assert (model.fused_decode() is None) == (path == "reference")  # decode_layers.cpp takes stacked experts
+    prompt = IDS if path == "kernel" else IDS[::-1]  # apart: the other's prompt would be a cached prefix
     calls = _trace_experts(model)
+    model._fused = None  # every step through MoE.forward (the fused step: test_fused_decode.py)
     try:
-        default_engine.generate([IDS], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        default_engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     finally:
         _untrace(model)
+        model._fused = False
     assert len(calls) == 4  # the prompt, then 3 decode steps
-    prefill = calls[0]
-    assert sum(rows for _, _, rows in prefill) == len(IDS) * 2 * len(model.layers)  # each token, its k experts
-    for step in calls[1:]:  # one token: k = 2 experts of 8 per layer, each on that one row
+    runs = [[(i, e, rows) for i, e, rows in step if e >= 0] for step in calls]
+    assert sum(rows for _, _, rows in runs[0]) == len(IDS) * 2 * len(model.layers)  # each token, its k experts
+    for step in runs[1:]:  # one token: k = 2 experts of 8 per layer, each on that one row
         assert sorted((i, rows) for i, _, rows in step) == [(i, 1) for i in range(len(model.layers)) for _ in "ab"]
+    if path == "kernel":  # a gate_up and a down GEMM per routed expert, no other
+        for step, experts in zip(calls, runs):
+            gemms = {i: n for i, e, n in step if e < 0}
+            assert gemms == {i: 2 * sum(1 for j, _, _ in experts if j == i) for i in range(len(model.layers))}
+
+
+@needs_vnni
+@pytest.mark.parametrize("num_rows", [1, 3, 40])
+def test_experts_kernel_gives_the_references_bits(default_engine, num_rows):
+    """ops.moe_experts (router and experts in one C++ call a layer) against MoE.route and experts_reference (each
+    expert's modules from Python) on the same rows: the same bits, at decode's one row and at a prompt's many."""
+    gen = torch.Generator().manual_seed(num_rows)
+    for layer in default_engine.engine.runner.model.layers:
+        moe = layer.mlp
+        x = torch.randn(num_rows, moe.router.shape[1], generator=gen).to(torch.bfloat16)
+        want = moe.experts_reference(x, *moe.route(x), ())
+        assert torch.equal(moe.stack.run(x, moe.router, moe.n_used, moe.norm_topk_prob), want)
+
+
+@needs_vnni
+def test_experts_kernel_gives_the_engines_reference_logits(default_engine, reference_experts):
+    """A whole prompt's logits with the kernel and with the reference: equal to the bit."""
+    layers = default_engine.engine.runner.model.layers
+    ref = default_engine.engine.score(IDS)
+    for layer in layers:
+        layer.mlp.stack = ExpertStack.build(list(layer.mlp.experts))
+    assert torch.equal(default_engine.engine.score(IDS), ref)
 
 
 def _bits(logprobs) -> list[tuple]:
