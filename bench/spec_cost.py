@@ -27,6 +27,9 @@ CACHE_DIR = os.path.expanduser("~/.cache/cpuserve-bench")
 class FixedDrafter:
     """Proposes k copies of the request's last token every step: a draft of k tokens to verify, whatever the model."""
 
+    def prepare(self, requests, max_tokens: list[int]) -> None:
+        pass  # nothing to compute ahead of propose
+
     def propose(self, request, max_tokens: int) -> list[int]:
         return [request.all_token_ids[-1]] * max_tokens
 
