@@ -317,6 +317,9 @@ def main(argv: list[str] | None = None) -> None:
                     "(written once into ~/.cache/cpuserve-bench), decode against llama.cpp and memory bandwidth; "
                     "prefill and decode against vllm / vllm-bf16 where --peers has them")
     ap.add_argument("--only-real", action="store_true", help="measure the --real-sizes files alone")
+    ap.add_argument("--moe-layers", type=int, default=real_sizes.MOE_LAYERS,
+                    help=f"layers of 30b-a3b's 48 in its file (default {real_sizes.MOE_LAYERS}; fewer let vLLM's bf16 "
+                         "folder of it fit in memory beside the others)")
     ap.add_argument("--profile", action="store_true", help="profile cpuserve decode at batch 1 and 32 instead")
     ap.add_argument("--weights", default="int4", choices=("int4", "int8"),
                     help="cpuserve's weight format (int8: 8-bit codes; a quantized file's own groups, per channel from a "
@@ -332,8 +335,10 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--activations int8-token needs --weights int8 (per-channel int8 weights)")
     if a.prefill_len is not None and a.prefill_len < 1:
         ap.error(f"--prefill-len must be a positive number of tokens, got {a.prefill_len}")
+    if not 1 <= a.moe_layers <= 48:
+        ap.error(f"--moe-layers must be 1..48 (Qwen3-30B-A3B has 48), got {a.moe_layers}")
     cfg = dict(sizes(a.quick, a.reps, a.threads, a.batches, a.prefill_len), weights=a.weights,
-               activations=a.activations)
+               activations=a.activations, moe_layers=a.moe_layers)
     if a.profile:
         answer = run_worker("profile", dict(cfg, model=model, batches=[1, 32]), env=peer_envs.launch("cpuserve", 1)[1])
         for batch, prof in answer.get("profile", {}).items():

@@ -32,7 +32,8 @@ def w8a8_quantization_config() -> dict:
     return {"quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": args("channel", False),
                                           "input_activations": args("token", True), "output_activations": None}},
-            "ignore": ["lm_head"], "kv_cache_scheme": None}
+            # a mixture of experts' router (mlp.gate) is a Linear too: kept bf16, as llm-compressor's MoE recipes keep it
+            "ignore": ["lm_head", "re:.*mlp.gate$"], "kv_cache_scheme": None}
 
 
 def quantize_w8a8(state: dict) -> dict:
@@ -70,6 +71,26 @@ def _save_w8a8(bf16_dir: str, dest: str) -> None:
         json.dump(config, f, indent=1)
 
 
+def hub_expert_names(state: dict) -> dict:
+    """transformers keeps a mixture of experts' layer as two stacked tensors, mlp.experts.gate_up_proj [E, 2I, H]
+    (each expert's gate rows, then its up rows) and mlp.experts.down_proj [E, H, I]; checkpoints on model hubs (what
+    vLLM loads) name one tensor per expert and projection, mlp.experts.<e>.{gate,up,down}_proj.weight."""
+    out = {}
+    for name, t in state.items():
+        prefix, _, kind = name.rpartition(".")
+        if not prefix.endswith("mlp.experts") or kind not in ("gate_up_proj", "down_proj"):
+            out[name] = t
+            continue
+        for e in range(t.shape[0]):
+            if kind == "down_proj":
+                out[f"{prefix}.{e}.down_proj.weight"] = t[e].contiguous()
+            else:
+                gate, up = t[e].chunk(2)
+                out[f"{prefix}.{e}.gate_proj.weight"] = gate.contiguous()
+                out[f"{prefix}.{e}.up_proj.weight"] = up.contiguous()
+    return out
+
+
 def _save_bf16(gguf_path: str, dest: str) -> None:
     """transformers dequantizes the GGUF; its save_pretrained refuses a model it loaded from GGUF, so the
     state dict and the config are written here (without the GGUF quantization_config)."""
@@ -80,12 +101,16 @@ def _save_bf16(gguf_path: str, dest: str) -> None:
     transformers.utils.logging.disable_progress_bar()
     folder, file = os.path.split(os.path.abspath(gguf_path))
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.bfloat16)
-    state = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    state = hub_expert_names({k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()})
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # one tensor under two names: safetensors stores it once
     save_file(state, os.path.join(dest, "model.safetensors"), metadata={"format": "pt"})
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    model.config.architectures = [type(model).__name__]  # unset from a GGUF: vLLM would take the bare model class
+    downs = [t for k, t in state.items() if k.endswith("experts.0.down_proj.weight")]
+    if downs:  # transformers leaves Qwen3-MoE's at its default (768) whatever the GGUF's expert_feed_forward_length
+        model.config.moe_intermediate_size = downs[0].shape[1]
     model.config.save_pretrained(dest)
     transformers.AutoTokenizer.from_pretrained(folder, gguf_file=file).save_pretrained(dest)
 

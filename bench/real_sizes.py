@@ -16,19 +16,20 @@ MOE_LAYERS = 12  # of Qwen3-30B-A3B's 48: ~4.5 GB, so cpuserve and llama.cpp fit
 BANDWIDTH_BYTES = 1 << 30  # 1 GiB read per measurement: far beyond any cache
 
 
-def synthetic_real(size: str, cache_dir: str, log=print) -> str:
-    """The Q4_K_M GGUF of REAL[size], written once into cache_dir (1B ~1 GB, 3B ~2 GB, 8B ~5 GB, 30B-A3B ~4.5 GB)."""
+def synthetic_real(size: str, cache_dir: str, log=print, moe_layers: int = MOE_LAYERS) -> str:
+    """The Q4_K_M GGUF of REAL[size], written once into cache_dir (1B ~1 GB, 3B ~2 GB, 8B ~5 GB, 30B-A3B ~4.5 GB at
+    12 layers); a mixture of experts gets moe_layers of its layers."""
     from synthetic_gguf import (MOE_PRESETS, PRESETS, REAL_TIED, REAL_VOCAB, write_synthetic_llama,
                                 write_synthetic_qwen3moe)
 
     preset = REAL[size]
     moe = preset in MOE_PRESETS
-    path = os.path.join(cache_dir, f"{preset}-{MOE_LAYERS}l-q4_k_m.gguf" if moe else f"{preset}-q4_k_m.gguf")
+    path = os.path.join(cache_dir, f"{preset}-{moe_layers}l-q4_k_m.gguf" if moe else f"{preset}-q4_k_m.gguf")
     if not os.path.exists(path):
         log(f"writing the synthetic {preset} Q4_K_M to {path} (once)")
         os.makedirs(cache_dir, exist_ok=True)
         if moe:
-            write_synthetic_qwen3moe(path + ".part", **dict(MOE_PRESETS[preset], n_layers=MOE_LAYERS),
+            write_synthetic_qwen3moe(path + ".part", **dict(MOE_PRESETS[preset], n_layers=moe_layers),
                                      vocab_size=REAL_VOCAB[preset], ctx=8192, qtype="Q4_K_M")
         else:
             write_synthetic_llama(path + ".part", **PRESETS[preset], vocab_size=REAL_VOCAB[preset], ctx=8192,
@@ -90,7 +91,7 @@ def measure(sizes: list[str], cfg: dict, cache_dir: str, compare, peer_engines, 
     raw = {"bandwidth_samples_gb_s": [], "real_files": {}}
     peers = [p for p in peers if p in FILE_PEERS]
     for size in sizes:
-        path = synthetic_real(size, cache_dir, log)
+        path = synthetic_real(size, cache_dir, log, cfg.get("moe_layers", MOE_LAYERS))
         raw["real_files"][size] = {"path": path, "bytes_per_token": bytes_per_token(path)}
         raw["bandwidth_samples_gb_s"].append(memory_bandwidth(cfg["threads"]))
         suffix = f"_q4km_{size}"
@@ -108,18 +109,22 @@ def measure(sizes: list[str], cfg: dict, cache_dir: str, compare, peer_engines, 
 def rows(raw: dict, peer_rows, row) -> list[dict]:
     """bench/engine.py's rows for each size (peer_rows / row are its helpers) and the bandwidth shares at batch 1."""
     out = []
+    from synthetic_gguf import MOE_PRESETS
+
     bandwidth = raw.get("bandwidth_gb_s")
     for size, info in raw.get("real_files", {}).items():
+        layers = raw["sizes"].get("moe_layers", MOE_LAYERS)
+        name = f"{size.upper()} ({layers} of 48 layers)" if REAL[size] in MOE_PRESETS else size.upper()
         # keys apart from engine.py's own synthetic 1B ("cpuserve_1b"), whose rows would otherwise repeat these
         ours, theirs = raw.get(f"cpuserve_q4km_{size}", {}), raw.get(f"llama_cpp_q4km_{size}", {"error": "skipped"})
         for key in PEER_KEYS.values():
             answer = raw.get(f"{key}_q4km_{size}")
             if answer is not None or key == "llama_cpp":
                 out += peer_rows(dict(raw, **{key: answer or theirs}), ours, key, raw["sizes"]["batches"],
-                                 prefix=f"{size.upper()} Q4_K_M ")
+                                 prefix=f"{name} Q4_K_M ")
         shares = [bandwidth_share(_b1(answer), info["path"], bandwidth) for answer in (ours, theirs)]
         samples = raw.get("bandwidth_samples_gb_s", [bandwidth])
-        share = row(f"{size.upper()} Q4_K_M decode b1 share of bandwidth", shares[0], shares[1], theirs,
+        share = row(f"{name} Q4_K_M decode b1 share of bandwidth", shares[0], shares[1], theirs,
                     f"tok/s x {info['bytes_per_token'] / 1e9:.2f} GB per token / {bandwidth:.1f} GB/s (median of "
                     f"{len(samples)}: {min(samples):.1f}-{max(samples):.1f})")
         share["target_on"] = "cpuserve"  # the target is cpuserve's own share, not the ratio to llama.cpp's

@@ -198,3 +198,34 @@ def test_w8a8_checkpoint_is_int8_per_channel_with_exact_scales():
     group = w8a8_quantization_config()["config_groups"]["group_0"]
     assert (group["weights"]["strategy"], group["weights"]["dynamic"]) == ("channel", False)
     assert (group["input_activations"]["strategy"], group["input_activations"]["dynamic"]) == ("token", True)
+
+
+def test_moe_experts_get_the_names_hub_checkpoints_use(tmp_path):
+    """A Qwen3-MoE state dict as transformers keeps it (stacked experts), renamed one tensor per expert as the hub's
+    checkpoints are: transformers itself loads the renamed folder back to the same weights (its own conversion of
+    hub checkpoints is the reference)."""
+    sys.path.insert(0, BENCH)
+    try:
+        import torch
+        import transformers
+        from safetensors.torch import save_file
+
+        from peer_vllm import hub_expert_names
+    finally:
+        sys.path.remove(BENCH)
+    config = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                         head_dim=16, num_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    renamed = hub_expert_names(state)
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in renamed and not any(k.endswith("gate_up_proj") for k in renamed)
+    assert renamed["model.layers.0.mlp.experts.1.down_proj.weight"].shape == (32, 16)
+    save_file({k: v.contiguous() for k, v in renamed.items()}, str(tmp_path / "model.safetensors"))
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    config.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
+    assert loaded.keys() == state.keys()
+    for name, t in state.items():
+        assert torch.equal(loaded[name], t), name
