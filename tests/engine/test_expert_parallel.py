@@ -19,6 +19,7 @@ from cpuserve.engine.loader.moe import expert_index
 from cpuserve.engine.models.args import ModelArgs
 from cpuserve.engine.models.builder import build_model
 from cpuserve.engine.sampling_params import SamplingParams
+from cpuserve.serving.config import ServeConfig
 
 IDS = [5, 17, 99, 3, 250, 42, 42, 7, 130, 64, 8, 200, 11, 77, 150, 23, 5, 90, 31, 260]
 PROMPTS = [IDS[:6], IDS[3:12], [250, 4, 9, 31, 77, 123, 8, 8, 15], IDS[10:]]
@@ -76,6 +77,10 @@ def test_more_ranks_than_experts_is_refused_before_any_rank_starts(tmp_path):
     path = write_gguf(model, tmp_path / "two-experts.gguf", "qwen3moe")
     with pytest.raises(ValueError, match=r"n_experts=2 cannot be split over ranks=3"):
         LLM(model=path, ranks=3, kv_cache_gb=0.02, show_progress=False)
+    with pytest.raises(ValueError, match=r"ranks_per_replica=3 exceeds the model's 2 experts: every rank holds at "
+                                         r"least one whole expert; use ranks_per_replica <= 2"):
+        ServeConfig(model=path, ranks_per_replica=3).check_model()  # serving: before Ray starts
+    ServeConfig(model=path, ranks_per_replica=2).check_model()
 
 
 @pytest.mark.parametrize("name", ["qwen3moe-gguf-q4_k_m", "mixtral-safetensors"])
