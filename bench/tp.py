@@ -6,6 +6,8 @@
                                       # one group, alternating run by run)
     python bench/tp.py all [--quick] [--skip-1b]
     python bench/tp.py decode --layouts exact,reduce   # only these rows (1x2 = the 1-rank baseline)
+    python bench/tp.py decode --model moe=PATH         # these GGUFs instead of SmolLM2 and the 1B (a mixture of
+                                                       # experts from bench/synthetic_gguf.py: expert-parallel ranks)
 
 Decode rows: batch 1 and 8, greedy, 32 generated tokens after a 32-token prompt, median of 3 runs; 2-rank rows in
 both layouts ("exact": bit-identical to 1 rank, 4 all-gathers per layer; "reduce": 2 all-reduces per layer).
@@ -76,13 +78,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run: few tokens, one repetition")
     parser.add_argument("--skip-1b", action="store_true")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"decode rows, comma-separated from {LAYOUTS}")
+    parser.add_argument("--model", action="append", default=[], metavar="NAME=PATH",
+                        help="decode rows of this GGUF instead of the default models (repeatable)")
     args = parser.parse_args(argv)
     layouts = args.layouts.split(",")
     if not set(layouts) <= set(LAYOUTS):
         parser.error(f"--layouts {args.layouts!r}: choose from {','.join(LAYOUTS)}")
     gen_tokens, reps = (8, 1) if args.quick else (32, 3)
-    models: dict[str, str | None] = {"SmolLM2-135M": None}
-    if not args.skip_1b and args.part in ("decode", "all"):
+    models: dict[str, str | None] = dict(m.split("=", 1) for m in args.model) or {"SmolLM2-135M": None}
+    if not args.skip_1b and not args.model and args.part in ("decode", "all"):
         from engine import synthetic_1b
 
         models["synthetic 1B"] = synthetic_1b()

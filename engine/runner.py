@@ -40,11 +40,11 @@ def build_runner(config: EngineConfig, checkpoint, max_model_len: int) -> Runner
     whose ranks each build only their shard (no rank ever holds the whole model)."""
     if config.ranks > 1 and checkpoint.args.arch == "gemma3":
         raise ValueError(f"ranks={config.ranks}: replica groups do not run gemma3 models yet; use ranks=1")
-    if config.ranks > 1 and checkpoint.args.n_experts:
-        raise ValueError(f"ranks={config.ranks}: replica groups do not shard mixture-of-experts models "
-                         f"({checkpoint.args.arch}, {checkpoint.args.n_experts} experts) yet; use ranks=1")
     if config.ranks > 1:  # rank 0 here, ranks 1..k-1 in their own processes
         from cpuserve.engine.distributed.group import start_group
+        from cpuserve.engine.distributed.sharding import ShardPlan
+
+        ShardPlan.make(checkpoint.args, 0, config.ranks)  # what the group cannot split, refused before it starts
 
         return start_group(config, max_model_len, checkpoint.args.vocab_size)
     from cpuserve.engine.model_runner import ModelRunner

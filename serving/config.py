@@ -215,10 +215,12 @@ class ServeConfig(BaseSettings):
         here, naming its field, instead of in every replica Serve keeps restarting."""
         if self.ranks_per_replica == 1:
             return
-        n_kv_heads = _model_args(self.model).n_kv_heads
-        if self.ranks_per_replica > n_kv_heads:
-            raise ValueError(f"ranks_per_replica={self.ranks_per_replica} exceeds the model's {n_kv_heads} KV heads: "
-                             f"every rank needs at least one; use ranks_per_replica <= {n_kv_heads}")
+        args = _model_args(self.model)
+        for count, what, share in ((args.n_kv_heads, "KV heads", "needs at least one"),
+                                   (args.n_experts, "experts", "holds at least one whole expert")):
+            if count and self.ranks_per_replica > count:
+                raise ValueError(f"ranks_per_replica={self.ranks_per_replica} exceeds the model's {count} {what}: "
+                                 f"every rank {share}; use ranks_per_replica <= {count}")
 
     def api_keys(self) -> frozenset[str]:
         if self.api_key_file is None:

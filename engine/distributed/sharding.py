@@ -4,6 +4,8 @@
     o_proj, down   row-parallel: rank r holds the matching input columns; partial outputs are all-reduced
     embedding      vocab-parallel: rank r looks up the ids in its vocab range, zeros elsewhere, all-reduce
     lm_head        vocab-parallel: rank r computes the logits of its vocab range only (sampling reduces them)
+    experts        expert-parallel (a mixture of experts): rank r holds a contiguous run of whole experts and runs
+                   them on the tokens routed to them; the router is replicated (distributed/experts.py)
 
 That is tp_mode "reduce", the issue's layout: 2 all-reduces per layer. Its row-parallel partial products come out
 of the int4/int8 kernels already rounded to bf16, so the group's hidden states differ from one rank's in the last
@@ -32,10 +34,13 @@ import torch
 from torch import nn
 
 from cpuserve.engine.distributed.communicator import Communicator
+from cpuserve.engine.distributed.experts import ExpertParallel
 from cpuserve.engine.layers.linear.coded import CodedWeight
+from cpuserve.engine.loader.moe import expert_index, renumber_expert
 from cpuserve.engine.models.args import ModelArgs
 from cpuserve.engine.models.builder import build_model
 from cpuserve.engine.models.llama import AttentionMetadata, LlamaModel
+from cpuserve.engine.models.moe import MoE
 
 log = logging.getLogger(__name__)
 FFN_ALIGN = 32  # FFN cut points on multiples of the int4 group, so both halves keep the fast kernels
@@ -52,12 +57,16 @@ class ShardPlan:
     vocab_padded: int  # every rank's logits are padded to this width so gathers have one shape
     dim: tuple[int, int]  # exact mode: this rank's output features of o_proj and down
     exact: bool
+    experts: tuple[int, int] = (0, 0)  # [first, stop) of this rank's experts (a mixture of experts)
 
     @classmethod
     def make(cls, args: ModelArgs, rank: int, world_size: int, exact: bool = True) -> "ShardPlan":
         if args.n_kv_heads < world_size:
             raise ValueError(f"n_kv_heads={args.n_kv_heads} cannot be split over ranks={world_size}: every rank "
                              f"needs at least one KV head; use ranks <= {args.n_kv_heads}")
+        if args.n_experts and args.n_experts < world_size:
+            raise ValueError(f"n_experts={args.n_experts} cannot be split over ranks={world_size}: every rank holds "
+                             f"at least one whole expert; use ranks <= {args.n_experts}")
         group = args.n_heads // args.n_kv_heads
 
         def cut(total: int, r: int, align: int = 1) -> int:
@@ -70,13 +79,16 @@ class ShardPlan:
         dim_align = 16 if args.dim >= 16 * world_size else 1  # the int4 kernel wants N % 16 == 0
         return cls(rank, world_size, kv, (kv[0] * group, kv[1] * group),
                    (cut(args.ffn_dim, rank, align), cut(args.ffn_dim, rank + 1, align)), vocab, per_rank,
-                   (cut(args.dim, rank, dim_align), cut(args.dim, rank + 1, dim_align)), exact)
+                   (cut(args.dim, rank, dim_align), cut(args.dim, rank + 1, dim_align)), exact,
+                   (cut(args.n_experts, rank), cut(args.n_experts, rank + 1)))
 
     def local_args(self, args: ModelArgs) -> ModelArgs:
-        """The shard's shapes: its heads, its FFN slice, its vocab rows (what the runner sizes the KV pool by)."""
+        """The shard's shapes: its heads, its FFN slice (or its experts, whole), its vocab rows (what the runner sizes
+        the KV pool by)."""
+        ffn = ({"n_local_experts": self.experts[1] - self.experts[0]} if args.n_experts
+               else {"ffn_dim": self.ffn[1] - self.ffn[0]})
         return dataclasses.replace(args, n_heads=self.q_heads[1] - self.q_heads[0],
-                                   n_kv_heads=self.kv_heads[1] - self.kv_heads[0],
-                                   ffn_dim=self.ffn[1] - self.ffn[0], vocab_size=self.vocab_padded)
+                                   n_kv_heads=self.kv_heads[1] - self.kv_heads[0], vocab_size=self.vocab_padded, **ffn)
 
     def slice(self, name: str, tensor: torch.Tensor, args: ModelArgs) -> torch.Tensor:
         """This rank's part of a Hugging Face Llama tensor (weights [out, in])."""
@@ -86,6 +98,8 @@ class ShardPlan:
             return tensor[q0 * d: q1 * d]
         if name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")):
             return tensor[k0 * d: k1 * d]
+        if expert_index(name) is not None:
+            return tensor  # a whole expert (ShardedCheckpoint drops the other ranks')
         if self.exact and name.endswith(("o_proj.weight", "down_proj.weight")):
             return tensor[self.dim[0]: self.dim[1]]  # column-parallel: its output features, the whole input
         if name.endswith("o_proj.weight"):
@@ -108,14 +122,22 @@ class ShardedCheckpoint:
         self.full_args = checkpoint.args
         self.args = plan.local_args(checkpoint.args)
         self.tokenizer = checkpoint.tokenizer
-        self.num_tensors = checkpoint.num_tensors
         self.plan = plan
         self._checkpoint = checkpoint
+        if checkpoint.args.n_experts:
+            checkpoint.select_experts(*plan.experts)  # the others' bytes are never read
+        self.num_tensors = checkpoint.num_tensors
 
     def iter_native_weights(self):
         """This rank's cut of every tensor; a GGUF's block-quantized ones stay CodedWeight (cut the same way), so
         every rank multiplies the file's own codes as one rank does."""
+        first, stop = self.plan.experts
         for name, tensor in self._checkpoint.iter_native_weights():
+            expert = expert_index(name)
+            if expert is not None:  # this rank's experts, counted from 0 (a format that cannot skip the others'
+                if first <= expert < stop:  # yields them too: dropped here)
+                    yield renumber_expert(name, first), tensor
+                continue
             cut = lambda t, name=name: self.plan.slice(name, t, self.full_args)  # noqa: E731
             yield name, tensor.slice_with(cut) if isinstance(tensor, CodedWeight) else cut(tensor).contiguous()
 
@@ -166,14 +188,17 @@ class ShardedLlamaModel(LlamaModel):
         heads = [(p.q_heads[1] - p.q_heads[0]) * full_args.head_dim for p in plans]
         ffn = [p.ffn[1] - p.ffn[0] for p in plans]
         dim = [p.dim[1] - p.dim[0] for p in plans]
+        experts = [p.experts[0] for p in plans] + [full_args.n_experts]
         for layer in self.layers:  # module swap: the block's forward stays the single-rank one
             attention, mlp = layer.attention, layer.mlp
             if plan.exact:
                 attention.o_proj = GatherLinear(attention.o_proj, comm, heads, dim)
-                mlp.down = GatherLinear(mlp.down, comm, ffn, dim)
             else:
                 attention.o_proj = RowParallel(attention.o_proj, comm)
-                mlp.down = RowParallel(mlp.down, comm)
+            if isinstance(mlp, MoE):  # whole experts: no cut linear inside
+                layer.mlp = ExpertParallel(mlp, comm, experts, plan.exact)
+            else:
+                mlp.down = GatherLinear(mlp.down, comm, ffn, dim) if plan.exact else RowParallel(mlp.down, comm)
         return self
 
     def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, logit_rows: torch.Tensor) -> torch.Tensor:
@@ -207,6 +232,6 @@ def build_sharded_model(checkpoint, weights: str, group_size: int, comm: Communi
     plan = ShardPlan.make(checkpoint.args, comm.rank, comm.world_size, tp_mode == "exact")
     model = build_model(ShardedCheckpoint(checkpoint, plan), weights, group_size, show_progress, activations)
     model.__class__ = ShardedLlamaModel  # same modules and buffers; only forward and the o/down wrappers differ
-    log.info("rank %d/%d shard (%s): q heads %s, kv heads %s, ffn %s, vocab %s", comm.rank, comm.world_size,
-             tp_mode, plan.q_heads, plan.kv_heads, plan.ffn, plan.vocab)
+    log.info("rank %d/%d shard (%s): q heads %s, kv heads %s, ffn %s, experts %s, vocab %s", comm.rank,
+             comm.world_size, tp_mode, plan.q_heads, plan.kv_heads, plan.ffn, plan.experts, plan.vocab)
     return model.setup(plan, comm, checkpoint.args)

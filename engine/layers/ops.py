@@ -13,7 +13,8 @@ torch.ops.cpuserve.*) and its plain-torch reference, which the tests compare the
     decode_layers      cpuserve.decode_layers (models/fused_decode.py; the op-by-op path of the model's own modules
                        is its reference: decode_layers_enabled() says whether it can run)
     moe_experts        cpuserve.moe_experts (a mixture of experts' router and routed experts in one call; its reference
-                       is models/moe.py's MoE.route and experts_reference, the experts' own modules one by one)
+                       is models/moe.py's MoE.route and experts_reference, the experts' own modules one by one);
+                       moe_expert_rows and moe_combine: its two halves, for a replica group's ranks
 
 Model code (engine/models, engine/distributed/sharding.py) calls these and never asks native.py itself. The
 weight formats' matmuls choose their GEMM in engine/layers/linear/.
@@ -170,3 +171,18 @@ def moe_experts(x: Tensor, router: Tensor, n_used: int, norm_topk_prob: bool, ga
     """A mixture of experts' router and routed experts over x [N, dim] bf16 in one C++ call
     (engine/csrc/moe_experts.cpp documents the arguments); only where moe_experts_enabled()."""
     return torch.ops.cpuserve.moe_experts(x, router, n_used, norm_topk_prob, gate_up, down, meta)
+
+
+def moe_expert_rows(x: Tensor, router: Tensor, n_used: int, norm_topk_prob: bool, gate_up: list[Tensor | None],
+                    down: list[Tensor | None], meta: list[int], first: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A replica group rank's part of moe_experts: route over every expert, run experts [first, first + stacked)
+    only -> (their pairs' rows [Q, dim] bf16, weights [N, k], pairs by expert [N k], expert e's at [start[e],
+    start[e + 1]) [E + 1]); only where moe_experts_enabled()."""
+    return torch.ops.cpuserve.moe_expert_rows(x, router, n_used, norm_topk_prob, gate_up, down, meta, first)
+
+
+def moe_combine(ys: Tensor, weights: Tensor, order: Tensor, start: Tensor, first: int, stop: int, out: Tensor) -> Tensor:
+    """out [N, dim] fp32 = the weighted sum of the pairs of experts [first, stop), whose rows ys holds in pair order
+    (moe.py's combine_reference in one C++ loop: the same bits)."""
+    torch.ops.cpuserve.moe_combine(ys, weights, order, start, first, stop, out)
+    return out

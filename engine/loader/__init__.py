@@ -74,6 +74,15 @@ class Checkpoint:
         for name, tensor in self.iter_native_weights():
             yield name, as_float(tensor)
 
+    def select_experts(self, first: int, stop: int) -> None:
+        """Stream only experts [first, stop) of each mixture-of-experts layer (a replica group's rank), still named
+        by their ids: a GGUF decodes only their rows of each stacked tensor, a folder reads only their tensors (a
+        format that cannot skip them yields them all, for the caller to drop)."""
+        select = getattr(self._weights, "select_experts", None)
+        if select is not None:
+            select(first, stop)
+            self.num_tensors = len(self._weights)
+
     def iter_native_weights(self) -> Iterator[tuple[str, torch.Tensor | CodedWeight]]:
         """iter_weights, but a GGUF's block-quantized 2-D tensors and a quantized folder's projections (engine/loader/
         quantized.py) come as CodedWeight (codes + group scales, what the file stores) so the engine can keep them;

@@ -199,13 +199,17 @@ class GGUFWeights:
         self.permuted_qk = SUPPORTED_ARCHS[args.arch]["permuted_qk"]
         self.tensors = [t for t in reader.tensors if t.name not in ROPE_TENSORS]
         # fused tensors (phi3) come out as their parts: 3 for attn_qkv, 2 for ffn_up
-        parts = {"attn_qkv.weight": 3, "ffn_up.weight": 2 if args.arch == "phi3" else 1}
-        self.num_yielded = sum(parts.get(t.name.split(".", 2)[-1], 1) * moe.num_parts(hf_name(t.name, args.arch),
-                                                                                       args.n_experts)
-                               for t in self.tensors)
+        self.experts = (0, args.n_experts)  # the experts [first, stop) streamed (select_experts)
+
+    def select_experts(self, first: int, stop: int) -> None:
+        """Stream only experts [first, stop) of each layer: the other rows of a stacked tensor are never decoded."""
+        self.experts = (first, stop)
 
     def __len__(self) -> int:
-        return self.num_yielded
+        parts = {"attn_qkv.weight": 3, "ffn_up.weight": 2 if self.args.arch == "phi3" else 1}
+        n_experts = self.experts[1] - self.experts[0]
+        return sum(parts.get(t.name.split(".", 2)[-1], 1) * moe.num_parts(hf_name(t.name, self.args.arch), n_experts)
+                   for t in self.tensors)
 
     def _drop_pages(self, offset: int, size: int) -> None:
         """Take a dequantized tensor's pages of the mapped file out of this process's memory (they are clean: the
@@ -217,22 +221,25 @@ class GGUFWeights:
         mapped.madvise(mmap.MADV_DONTNEED, start, offset + size - start)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor | CodedWeight]]:
+        first, stop = self.experts
         for t in self.tensors:
             # numpy shape is GGUF's ne reversed: [out_features, in_features], as torch.nn.Linear stores it
             shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+            name, data = hf_name(t.name, self.args.arch), t.data
+            if moe.is_stacked(name):  # [E, rows, K]: experts [first, stop) only, whose bytes are contiguous
+                data, shape = data[first:stop], (stop - first, *shape[1:])
             if len(shape) >= 2 and t.tensor_type in CODED_TYPES:  # stacked experts [E, rows, K] as [E * rows, K]
-                weight = decode_codes(t.data, t.tensor_type, (math.prod(shape[:-1]), shape[-1]))
+                weight = decode_codes(data, t.tensor_type, (math.prod(shape[:-1]), shape[-1]))
             else:
-                weight = _dequantize_rows(t.data, t.tensor_type, shape)
+                weight = _dequantize_rows(data, t.tensor_type, shape)
                 weight = weight.view(-1, shape[-1]) if len(shape) == 3 else weight
             self._drop_pages(t.data_offset, t.n_bytes)
-            name = hf_name(t.name, self.args.arch)
             if self.permuted_qk and ".q_proj." in name:
                 weight = _map_rows(weight, lambda w: unpermute_qk(w, self.args.n_heads))
             elif self.permuted_qk and ".k_proj." in name:
                 weight = _map_rows(weight, lambda w: unpermute_qk(w, self.args.n_kv_heads))
             for part_name, part in split_fused(name, weight, self.args):
-                yield from moe.split_experts(part_name, part, self.args.n_experts)
+                yield from moe.split_experts(part_name, part, stop - first, first)
 
 
 def reader_arch(reader: gguf.GGUFReader) -> str:

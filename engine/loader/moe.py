@@ -10,6 +10,10 @@ Both loaders hand the builder an MoE layer's MLP in these names (model.layers.N.
 
 A GGUF's stacked expert tensor is decoded once as [E * rows, K] (its own codes, any type the dense layers take, the
 K-quants included) and cut into E row blocks, so each expert keeps the file's codes.
+
+A replica group's rank streams only its experts [first, stop) (select_experts on either loader): a GGUF's stacked
+tensors have only those experts' rows decoded (the others' bytes of the file are never read), a folder's other
+expert tensors are never opened.
 """
 from __future__ import annotations
 
@@ -125,14 +129,34 @@ def hf_name(name: str) -> str:
     return f"{layer}.mlp.experts.{expert}.{_MIXTRAL[w]}.weight"
 
 
+_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(\d+)(\..+)")
+
+
 def num_parts(name: str, n_experts: int) -> int:
     """How many tensors split_experts makes of the tensor named `name` (ours)."""
     return n_experts if _STACKED.fullmatch(name) else 1
 
 
-def split_experts(name: str, weight, n_experts: int) -> list[tuple[str, object]]:
+def is_stacked(name: str) -> bool:
+    """A GGUF's stacked expert tensor (ours, before split_experts)."""
+    return _STACKED.fullmatch(name) is not None
+
+
+def expert_index(name: str) -> int | None:
+    """The expert a tensor (ours, after split_experts) belongs to, or None for any other tensor."""
+    match = _EXPERT.fullmatch(name)
+    return None if match is None else int(match.group(2))
+
+
+def renumber_expert(name: str, offset: int) -> str:
+    """An expert tensor's name with its expert id lowered by offset (a rank's experts counted from 0)."""
+    match = _EXPERT.fullmatch(name)
+    return f"{match.group(1)}{int(match.group(2)) - offset}{match.group(3)}"
+
+
+def split_experts(name: str, weight, n_experts: int, first: int = 0) -> list[tuple[str, object]]:
     """[(name, weight)]: a stacked expert tensor [E * rows, K] (a CodedWeight or fp32) cut into its E experts' row
-    blocks; any other tensor as it is."""
+    blocks, named first, first + 1, ... (a rank's run of the experts); any other tensor as it is."""
     match = _STACKED.fullmatch(name)
     if match is None:
         return [(name, weight)]
@@ -144,4 +168,4 @@ def split_experts(name: str, weight, n_experts: int) -> list[tuple[str, object]]
         block = lambda t: t[e * rows:(e + 1) * rows]  # noqa: E731
         return weight.map_rows(block) if isinstance(weight, CodedWeight) else block(weight)
 
-    return [(f"{prefix}.{e}.{part}", cut(e)) for e in range(n_experts)]
+    return [(f"{prefix}.{first + e}.{part}", cut(e)) for e in range(n_experts)]

@@ -85,6 +85,11 @@ class QuantizedWeights(SafetensorsWeights):
             elif suffix == fmt.required[0]:  # one entry per module, where its first required tensor is listed
                 self._add_module(module, {s: (where[n][0], n) for s, n in quantized[module].items()}, file)
 
+    def select_experts(self, first: int, stop: int) -> None:
+        super().select_experts(first, stop)
+        kept = {name for _, name in self.names}
+        self.entries = [(name, source) for name, source in self.entries if name in kept]
+
     def _add_module(self, module: str, parts: dict[str, tuple[str, str]], file: str) -> None:
         name = f"{module}.weight"
         self._check(file, name, "F32", self.args)  # a projection this loader knows

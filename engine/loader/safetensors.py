@@ -176,6 +176,14 @@ class SafetensorsWeights:
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"{file}: tensor {name!r} has dtype {dtype}; supported: {', '.join(SUPPORTED_DTYPES)}")
 
+    def select_experts(self, first: int, stop: int) -> None:
+        """Stream only experts [first, stop) of each layer: the others' tensors are never read."""
+        def kept(name: str) -> bool:
+            e = moe.expert_index(moe.hf_name(name))
+            return e is None or first <= e < stop
+
+        self.names = [(file, name) for file, name in self.names if kept(name)]
+
     def __len__(self) -> int:
         return sum(3 if name.endswith(FUSED[0]) else 2 if name.endswith(FUSED[1]) else 1 for _, name in self.names)
 

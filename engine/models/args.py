@@ -64,6 +64,12 @@ class ModelArgs:
     n_experts: int = 0  # 0: a dense model
     n_experts_used: int = 0
     norm_topk_prob: bool = True
+    n_local_experts: int = 0  # a replica group rank's run of the experts (distributed/sharding.py); 0: all n_experts
+
+    @property
+    def experts_held(self) -> int:
+        """The experts this process builds of each layer."""
+        return self.n_local_experts or self.n_experts
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:

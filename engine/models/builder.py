@@ -107,7 +107,7 @@ def _parts(args) -> list[str]:
     extra = [f"self_attn.{p}_proj.bias" for p in "qkv"] if args.qkv_bias else []
     extra += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"] if args.qk_norm else []
     extra += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"] if args.arch == "gemma3" else []
-    mlp = moe.expert_parts(args.n_experts) if args.n_experts else _MLP_PARTS
+    mlp = moe.expert_parts(args.experts_held) if args.n_experts else _MLP_PARTS
     return [*_LAYER_PARTS, *mlp, *extra]
 
 

@@ -21,12 +21,13 @@ ops and kernels in the same order, the same bits) where their weights stack (Exp
 dot-product layout) and no row of the step takes a prompt kernel (AMX-BF16 prompt rows, act_int8.py); otherwise,
 and as its reference, experts_reference runs each expert's own modules from Python.
 
-Replica groups do not shard experts yet (engine/runner.py refuses them); the fused decode step (fused_decode.py)
-takes dense blocks only, so the rest of an MoE model's layers run op by op.
+A replica group's rank holds a contiguous run of whole experts (engine/distributed/experts.py): expert_rows routes
+over every expert and runs its own, combine adds a run of experts' pairs; forward is the two over every expert.
 """
 from __future__ import annotations
 
 from bisect import bisect_left
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -39,11 +40,19 @@ from cpuserve.engine.models.llama import MLP, AttentionMetadata
 RowRanges = tuple[tuple[int, int], ...]
 
 
+class Routing(NamedTuple):
+    """One step's routing: the (token, slot) pairs p = t * k + j sorted by expert (tokens ascending within one)."""
+    weights: Tensor  # [N, k] fp32, MoE.route's
+    order: Tensor  # [N k] int64: the pairs by expert
+    start: Tensor  # [E + 1] int64: expert e's pairs are order[start[e]:start[e + 1]]
+
+
 class MoE(nn.Module):
     def __init__(self, router: Tensor, experts: list[MLP], n_used: int, norm_topk_prob: bool):
         super().__init__()
         self.register_buffer("router", router.to(torch.float64).contiguous())  # [E, dim]
         self.experts = nn.ModuleList(experts)
+        self.first_expert = 0  # experts[0]'s id: a replica group's rank holds experts [first, first + len(experts))
         self.n_used = n_used
         self.norm_topk_prob = norm_topk_prob
         self.stack = ExpertStack.build(experts)
@@ -57,31 +66,77 @@ class MoE(nn.Module):
         return weights, chosen
 
     def forward(self, x: Tensor, meta: AttentionMetadata) -> Tensor:
-        if self.stack is not None and x.dtype == torch.bfloat16 and not (
-                meta.prompt_rows and self.experts[0].gate_up.has_prompt_kernel()):
+        if self._runs_stacked(x, meta):
             return self.stack.run(x, self.router, self.n_used, self.norm_topk_prob)
         weights, chosen = self.route(x)
         return self.experts_reference(x, weights, chosen, meta.prompt_rows)
 
+    def _runs_stacked(self, x: Tensor, meta: AttentionMetadata) -> bool:
+        return self.stack is not None and x.dtype == torch.bfloat16 and not (
+            meta.prompt_rows and self.experts[0].gate_up.has_prompt_kernel())
+
     def experts_reference(self, x: Tensor, weights: Tensor, chosen: Tensor, prompt_rows: RowRanges) -> Tensor:
         """x [N, dim], route's weights and chosen [N, k] -> [N, dim]: each active expert's own modules over its rows
         (the prompt rows among them as such), then the weighted sum."""
-        k = self.n_used
-        order = torch.argsort(chosen.view(-1), stable=True)  # order: [N k], the (token, slot) pairs by expert
-        counts = torch.bincount(chosen.view(-1), minlength=len(self.experts)).tolist()
-        tokens = order // k  # each pair's token, ascending within an expert (a token picks an expert once)
-        pair_weights = weights.view(-1)[order, None]  # [N k, 1]
-        out = torch.zeros(x.shape, dtype=torch.float32)  # out: [N, dim], the fp32 sum of each token's k terms
-        start = 0
-        for e, count in enumerate(counts):
-            if not count:  # not routed to: its weights are never read
+        routing = sort_pairs(weights, chosen, self.router.shape[0])
+        ys = self._rows_reference(x, routing, prompt_rows)
+        return combine_reference(ys, routing, 0, self.router.shape[0]).to(x.dtype)
+
+    def expert_rows(self, x: Tensor, meta: AttentionMetadata) -> tuple[Tensor, Routing]:
+        """A replica group rank's half of forward: route over every expert, run this module's experts only ->
+        (their pairs' rows [Q, dim] in pair order, the routing); combine adds them up."""
+        if self._runs_stacked(x, meta):
+            ys, *routing = ops.moe_expert_rows(x.contiguous(), self.router, self.n_used, self.norm_topk_prob,
+                                               self.stack.gate_up, self.stack.down, self.stack.meta,
+                                               self.first_expert)
+            return ys, Routing(*routing)
+        routing = sort_pairs(*self.route(x), self.router.shape[0])
+        return self._rows_reference(x, routing, meta.prompt_rows), routing
+
+    def combine(self, ys: Tensor, routing: Routing, first: int, stop: int, out: Tensor | None = None) -> Tensor:
+        """The fp32 sum [N, dim] of the pairs of experts [first, stop), ys their rows: into out when given."""
+        if self.stack is None or ys.dtype != torch.bfloat16:
+            total = combine_reference(ys, routing, first, stop)
+            return total if out is None else out.copy_(total)
+        out = out if out is not None else torch.empty((routing.weights.shape[0], ys.shape[1]), dtype=torch.float32)
+        return ops.moe_combine(ys.contiguous(), *routing, first, stop, out)
+
+    def _rows_reference(self, x: Tensor, routing: Routing, prompt_rows: RowRanges) -> Tensor:
+        """Each of this module's experts over its pairs' rows -> [Q, dim], the pairs of its experts in order."""
+        first, k = self.first_expert, self.n_used
+        start = routing.start.tolist()
+        tokens = routing.order[start[first]:start[first + len(self.experts)]] // k  # [Q]: each pair's token
+        ys = []
+        for e, expert in enumerate(self.experts):
+            a, b = start[first + e] - start[first], start[first + e + 1] - start[first]
+            if a == b:  # not routed to: its weights are never read
                 continue
-            stop = start + count
-            rows = tokens[start:stop]
-            y = self.experts[e].run(x[rows], _local_ranges(rows, prompt_rows))  # y: [count, dim]
-            out.index_add_(0, rows, y.float() * pair_weights[start:stop])
-            start = stop
-        return out.to(x.dtype)
+            rows = tokens[a:b]  # ascending (a token picks an expert once)
+            ys.append(expert.run(x[rows], _local_ranges(rows, prompt_rows)))  # [b - a, dim]
+        return torch.cat(ys) if ys else x.new_zeros((0, x.shape[1]))
+
+
+def sort_pairs(weights: Tensor, chosen: Tensor, n_experts: int) -> Routing:
+    """route's (weights, chosen [N, k]) as a Routing over n_experts."""
+    order = torch.argsort(chosen.view(-1), stable=True)  # order: [N k], the (token, slot) pairs by expert
+    counts = torch.bincount(chosen.view(-1), minlength=n_experts)
+    return Routing(weights, order, torch.cat([counts.new_zeros(1), counts.cumsum(0)]))
+
+
+def combine_reference(ys: Tensor, routing: Routing, first: int, stop: int) -> Tensor:
+    """[N, dim] fp32: out[t] = sum over t's pairs of experts [first, stop), in expert order, of float(y) * w (one
+    index_add_ an expert), ys the rows of those pairs in order."""
+    weights, order, start = routing.weights, routing.order, routing.start.tolist()
+    k = weights.shape[1]
+    out = torch.zeros((weights.shape[0], ys.shape[1]), dtype=torch.float32)  # out: [N, dim]
+    pair_weights = weights.view(-1)[order, None]  # [N k, 1]
+    for e in range(first, stop):
+        a, b = start[e], start[e + 1]
+        if a == b:
+            continue
+        rows = order[a:b] // k
+        out.index_add_(0, rows, ys[a - start[first]:b - start[first]].float() * pair_weights[a:b])
+    return out
 
 
 class ExpertStack:
@@ -147,7 +202,7 @@ def build_moe(args, parts: dict, linear) -> MoE:
     """The layer's MoE block from its tensors (loader/moe.py's names, model.layers.N. omitted); linear(name, weight)
     builds a QuantLinear the way the dense layers' are built."""
     experts = []
-    for e in range(args.n_experts):
+    for e in range(args.experts_held):  # a replica group's rank: its own, counted from 0
         p = f"mlp.experts.{e}."
         gate_up = concat_rows([parts[p + "gate_proj.weight"], parts[p + "up_proj.weight"]])  # [2 F, dim]
         experts.append(MLP(linear(f"expert {e} gate_up_proj", gate_up),

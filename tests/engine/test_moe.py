@@ -260,12 +260,6 @@ def test_each_request_gets_its_bits_alone_in_a_mixed_step(default_engine):
     assert [got[f"r{i}"] for i in range(len(prompts))] == alone
 
 
-def test_replica_groups_refuse_moe_models(kquant_file):
-    with pytest.raises(ValueError, match=r"ranks=2: replica groups do not shard mixture-of-experts models \(qwen3moe, "
-                                         r"8 experts\) yet; use ranks=1"):
-        LLM(model=kquant_file[0], ranks=2, kv_cache_gb=0.02, show_progress=False)
-
-
 SUPPORTED = r"supported mixture-of-experts models: Mixtral \(GGUF 'llama' with expert_count"
 
 
