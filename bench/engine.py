@@ -119,9 +119,11 @@ def compare(engines: dict[str, tuple[str, dict]], measures: list[tuple], reps: i
                 else:
                     results[n]["decode"][str(args[0])] = entry
     for name, worker in workers.items():
-        results[name]["peak_rss_mb"] = worker.close()
-        if worker.error:
+        peak_rss_mb = worker.close()
+        if worker.error:  # a worker that failed to load holds no model: its RSS would read as the engine's
             results[name]["error"] = worker.error
+        else:
+            results[name]["peak_rss_mb"] = peak_rss_mb
     return results
 
 
