@@ -9,7 +9,9 @@
 //              softmax over all experts, the top k (topk's order), renormalised to sum 1 where norm_topk_prob
 //     pairs    the N * k (token, slot) pairs sorted by expert, tokens ascending within one (a stable counting sort)
 //     gather   xs[i] = x[token of pair i]                                        [N k, dim]
-//     experts  per active expert e, over its run of pairs: gate_up GEMM -> silu(gate) * up -> down GEMM
+//     experts  per active expert e, over its run of pairs: gate_up GEMM -> silu(gate) * up -> down GEMM, every
+//              expert's gate_up (then down) in one call (ops.h vnni_gemm_experts_out: decode's in one parallel
+//              region, each row quantized once)
 //     combine  out[t] = sum over t's pairs in expert order of float(y_i) * w_i, in fp32; one rounding to bf16
 //
 // The experts' weights lie stacked, expert e at index e of each tensor (moe.py's ExpertStack): one layout for all
@@ -32,26 +34,6 @@ using Stack = c10::List<c10::optional<at::Tensor>>;
 
 using cpuserve_ops::ExpertWeights;
 
-// One projection of every expert (ExpertWeights' tensors [E, ...]), checked once
-struct Projection {
-  const ExpertWeights& w;
-  Projection(const ExpertWeights& w, const char* name) : w(w) {
-    const int64_t E = w.packed.size(0);
-    for (const at::Tensor* t : {&w.scales, &w.zoffs})
-      TORCH_CHECK(t->dim() >= 2 && t->size(0) == E && t->is_contiguous(), name, ": every tensor must be contiguous [E=",
-                  E, ", ...], got ", t->sizes());
-    TORCH_CHECK(!w.supers.has_value() || (w.supers->size(0) == E && w.supers->is_contiguous()), name,
-                ": supers must be contiguous [E, ...]");
-  }
-  int64_t n() const { return w.packed.size(1) * 16; }
-  // out [M, N] = x [M, K] times expert e's weights (vnni_gemm_out checks the operands)
-  void operator()(int64_t e, const at::Tensor& x, at::Tensor& out) const {
-    const auto sup = w.supers.has_value() ? c10::optional<at::Tensor>(w.supers->select(0, e)) : c10::nullopt;
-    cpuserve_ops::vnni_gemm_out(x, w.packed.select(0, e), w.scales.select(0, e), w.zoffs.select(0, e), w.bits,
-                                w.act_group, sup, out);
-  }
-};
-
 // MoE.route: (weights [N, k] fp32, chosen [N, k] int64)
 std::pair<at::Tensor, at::Tensor> route(const at::Tensor& x, const at::Tensor& router, int64_t k, bool norm_topk_prob) {
   const auto logits = at::matmul(x.to(at::kDouble), router.t()).to(at::kFloat);  // logits: [N, E]
@@ -69,13 +51,13 @@ ExpertWeights expert_weights(const Stack& stack, int64_t bits, int64_t act_group
 // x [N, dim] bf16, router [E, dim] float64 -> [N, dim] bf16
 at::Tensor moe_block(const at::Tensor& x, const at::Tensor& router, int64_t k, bool norm_topk_prob,
                      const ExpertWeights& gate_up, const ExpertWeights& down) {
-  const Projection gu(gate_up, "gate_up"), dn(down, "down");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x must be contiguous bf16 [N, dim]");
   const int64_t N = x.size(0), dim = x.size(1), E = gate_up.packed.size(0), P = N * k;
   TORCH_CHECK(router.scalar_type() == at::kDouble && router.dim() == 2 && router.size(0) == E && router.size(1) == dim,
               "router must be float64 [E=", E, ", dim=", dim, "]");
   TORCH_CHECK(k >= 1 && k <= E, "k=", k, " experts a token must lie in [1, ", E, "]");
-  TORCH_CHECK(down.packed.size(0) == E && gu.n() % 2 == 0 && dn.n() == dim, "down must have E=", E,
+  const int64_t gate_up_n = gate_up.packed.size(1) * 16, down_n = down.packed.size(1) * 16;
+  TORCH_CHECK(down.packed.size(0) == E && gate_up_n % 2 == 0 && down_n == dim, "down must have E=", E,
               " experts of ", dim, " outputs, gate_up an even number");
   const auto [weights, chosen] = route(x, router, k, norm_topk_prob);
 
@@ -91,18 +73,17 @@ at::Tensor moe_block(const at::Tensor& x, const at::Tensor& router, int64_t k, b
   const bf16* xp = x.data_ptr<bf16>();
   bf16* xsp = xs.data_ptr<bf16>();
   for (int64_t i = 0; i < P; ++i) std::memcpy(xsp + i * dim, xp + order[i] / k * dim, dim * sizeof(bf16));
-  auto gate_up_out = at::empty({P, gu.n()}, x.options());
-  auto act = at::empty({P, gu.n() / 2}, x.options());
+  // every active expert's run of pairs: gate_up GEMMs -> silu(gate) * up -> down GEMMs (decode's in one parallel
+  // region a projection, where one a GEMM made 16 a layer)
+  std::vector<cpuserve_ops::ExpertRows> runs;
+  for (int64_t e = 0; e < E; ++e)
+    if (start[e + 1] > start[e]) runs.push_back({e, start[e], start[e + 1] - start[e]});  // else never read
+  auto gate_up_out = at::empty({P, gate_up_n}, x.options());
+  auto act = at::empty({P, gate_up_n / 2}, x.options());
   auto ys = at::empty({P, dim}, x.options());
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t count = start[e + 1] - start[e];
-    if (!count) continue;  // not routed to: its weights are never read
-    auto g = gate_up_out.narrow(0, start[e], count), a = act.narrow(0, start[e], count);
-    auto y = ys.narrow(0, start[e], count);
-    gu(e, xs.narrow(0, start[e], count), g);
-    cpuserve_ops::silu_mul_out(g, a);
-    dn(e, a, y);
-  }
+  cpuserve_ops::vnni_gemm_experts_out(xs, gate_up, runs, gate_up_out);
+  cpuserve_ops::silu_mul_out(gate_up_out, act);
+  cpuserve_ops::vnni_gemm_experts_out(act, down, runs, ys);
 
   // the reference's y.float() * w, then its index_add_: the product rounded to fp32 before the add (two loops,
   // so that no multiply-add is fused)
