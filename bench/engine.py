@@ -276,6 +276,12 @@ def format_table(rows: list[dict], errors: dict) -> str:
     return "\n".join(lines)
 
 
+def measured_models(model: str, raw: dict, only_real: bool) -> str:
+    """The files the table measured: --real-sizes' files, after the default (or --model) file unless --only-real."""
+    real = [os.path.basename(info["path"]) for info in raw.get("real_files", {}).values()]
+    return ", ".join(real if only_real else [os.path.basename(model), *real])
+
+
 def tree_state() -> str:
     """Which engine code ran: the editable install runs the working tree, edits included."""
     import subprocess
@@ -370,8 +376,9 @@ def main(argv: list[str] | None = None) -> None:
                   only_real=a.only_real)
     errors = {k: v["error"] for k, v in raw.items() if isinstance(v, dict) and v.get("error", "skipped") != "skipped"}
     print(f"cpuserve / peer, {cfg['threads']} threads, medians of {cfg['reps']} runs after a warm-up; "
-          f"model {os.path.basename(model)}, cpuserve weights {a.weights}, activations {a.activations}; decode: {cfg['prompt_len']}-token prompts, {cfg['gen_tokens']} "
-          f"new tokens each; {tree_state()}")
+          f"model {measured_models(model, raw, a.only_real)}, cpuserve weights {a.weights}, activations "
+          f"{a.activations}; decode: {cfg['prompt_len']}-token prompts, {cfg['gen_tokens']} new tokens each; "
+          f"{tree_state()}")
     print(cpu_line)
     print(format_table(build_rows(raw), errors))
 

@@ -9,7 +9,9 @@
 //              softmax over all experts, the top k (topk's order), renormalised to sum 1 where norm_topk_prob
 //     pairs    the N * k (token, slot) pairs sorted by expert, tokens ascending within one (a stable counting sort)
 //     gather   xs[i] = x[token of pair i]                                        [N k, dim]
-//     experts  per active expert e, over its run of pairs: gate_up GEMM -> silu(gate) * up -> down GEMM
+//     experts  per active expert e, over its run of pairs: gate_up GEMM -> silu(gate) * up -> down GEMM, every
+//              expert's gate_up (then down) in one call (ops.h vnni_gemm_experts_out: decode's in one parallel
+//              region, each row quantized once)
 //     combine  out[t] = sum over t's pairs in expert order of float(y_i) * w_i, in fp32; one rounding to bf16
 //
 // The experts' weights lie stacked, expert e at index e of each tensor (moe.py's ExpertStack): one layout for all
@@ -35,26 +37,6 @@ using bf16 = at::BFloat16;
 using Stack = c10::List<c10::optional<at::Tensor>>;
 
 using cpuserve_ops::ExpertWeights;
-
-// One projection of every expert (ExpertWeights' tensors [E, ...]), checked once
-struct Projection {
-  const ExpertWeights& w;
-  Projection(const ExpertWeights& w, const char* name) : w(w) {
-    const int64_t E = w.packed.size(0);
-    for (const at::Tensor* t : {&w.scales, &w.zoffs})
-      TORCH_CHECK(t->dim() >= 2 && t->size(0) == E && t->is_contiguous(), name, ": every tensor must be contiguous [E=",
-                  E, ", ...], got ", t->sizes());
-    TORCH_CHECK(!w.supers.has_value() || (w.supers->size(0) == E && w.supers->is_contiguous()), name,
-                ": supers must be contiguous [E, ...]");
-  }
-  int64_t n() const { return w.packed.size(1) * 16; }
-  // out [M, N] = x [M, K] times expert e's weights (vnni_gemm_out checks the operands)
-  void operator()(int64_t e, const at::Tensor& x, at::Tensor& out) const {
-    const auto sup = w.supers.has_value() ? c10::optional<at::Tensor>(w.supers->select(0, e)) : c10::nullopt;
-    cpuserve_ops::vnni_gemm_out(x, w.packed.select(0, e), w.scales.select(0, e), w.zoffs.select(0, e), w.bits,
-                                w.act_group, sup, out);
-  }
-};
 
 // MoE.route: (weights [N, k] fp32, chosen [N, k] int64)
 std::pair<at::Tensor, at::Tensor> route(const at::Tensor& x, const at::Tensor& router, int64_t k, bool norm_topk_prob) {
@@ -96,31 +78,33 @@ Routing sort_pairs(const at::Tensor& x, const at::Tensor& router, int64_t k, boo
 // token row through its expert, [start[first + E_local] - start[first], dim] bf16 in pair order
 at::Tensor expert_rows(const at::Tensor& x, const Routing& r, int64_t k, int64_t first, const ExpertWeights& gate_up,
                        const ExpertWeights& down) {
-  const Projection gu(gate_up, "gate_up"), dn(down, "down");
   const int64_t dim = x.size(1), E_local = gate_up.packed.size(0);
+  const int64_t gate_up_n = gate_up.packed.size(1) * 16, down_n = down.packed.size(1) * 16;
   const int64_t* start = r.start.data_ptr<int64_t>();
   const int64_t* order = r.order.data_ptr<int64_t>();
   TORCH_CHECK(first >= 0 && first + E_local < r.start.size(0), "experts [", first, ", ", first + E_local,
               ") must lie within the router's ", r.start.size(0) - 1);
-  TORCH_CHECK(down.packed.size(0) == E_local && gu.n() % 2 == 0 && dn.n() == dim, "down must have E=", E_local,
+  TORCH_CHECK(down.packed.size(0) == E_local && gate_up_n % 2 == 0 && down_n == dim, "down must have E=", E_local,
               " experts of ", dim, " outputs, gate_up an even number");
   const int64_t p0 = start[first], Q = start[first + E_local] - p0;
   auto xs = at::empty({Q, dim}, x.options());  // xs: [Q, dim], each local pair's token row, by expert
   const bf16* xp = x.data_ptr<bf16>();
   bf16* xsp = xs.data_ptr<bf16>();
   for (int64_t i = 0; i < Q; ++i) std::memcpy(xsp + i * dim, xp + order[p0 + i] / k * dim, dim * sizeof(bf16));
-  auto gate_up_out = at::empty({Q, gu.n()}, x.options());
-  auto act = at::empty({Q, gu.n() / 2}, x.options());
-  auto ys = at::empty({Q, dim}, x.options());
+  // every active local expert's run of pairs: gate_up GEMMs -> silu(gate) * up -> down GEMMs (decode's in one
+  // parallel region a projection, where one a GEMM made 16 a layer)
+  std::vector<cpuserve_ops::ExpertRows> runs;
   for (int64_t e = 0; e < E_local; ++e) {
     const int64_t a = start[first + e] - p0, count = start[first + e + 1] - start[first + e];
-    if (!count) continue;  // not routed to: its weights are never read
-    auto g = gate_up_out.narrow(0, a, count), h = act.narrow(0, a, count);
-    auto y = ys.narrow(0, a, count);
-    gu(e, xs.narrow(0, a, count), g);
-    cpuserve_ops::silu_mul_out(g, h);
-    dn(e, h, y);
+    if (count) runs.push_back({e, a, count});  // else not routed to: its weights are never read
   }
+  auto gate_up_out = at::empty({Q, gate_up_n}, x.options());
+  auto act = at::empty({Q, gate_up_n / 2}, x.options());
+  auto ys = at::empty({Q, dim}, x.options());
+  if (runs.empty()) return ys;
+  cpuserve_ops::vnni_gemm_experts_out(xs, gate_up, runs, gate_up_out);
+  cpuserve_ops::silu_mul_out(gate_up_out, act);
+  cpuserve_ops::vnni_gemm_experts_out(act, down, runs, ys);
   return ys;
 }
 

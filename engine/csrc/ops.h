@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include <vector>
+
 namespace cpuserve_ops {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);  // decode_ops.cpp
@@ -23,6 +25,14 @@ struct ExpertWeights {
   c10::optional<at::Tensor> supers;
   int64_t bits, act_group;
 };
+// Rows [start, start + count) of x through expert `expert`'s weights of a stack
+struct ExpertRows {
+  int64_t expert, start, count;
+};
+// vnni_gemm_out for several experts of a stack at once, each on its rows of x [M, K] into the same rows of out [M, N]:
+// the decode-sized ones in one parallel region, every row quantized once
+at::Tensor& vnni_gemm_experts_out(const at::Tensor& x, const ExpertWeights& w, const std::vector<ExpertRows>& runs,
+                                  at::Tensor& out);  // vnni_gemm.cpp
 // x [N, dim] bf16 through the layer's router [E, dim] float64 and its k routed experts -> [N, dim] bf16
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& router, int64_t k, bool norm_topk_prob,
                        const ExpertWeights& gate_up, const ExpertWeights& down);  // moe_experts.cpp

@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 // The int8 GEMMs are built: on AVX-512 VNNI (vnni_register_blocks.h) or on AVX2 (avx2_gemm.h)
 #if defined(CPUSERVE_VNNI) || defined(CPUSERVE_AVX2_GEMM)
@@ -74,25 +75,39 @@ constexpr int64_t kDecodeTasksPerThread = 4;
 // 8.4-8.8 -> 7.1-7.5 ms. 4-bit codes stay one block at a time (two streams made some of their GEMMs slower).
 constexpr int kPairRows = 2;
 
-// The GEMM of M rows: decode's runs of column blocks, or beyond kFewRows rows runs of column tiles
+// Decode's column blocks b..end-1 of one GEMM of M <= kFewRows rows: their weights read once for up to 8 rows
 template <int Bits, typename Scales>
-void run_gemm(const GemmOperands<Scales>& gemm, int64_t M) {
+void decode_blocks(const GemmOperands<Scales>& gemm, int64_t M, int64_t b, int64_t end) {
   using cpuserve_vnni::all_rows_fixed, cpuserve_vnni::kPrefetch;
-  const int64_t num_blocks = gemm.N / 16;
-  if (M <= kFewRows) {  // decode: a task is a run of column blocks, their weights read once for up to 8 rows
-    const int64_t run = cpuserve_tasks::run_length(num_blocks, kDecodeTasksPerThread);
-    cpuserve_tasks::share_tasks((num_blocks + run - 1) / run, [&](const auto& next) {
+  if (Bits == 6 && M <= kPairRows)
+    for (; b + 2 <= end; b += 2) all_rows_fixed<Bits, kPairRows, 2>(gemm, M, b, kPrefetch);
+  for (; b < end; ++b) all_rows_fixed<Bits, kFewRowsBlock, 1>(gemm, M, b, kPrefetch);
+}
+
+// GEMMs of one layout (the same N, K and scales' form), gemms[i] of rows[i] rows: those of up to kFewRows rows in one
+// parallel region, a task a run of column blocks of one of them (a mixture of experts' decode: its 8 narrow GEMMs a
+// projection as 8 x 1 tasks on 2 threads where one region each left 1 or 2 tasks a thread, a barrier each), each
+// larger one as runs of column tiles shared between threads. A single GEMM gets the tasks it got alone.
+template <int Bits, typename Scales>
+void run_gemms(const std::vector<GemmOperands<Scales>>& gemms, const std::vector<int64_t>& rows) {
+  std::vector<size_t> few;
+  for (size_t i = 0; i < gemms.size(); ++i)
+    if (rows[i] <= kFewRows) few.push_back(i);
+  if (!few.empty()) {
+    const int64_t num_blocks = gemms[0].N / 16;
+    const int64_t run = std::min(num_blocks, cpuserve_tasks::run_length(num_blocks * static_cast<int64_t>(few.size()),
+                                                                        kDecodeTasksPerThread));
+    const int64_t per_gemm = (num_blocks + run - 1) / run;
+    cpuserve_tasks::share_tasks(per_gemm * static_cast<int64_t>(few.size()), [&](const auto& next) {
       for (int64_t t; (t = next()) >= 0;) {
-        const int64_t end = std::min(num_blocks, (t + 1) * run);
-        int64_t b = t * run;
-        if (Bits == 6 && M <= kPairRows)
-          for (; b + 2 <= end; b += 2) all_rows_fixed<Bits, kPairRows, 2>(gemm, M, b, kPrefetch);
-        for (; b < end; ++b) all_rows_fixed<Bits, kFewRowsBlock, 1>(gemm, M, b, kPrefetch);
+        const size_t i = few[t / per_gemm];
+        const int64_t b = t % per_gemm * run;
+        decode_blocks<Bits>(gemms[i], rows[i], b, std::min(num_blocks, b + run));
       }
     });
-    return;
   }
-  cpuserve_vnni::tile_runs<Bits>(gemm, M);
+  for (size_t i = 0; i < gemms.size(); ++i)
+    if (rows[i] > kFewRows) cpuserve_vnni::tile_runs<Bits>(gemms[i], rows[i]);
 }
 #endif
 
@@ -101,8 +116,8 @@ using cpuserve_avx2::StoredScales;
 using cpuserve_avx2::SuperScales;
 
 template <int Bits, typename Scales>
-void run_gemm(const GemmOperands<Scales>& gemm, int64_t M) {
-  cpuserve_avx2::Gemm<Bits, Scales>{gemm}.run(M);
+void run_gemms(const std::vector<GemmOperands<Scales>>& gemms, const std::vector<int64_t>& rows) {
+  for (size_t i = 0; i < gemms.size(); ++i) cpuserve_avx2::Gemm<Bits, Scales>{gemms[i]}.run(rows[i]);
 }
 #endif
 
@@ -191,12 +206,21 @@ void check_operands(const at::Tensor& x, const at::Tensor& packed, const at::Ten
               "got ", out.scalar_type(), " ", out.sizes(), " strides ", out.strides());
 }
 
-at::Tensor& vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                          const at::Tensor& zoffs, int64_t bits, int64_t act_group,
-                          const c10::optional<at::Tensor>& supers, at::Tensor& out) {
+// One row run of a GEMM over several weights of one layout: rows [row, row + rows) of x through the weights whose
+// tensors start at these bytes (a stack's expert e: each tensor's e-th slice), into the same rows of out
+struct RowRun {
+  const void *packed, *scales, *zoffs, *supers;
+  int64_t row, rows;
+};
+
+// x [M, K] bf16 through each run's weights into out [M, N]; packed, scales, zoffs, supers: the layout every run's
+// weights share (check_operands' shapes and types); each x row is quantized once whatever the runs
+at::Tensor& gemm_runs(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& zoffs,
+                      int64_t bits, int64_t act_group, const c10::optional<at::Tensor>& supers,
+                      const std::vector<RowRun>& runs, at::Tensor& out) {
   TORCH_CHECK(vnni_gemm_supported(), "the int8 dot-product GEMMs need AVX-512 VNNI or AVX2 (this build has neither)");
   check_operands(x, packed, scales, zoffs, bits, act_group, supers, out);
-  g_runs.fetch_add(1, std::memory_order_relaxed);
+  g_runs.fetch_add(static_cast<int64_t>(runs.size()), std::memory_order_relaxed);
 #if defined(CPUSERVE_INT8_GEMM)
   const int64_t N = packed.size(0) * 16, K = packed.size(1) * 32 / bits, M = x.size(0);
   const int64_t num_weight_groups = scales.size(1), act_groups = K / act_group;
@@ -211,36 +235,94 @@ at::Tensor& vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const a
   int16_t* code_sums16 = reinterpret_cast<int16_t*>(act_row_sum + M);
   quantize_rows(x.data_ptr<bf16>(), M, K, act_group, K / sum_groups, act_codes.data_ptr<int8_t>(), act_scales, act_sums,
                 code_sums, code_sums16, act_row_sum);
-  const bool symmetric = zoffs.scalar_type() == at::kInt;
-  const int32_t* header = symmetric ? zoffs.data_ptr<int32_t>() : nullptr;  // {z, e}
+  const bool symmetric = zoffs.scalar_type() == at::kInt;  // each run's zoffs then its {z, e}
+  // form(run): the run's scales in the form of this layout
   const auto run_widths = [&](auto form) {  // the codes' width, with the scales' form
-    using Scales = decltype(form);
-    const GemmOperands<Scales> gemm{act_codes.data_ptr<int8_t>(), act_scales, act_sums, code_sums, code_sums16,
-                                    act_row_sum, packed.data_ptr<uint8_t>(), 0, form, symmetric ? header[0] : 0,
-                                    symmetric ? std::ldexp(1.f, -header[1]) : 1.f, K, act_group, num_weight_groups,
-                                    N, out.data_ptr<bf16>(), out.stride(0)};
-    if (bits == 4) return run_gemm<4>(gemm, M);
-    if (bits == 6) return run_gemm<6>(gemm, M);
-    if constexpr (!Scales::kFactored) run_gemm<8>(gemm, M);
+    using Scales = decltype(form(runs[0]));
+    std::vector<GemmOperands<Scales>> gemms;
+    std::vector<int64_t> rows;
+    for (const RowRun& r : runs) {
+      const int32_t* header = static_cast<const int32_t*>(r.zoffs);
+      const GemmOperands<Scales> all{act_codes.data_ptr<int8_t>(), act_scales, act_sums, code_sums, code_sums16,
+                                     act_row_sum, static_cast<const uint8_t*>(r.packed), 0, form(r),
+                                     symmetric ? header[0] : 0, symmetric ? std::ldexp(1.f, -header[1]) : 1.f, K,
+                                     act_group, num_weight_groups, N, out.data_ptr<bf16>(), out.stride(0)};
+      gemms.push_back(all.rows_from(r.row));
+      rows.push_back(r.rows);
+    }
+    if (bits == 4) return run_gemms<4>(gemms, rows);
+    if (bits == 6) return run_gemms<6>(gemms, rows);
+    if constexpr (!Scales::kFactored) run_gemms<8>(gemms, rows);
   };
   if (supers.has_value()) {
-    const auto* sup = supers->data_ptr<at::Half>();
-    const uint8_t* mins = symmetric ? nullptr : zoffs.data_ptr<uint8_t>();
     const int64_t shift = __builtin_ctzll(num_weight_groups / supers->size(1)), per_super = supers->size(2);
+    const auto factored = [&](auto sub) {  // sub: the sub-scales' type
+      using Sub = decltype(sub);
+      run_widths([&](const RowRun& r) {
+        return SuperScales<Sub>{static_cast<const Sub*>(r.scales),
+                                symmetric ? nullptr : static_cast<const uint8_t*>(r.zoffs),
+                                static_cast<const at::Half*>(r.supers), num_weight_groups, shift, per_super};
+      });
+    };
     if (scales.scalar_type() == at::kByte) {
-      run_widths(SuperScales<uint8_t>{scales.data_ptr<uint8_t>(), mins, sup, num_weight_groups, shift, per_super});
+      factored(uint8_t{});
     } else {
-      run_widths(SuperScales<int8_t>{scales.data_ptr<int8_t>(), mins, sup, num_weight_groups, shift, per_super});
+      factored(int8_t{});
     }
-  } else if (scales.scalar_type() == at::kHalf) {
-    run_widths(StoredScales<at::Half>{scales.data_ptr<at::Half>(), symmetric ? nullptr : zoffs.data_ptr<at::Half>(),
-                                      num_weight_groups, 0});
   } else {
-    run_widths(StoredScales<float>{scales.data_ptr<float>(), symmetric ? nullptr : zoffs.data_ptr<float>(),
-                                   num_weight_groups, 0});
+    const auto stored = [&](auto scale) {  // scale: the scales' type
+      using T = decltype(scale);
+      run_widths([&](const RowRun& r) {
+        return StoredScales<T>{static_cast<const T*>(r.scales), symmetric ? nullptr : static_cast<const T*>(r.zoffs),
+                               num_weight_groups, 0};
+      });
+    };
+    if (scales.scalar_type() == at::kHalf) {
+      stored(at::Half{});
+    } else {
+      stored(float{});
+    }
   }
 #endif
   return out;
+}
+
+at::Tensor& vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                          const at::Tensor& zoffs, int64_t bits, int64_t act_group,
+                          const c10::optional<at::Tensor>& supers, at::Tensor& out) {
+  const RowRun all{packed.data_ptr(), scales.data_ptr(), zoffs.data_ptr(),
+                   supers.has_value() ? supers->data_ptr() : nullptr, 0, x.size(0)};
+  return gemm_runs(x, packed, scales, zoffs, bits, act_group, supers, {all}, out);
+}
+
+// x [M, K] bf16: each run's rows through its expert's weights of the stack w (tensors [E, ...], expert e at index e),
+// into the same rows of out [M, N]
+at::Tensor& vnni_gemm_experts_out(const at::Tensor& x, const cpuserve_ops::ExpertWeights& w,
+                                  const std::vector<cpuserve_ops::ExpertRows>& runs, at::Tensor& out) {
+  const int64_t E = w.packed.size(0);
+  for (const at::Tensor* t : {&w.packed, &w.scales, &w.zoffs})
+    TORCH_CHECK(t->dim() >= 2 && t->size(0) == E && t->is_contiguous(), "expert weights: every tensor must be "
+                "contiguous [E=", E, ", ...], got ", t->sizes());
+  TORCH_CHECK(!w.supers.has_value() || (w.supers->size(0) == E && w.supers->is_contiguous()),
+              "expert weights: supers must be contiguous [E, ...]");
+  const auto slice = [&](const at::Tensor& t, int64_t e) {
+    return static_cast<const char*>(t.data_ptr()) + e * t.stride(0) * t.element_size();
+  };
+  const bool symmetric = w.zoffs.scalar_type() == at::kInt;  // each expert's zoffs its own {z, e}
+  std::vector<RowRun> rows;
+  for (const auto& r : runs) {
+    const int32_t* header = symmetric ? w.zoffs.data_ptr<int32_t>() + r.expert * w.zoffs.stride(0) : nullptr;
+    TORCH_CHECK(!symmetric || (w.zoffs.size(-1) == 2 && header[0] >= 0 && header[0] < (1 << w.bits) &&
+                               header[1] >= 0 && header[1] < (w.supers.has_value() ? 1 : 64)),
+                "expert ", r.expert, ": zoffs must be {z, e} as check_scales takes them");
+    TORCH_CHECK(r.expert >= 0 && r.expert < E && r.start >= 0 && r.count > 0 && r.start + r.count <= x.size(0),
+                "expert run (", r.expert, ", rows ", r.start, " + ", r.count, ") out of range");
+    rows.push_back({slice(w.packed, r.expert), slice(w.scales, r.expert), slice(w.zoffs, r.expert),
+                    w.supers.has_value() ? slice(*w.supers, r.expert) : nullptr, r.start, r.count});
+  }
+  const auto sup = w.supers.has_value() ? c10::optional<at::Tensor>(w.supers->select(0, 0)) : c10::nullopt;
+  return gemm_runs(x, w.packed.select(0, 0), w.scales.select(0, 0), w.zoffs.select(0, 0), w.bits, w.act_group, sup,
+                   rows, out);
 }
 
 at::Tensor vnni_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& zoffs,
@@ -296,6 +378,11 @@ void cpuserve_ops::check_gemm_operands(const at::Tensor& x, const at::Tensor& pa
                                        const at::Tensor& zoffs, int64_t bits, int64_t act_group,
                                        const c10::optional<at::Tensor>& supers, const at::Tensor& out) {
   check_operands(x, packed, scales, zoffs, bits, act_group, supers, out);
+}
+
+at::Tensor& cpuserve_ops::vnni_gemm_experts_out(const at::Tensor& x, const ExpertWeights& w,
+                                                const std::vector<ExpertRows>& runs, at::Tensor& out) {
+  return ::vnni_gemm_experts_out(x, w, runs, out);
 }
 
 at::Tensor& cpuserve_ops::vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,

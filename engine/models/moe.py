@@ -181,8 +181,10 @@ def _stack(linears: list[Int8ActLinear]) -> list[Tensor | None]:
         if getattr(linears[0], name) is None:
             stacked.append(None)
             continue
-        whole = torch.stack([getattr(lin, name) for lin in linears])  # whole: [E, ...]
-        for e, lin in enumerate(linears):
+        first = getattr(linears[0], name)
+        whole = first.new_empty((len(linears), *first.shape))  # whole: [E, ...]
+        for e, lin in enumerate(linears):  # each expert's own buffer freed as it is copied: no second layer at load
+            whole[e] = getattr(lin, name)
             lin.register_buffer(name, whole[e])
         stacked.append(whole)
     return stacked

@@ -98,6 +98,14 @@ def test_a_failing_peer_is_reported_not_hidden(bench):
     assert "could not load" in rows[0]["peer"] and rows[0]["ratio"] is None
 
 
+def test_the_header_names_the_files_measured(bench):
+    """--only-real measures the real-size files alone: the header names them, not the default model."""
+    raw = {"real_files": {"30b-a3b": {"path": "/cache/qwen3-30b-a3b-12l-q4_k_m.gguf"}}}
+    assert bench.measured_models("/models/smollm2.gguf", raw, True) == "qwen3-30b-a3b-12l-q4_k_m.gguf"
+    assert bench.measured_models("/models/smollm2.gguf", raw, False) == "smollm2.gguf, qwen3-30b-a3b-12l-q4_k_m.gguf"
+    assert bench.measured_models("/models/smollm2.gguf", {}, False) == "smollm2.gguf"
+
+
 def test_a_speed_ratio_pairs_the_repetitions_that_ran_back_to_back(bench):
     """A slow phase of the machine in repetition 2 hits both engines: the median of per-repetition ratios is 2, where
     the ratio of the medians would say 1; runs that do not pair up fall back to that."""

@@ -36,6 +36,7 @@ preempted request's generated tokens recomputed) keeps the int8 scheme.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -79,6 +80,28 @@ def int8_act_reference(x: Tensor, codes: Tensor, scale: Tensor, zoff: Tensor, ac
     return (y + axs @ zoff.t()).float()
 
 
+PACK_ROWS = 4096  # rows packed at a time (a multiple of BLOCK_N): a vocabulary's temporaries stay tens of MB
+
+
+def _by_row_blocks(pack):
+    """pack applied PACK_ROWS rows at a time into one output: every block of BLOCK_N rows packs on its own, so the
+    bytes are pack's, while its temporaries (several copies of the codes: a 151936-row Q6_K output layer's made
+    0.7 GB at load) stay those of PACK_ROWS rows."""
+    @functools.wraps(pack)
+    def packed(codes: Tensor) -> Tensor:
+        n = codes.shape[0]
+        if n <= PACK_ROWS:
+            return pack(codes)
+        first = pack(codes[:PACK_ROWS])
+        out = first.new_empty((n // BLOCK_N, *first.shape[1:]))  # out: [N/16, ..., 64]
+        out[:PACK_ROWS // BLOCK_N] = first
+        for start in range(PACK_ROWS, n, PACK_ROWS):
+            out[start // BLOCK_N:(start + PACK_ROWS) // BLOCK_N] = pack(codes[start:start + PACK_ROWS])
+        return out
+    return packed
+
+
+@_by_row_blocks
 def pack_int4(codes: Tensor) -> Tensor:
     """codes [N, K] in [0, 15] -> [N/16, K/8, 64] uint8: byte 4c + j = code(c, k0 + j) | code(c, k0 + 4 + j) << 4."""
     n, k = codes.shape
@@ -94,6 +117,7 @@ def unpack_int4(packed: Tensor) -> Tensor:
     return c.permute(0, 2, 1, 3, 4).reshape(nb * BLOCK_N, k8 * 8).to(torch.int32)
 
 
+@_by_row_blocks
 def pack_int6(codes: Tensor) -> Tensor:
     """codes [N, K] in [0, 63] -> [N/16, K/16 * 3, 64] uint8: per 16 inputs k0..k0+15, pack_int4 of the codes' low
     nibbles (two rows of 64), then byte 4c + j = the top 2 bits of code(c, k0 + 4 i + j) at bits 2i, i = 0..3."""
@@ -115,6 +139,7 @@ def unpack_int6(packed: Tensor) -> Tensor:
     return low | (top.permute(0, 2, 1, 4, 3).reshape(nb * BLOCK_N, -1) << 4)
 
 
+@_by_row_blocks
 def pack_int8(codes: Tensor) -> Tensor:
     """codes [N, K] in [0, 255] -> [N/16, K/4, 64] uint8: byte 4c + j = code(c, k0 + j)."""
     n, k = codes.shape
