@@ -164,8 +164,8 @@ def test_dense_tables_time_dense_gemm_against_f_linear():
     rows = modules["linear"].run_dense((1, 5), budget_s=0.001)
     assert len(rows) == 2 * 2 * len(modules["linear"].DENSE_SHAPES)  # fp32 and bf16, two row counts
     assert all(r["torch_ms"] > 0 and r["ours_ms"] > 0 and r["ours_vs_torch"] > 0 for r in rows)
-    rows = modules["dense_decode"].measure("bf16", [1, 2], reps=1, gen_tokens=3, threads=2)
-    assert [r["streams"] for r in rows] == [1, 2] and all(r["ratio"] > 0 for r in rows)
+    rows = modules["dense_decode"].measure("fp32", [1, 2], reps=1, gen_tokens=3, threads=2, prefill_len=16)
+    assert [r["streams"] for r in rows] == [1, 2, "prefill"] and all(r["ratio"] > 0 for r in rows)
     assert all(len(runs) == 1 for r in rows for runs in r["runs"].values())
 
 

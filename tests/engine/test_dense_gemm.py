@@ -94,19 +94,25 @@ def test_within_the_rounding_bound_of_the_exact_product_and_of_torchs_fp32_matmu
 
 @needs_dense
 @pytest.mark.parametrize("fmt", ["fp32", "bf16"])
-def test_the_layer_computes_prompt_rows_with_f_linear_and_the_others_with_dense_gemm(fmt):
+def test_the_layer_runs_dense_gemm_for_every_row_but_bf16_prompt_rows(fmt):
+    """bf16: prompt rows on F.linear (torch's bf16 GEMM is faster at many rows), the others on dense_gemm; fp32:
+    every row on dense_gemm (faster than torch's fp32 GEMM at every size measured), prompt rows too."""
     x, w, b = operands(96, 576, torch.float32, seed=3)
     layer = build_linear(w.float(), b.float(), fmt)
     dtype = layer.act_dtype
     xd, wd, bd = x.to(dtype), layer.weight, layer.bias
     ranges = ((3, 9), (20, 33))
+    assert layer.has_prompt_kernel() == (fmt == "bf16")
     before = torch.ops.cpuserve.dense_gemm_runs()
     got = layer(xd, prompt_rows=ranges)
-    assert torch.ops.cpuserve.dense_gemm_runs() - before == 3  # the rows before, between and after the ranges
-    for a, c in ((0, 3), (9, 20), (33, POOL)):
-        assert torch.equal(got[a:c], gemm(xd[a:c], wd, bd))
-    for a, c in ranges:
-        assert torch.equal(got[a:c], torch.mm(xd[a:c], wd.t()) + bd)  # F.linear's GEMM, then the bias
+    if fmt == "fp32":
+        assert torch.ops.cpuserve.dense_gemm_runs() - before == 1 and torch.equal(got, gemm(xd, wd, bd))
+    else:
+        assert torch.ops.cpuserve.dense_gemm_runs() - before == 3  # the rows before, between and after the ranges
+        for a, c in ((0, 3), (9, 20), (33, POOL)):
+            assert torch.equal(got[a:c], gemm(xd[a:c], wd, bd))
+        for a, c in ranges:
+            assert torch.equal(got[a:c], torch.mm(xd[a:c], wd.t()) + bd)  # F.linear's GEMM, then the bias
     assert torch.equal(layer(xd), gemm(xd, wd, bd))  # no prompt rows: every row on dense_gemm
     layer.use_torch_gemm = True  # the plain-torch path (use_fallback): F.linear for every row
     assert not layer.has_prompt_kernel() and torch.equal(layer(xd, prompt_rows=ranges), F.linear(xd, wd, bd))

@@ -3,14 +3,17 @@
 
 Which GEMM a row takes (QuantLinear.forward's prompt_rows name the prompt rows):
 
-    rows         | decode, verification (speculative) | prompt tokens                           |
-    ours built   | dense_gemm (engine/csrc)           | F.linear (the prompt kernel: prefill's speed) |
-    not built    | F.linear                           | F.linear                                |
+    rows               | decode, verification (speculative) | prompt tokens                                  |
+    ours built, bf16   | dense_gemm (engine/csrc)           | F.linear (the prompt kernel: prefill's speed)  |
+    ours built, fp32   | dense_gemm                         | dense_gemm (faster than torch's fp32 GEMM here) |
+    not built          | F.linear                           | F.linear                                       |
 
 torch's F.linear picks its blocking, and so each row's summation order, by the number of rows: a k + 1-row
 verification step rounds unlike a one-row decode. dense_gemm's rows are bit-identical whatever the batch, so greedy
 speculative output is decoding's; where it is not built, speculation refuses fp32 / bf16 weights
-(engine/spec/__init__.py).
+(spec/drafter.py check_rows_verify_exactly). With bf16 weights a prompt row's bits still follow the size of its
+range of prompt rows (F.linear: torch's bf16 GEMM, which here rounds a row alike at nearly every size), as every row's
+did before; with fp32 weights (torch's fp32 GEMM rounds a row otherwise at almost every size) no row's does.
 """
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ class DenseLinear(QuantLinear):
 
     @classmethod
     def fallback(cls, weight_fp32: Tensor, fmt: str, group_size: int, reason: str) -> "DenseLinear":
-        """An int4 / int8 layer on F.linear: weight_fp32 [N, K] holds its dequantized values; reason is "forced"
+        """An int4 / int8 layer on a dense weight: weight_fp32 [N, K] holds its dequantized values; reason is "forced"
         (use_fallback) or the shape the kernel refuses, logged once per reason."""
         if reason != "forced":
             _log_fallback_once(f"{fmt} {reason}")
@@ -53,7 +56,9 @@ class DenseLinear(QuantLinear):
         return True
 
     def has_prompt_kernel(self) -> bool:
-        return self._own_kernel()  # prompt rows keep F.linear; where ours does not run, every row does
+        # bf16: prompt rows keep F.linear (torch's bf16 GEMM is 2x ours at 512 rows); fp32: ours is faster than
+        # torch's at every row count measured (bench/linear.py --dense), so every row takes it, prompt rows too
+        return self._own_kernel() and self.act_dtype == torch.bfloat16
 
     def dequantize(self) -> Tensor:
         return self.weight.float()
@@ -84,4 +89,4 @@ class DenseLinear(QuantLinear):
 def _log_fallback_once(reason: str) -> None:
     if reason not in _logged_fallbacks:
         _logged_fallbacks.add(reason)
-        logger.info("QuantLinear fallback (dequantized bf16 weight + F.linear): %s", reason)
+        logger.info("QuantLinear fallback (dequantized bf16 weight, DenseLinear's GEMMs): %s", reason)
