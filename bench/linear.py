@@ -3,6 +3,7 @@
     python bench/linear.py [--n 5632 --k 2048 --rows 1 32 --repeats 30]
     python bench/linear.py --kernels [--rows 1 2 4 8 16 24 32]   # SmolLM2's and a 1B's layer shapes
     python bench/linear.py --int8-activations [--rows 1 8 32 128 512]
+    python bench/linear.py --dense [--rows 1 5 8 20]   # fp32 / bf16 weights: dense_gemm against F.linear
 
 Prints median milliseconds per call and the speed-up over fp32 F.linear (higher is faster). --kernels times our
 kernel (engine/csrc, with out=) and torch's (_weight_int4pack_mm_for_cpu / _weight_int8pack_mm) call for call,
@@ -10,6 +11,9 @@ interleaved, so drift on a shared machine hits both alike; the ratio is torch's 
 --int8-activations times the int8 dot-product GEMMs (activations="int8", vnni_gemm.cpp) against our bf16-activation
 GEMMs on the same shapes, interleaved: ratio = bf16_ms / int8_ms, and the int8 kernel's multiply-adds per cycle
 per thread (the roofline: AVX-512 VNNI issues one 64-MAC vpdpbusd per cycle on Zen 4, two on Sapphire Rapids).
+--dense times the fp32 / bf16 weights' row-invariant GEMM (dense_gemm.cpp, the decode and verification rows) against
+F.linear (what those rows ran before) on SmolLM2's shapes, interleaved: ratio = F.linear_ms / ours_ms (> 1: ours
+faster), and the weight bytes streamed per second by ours.
 """
 from __future__ import annotations
 
@@ -78,6 +82,30 @@ def run_kernels(rows: tuple[int, ...], fmts=("int4", "int8"), budget_s: float = 
     return results
 
 
+DENSE_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]  # SmolLM2: qkv, o, gate_up, down, lm_head
+
+
+@torch.inference_mode()
+def run_dense(rows: tuple[int, ...], budget_s: float = 0.4) -> list[dict]:
+    """dense_gemm (with out=) against F.linear on the same weights and rows, interleaved; both dtypes."""
+    if not native.dense_gemm_enabled():
+        raise SystemExit("dense_gemm is not built or not enabled here (CPUSERVE_KERNELS, a CPU without AVX2)")
+    results = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for n, k in DENSE_SHAPES:
+            w = (torch.randn(n, k) * 0.02).to(dtype)
+            for m in rows:
+                x = torch.randn(m, k).to(dtype)
+                out = torch.empty(m, n, dtype=dtype)
+                a, b = interleaved_ms(lambda: F.linear(x, w),
+                                      lambda: torch.ops.cpuserve.dense_gemm.out(x, w, None, out=out), budget_s)
+                results.append({"dtype": str(dtype).removeprefix("torch."), "shape": f"{n}x{k}", "M": m,
+                                "torch_ms": round(a, 4), "ours_ms": round(b, 4), "ours_vs_torch": round(a / b, 2),
+                                "GB/s": round(w.numel() * w.element_size() / b / 1e6, 1)})
+                print(" | ".join(f"{v!s:>12}" for v in results[-1].values()), flush=True)
+    return results
+
+
 def interleaved_ms(a, b, budget_s: float) -> tuple[float, float]:
     """Median ms of a() and b(), called alternately for budget_s (at least 10 each)."""
     t_a, t_b = [], []
@@ -141,6 +169,7 @@ if __name__ == "__main__":
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     ap.add_argument("--kernels", action="store_true", help="our int4 / int8 GEMMs against torch's kernels")
     ap.add_argument("--int8-activations", action="store_true", help="int8 dot products against bf16 activations")
+    ap.add_argument("--dense", action="store_true", help="fp32 / bf16 weights: dense_gemm against F.linear")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -149,6 +178,9 @@ if __name__ == "__main__":
         print(f"CPU clock {cpu_ghz():.2f} GHz (/proc/cpuinfo)")
         print("      format |        shape |            M |      bf16_ms |      int8_ms | int8_vs_bf16 | MAC/cycle/thread")
         run_int8_activations(tuple(a.rows or (1, 8, 32, 128, 512)))
+    elif a.dense:
+        print("       dtype |        shape |            M |     torch_ms |      ours_ms | ours_vs_torch |         GB/s")
+        run_dense(tuple(a.rows or (1, 5, 8, 20)))
     elif a.kernels:
         print("      format |        shape |            M |     torch_ms |      ours_ms | ours_vs_torch")
         run_kernels(tuple(a.rows or (1, 2, 4, 8, 16, 24, 32)))

@@ -205,8 +205,8 @@ def main() -> None:
     ap.add_argument("--spec-draft-weights", default=None, help="the draft model's weights (default: --weights)")
     ap.add_argument("--allow-diverging", action="store_true",
                     help="count the greedy outputs equal to no speculation's instead of stopping at one that is not "
-                         "(fp32 / bf16 weights: a verification step's rows round unlike a one-token decode's, so a "
-                         "near-tie can flip)")
+                         "(none should differ: every weight format computes a verification row as a one-token decode; "
+                         "this measures a change that breaks that)")
     ap.add_argument("--peers", nargs="*", default=[], choices=["llama-server"],
                     help="also llama-server without speculation and with ngram-simple and ngram-mod "
                          "(bench/spec_peers.py; builds it the first time, ~10 min)")

@@ -22,7 +22,7 @@ from cpuserve.engine.runner import build_runner
 from cpuserve.engine.sampling_params import SamplingParams
 from cpuserve.engine.scheduler import Scheduler
 from cpuserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
-from cpuserve.engine.spec.drafter import build_drafter
+from cpuserve.engine.spec.drafter import build_drafter, check_rows_verify_exactly
 from cpuserve.engine.spec.policy import SpecPolicy
 from cpuserve.engine.threads import (allocator_for_loading, configure_threads, release_free_memory,
                                      slow_openmp_warning, tune_allocator)
@@ -49,6 +49,7 @@ class LLMEngine:
         self.num_threads = configure_threads(config.num_threads)
         if (warning := slow_openmp_warning()) is not None:
             log.warning("%s", warning)
+        check_rows_verify_exactly(config)  # before the model loads
         allocator_for_loading()
         checkpoint = load_checkpoint(config.model, show_progress=False)  # the builder's bar covers the stream
         self.tokenizer = checkpoint.tokenizer

@@ -119,6 +119,13 @@ def int8_gemm_enabled() -> bool:
 
 
 @functools.lru_cache(maxsize=1)
+def dense_gemm_enabled() -> bool:
+    """Our fp32 / bf16 GEMM (dense_gemm.cpp: each row's bits independent of the batch) runs here: the kernels are
+    built, on AVX2 or AVX-512 (torch.ops.cpuserve.dense_gemm_isa() names which)."""
+    return enabled() and bool(torch.ops.cpuserve.dense_gemm_supported())
+
+
+@functools.lru_cache(maxsize=1)
 def vnni_gemm_enabled() -> bool:
     """The int8 dot-product GEMMs are built for this CPU: AVX-512 VNNI (vnni_gemm.cpp) or AVX2 (avx2_gemm.h, the
     same bits; vnni_gemm_isa() names which). Where the CPU has AMX, the AVX-512 build's tile path is kept only if it

@@ -28,6 +28,27 @@ class Drafter(Protocol):
     def forget(self, request_id: str) -> None: ...
 
 
+def check_rows_verify_exactly(config: EngineConfig) -> None:
+    """Greedy speculative output is decoding's only where a verification row computes a one-token decode's bits:
+    int4 / int8 weights (every kernel of theirs computes a row alone), fp32 / bf16 ones on dense_gemm
+    (engine/layers/linear/dense.py); torch's F.linear, which they run where it is not built, rounds a row by its
+    batch's size.
+
+    Raises:
+        ValueError: speculation with fp32 / bf16 weights where dense_gemm does not run.
+    """
+    if config.speculative is None or config.weights not in ("fp32", "bf16"):
+        return
+    from cpuserve.engine.layers import native  # torch: only for these weights
+
+    if not native.dense_gemm_enabled():
+        raise ValueError(f"speculative={config.speculative!r} with weights={config.weights!r} needs cpuserve's "
+                         "fp32 / bf16 GEMM (engine/csrc/dense_gemm.cpp, AVX2 or AVX-512), whose rows do not depend "
+                         f"on their batch, and it does not run here (CPUSERVE_KERNELS={native.mode()}): torch's "
+                         "F.linear would round verification rows unlike decode rows; use weights='int4' or 'int8', "
+                         "or speculative=None")
+
+
 def build_drafter(config: EngineConfig, block_manager: BlockManager, tokenizer, vocab_size: int,
                   max_model_len: int) -> Drafter | None:
     """The drafter config.speculative names (None when speculation is off); the n-gram drafter indexes the blocks

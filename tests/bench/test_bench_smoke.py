@@ -156,6 +156,27 @@ def test_linear_kernels_table_compares_ours_with_torchs_on_equal_bits():
     assert all(r["torch_ms"] > 0 and r["ours_ms"] > 0 and r["ours_vs_torch"] > 0 for r in rows)
 
 
+def test_dense_tables_time_dense_gemm_against_f_linear():
+    """bench/linear.py --dense per layer shape and bench/dense_decode.py on the engine: every row a positive ratio."""
+    if not native.dense_gemm_enabled():
+        pytest.skip("dense_gemm is not built here: nothing to compare")
+    sys.path.insert(0, BENCH)  # both import their neighbours in bench/
+    try:
+        modules = {}
+        for name in ("linear", "dense_decode"):
+            spec = importlib.util.spec_from_file_location(f"cpuserve_bench_{name}", os.path.join(BENCH, f"{name}.py"))
+            modules[name] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(modules[name])
+    finally:
+        sys.path.remove(BENCH)
+    rows = modules["linear"].run_dense((1, 5), budget_s=0.001)
+    assert len(rows) == 2 * 2 * len(modules["linear"].DENSE_SHAPES)  # fp32 and bf16, two row counts
+    assert all(r["torch_ms"] > 0 and r["ours_ms"] > 0 and r["ours_vs_torch"] > 0 for r in rows)
+    rows = modules["dense_decode"].measure("fp32", [1, 2], reps=1, gen_tokens=3, threads=2, prefill_len=16)
+    assert [r["streams"] for r in rows] == [1, 2, "prefill"] and all(r["ratio"] > 0 for r in rows)
+    assert all(len(runs) == 1 for r in rows for runs in r["runs"].values())
+
+
 def test_tp_decode_and_topk_measures_run_and_report_sane_figures():
     sys.path.insert(0, BENCH)  # bench/tp_decode.py, as bench/tp.py imports it; its spawned children too
     try:

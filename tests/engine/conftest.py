@@ -31,12 +31,10 @@ def llm_int4():
 
 @pytest.fixture(scope="session")
 def decoded(llm_int4):
-    """The speculative tests' requests (spec_cases.py) run without speculation, in one batch (batching never changes
-    a request's tokens: test_batching.py): (prompts, outputs)."""
-    from spec_cases import USER_TURNS, chat_ids, request_params
+    """The speculative tests' requests (spec_cases.py) run without speculation, in one batch: (prompts, outputs)."""
+    from spec_cases import decode_all
 
-    prompts = [chat_ids(llm_int4, t) for t in USER_TURNS]
-    return prompts, llm_int4.generate(prompts, [request_params(i) for i in range(len(prompts))])
+    return decode_all(llm_int4)
 
 
 @pytest.fixture(scope="session")

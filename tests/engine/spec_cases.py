@@ -52,13 +52,26 @@ def request_params(i: int) -> SamplingParams:
     return SamplingParams(max_tokens=36 + 2 * i, temperature=0, logprobs=1 if i == 2 else None)
 
 
-def run_staggered(llm: LLM, prompts: list[list[int]]) -> dict[str, tuple[list[int], str, str]]:
+def decode_all(llm: LLM, params=request_params) -> tuple[list[list[int]], list]:
+    """USER_TURNS without speculation, in one batch (batching never changes a request's tokens: test_batching.py):
+    (prompts, outputs), what the speculative runs must reproduce; params(i): request i's SamplingParams."""
+    prompts = [chat_ids(llm, t) for t in USER_TURNS]
+    return prompts, llm.generate(prompts, [params(i) for i in range(len(prompts))])
+
+
+def assert_same_outputs(got: dict[str, tuple[list[int], str, str]], want: list) -> None:
+    """run_staggered's results are want's (generate's outputs), token for token, text and finish reason."""
+    for i, w in enumerate(want):
+        assert got[f"r{i}"] == (w.token_ids, w.text, w.finish_reason), i
+
+
+def run_staggered(llm: LLM, prompts: list[list[int]], params=request_params) -> dict[str, tuple[list[int], str, str]]:
     """A new request every step while the others run: prefill chunks and drafts share steps."""
     engine, results, pending = llm.engine, {}, list(enumerate(prompts))
     while pending or engine.has_unfinished_requests():
         if pending:
             i, ids = pending.pop(0)
-            engine.add_request(ids, request_params(i), request_id=f"r{i}")
+            engine.add_request(ids, params(i), request_id=f"r{i}")
             results[f"r{i}"] = ([], "", None)
         for chunk in engine.step():
             ids, text, _ = results[chunk.request_id]

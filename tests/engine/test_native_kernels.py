@@ -201,7 +201,7 @@ def test_a_level_the_cpu_cannot_run_is_refused_by_name():
 
 
 @pytest.mark.parametrize("level,below,own", [
-    ("avx512_bf16", "avx512_vnni", ["amx_bf16_gemm.cpp", "slim_attention.cpp"]),  # the int8 GEMMs shared
+    ("avx512_bf16", "avx512_vnni", ["amx_bf16_gemm.cpp", "dense_gemm.cpp", "slim_attention.cpp"]),  # int8 GEMMs shared
     ("avx2_vnni", "avx2", ["vnni_gemm.cpp"]),  # avx2_gemm.h, the one user of AVX-VNNI
 ])
 def test_a_level_over_another_compiles_only_the_sources_that_use_its_instructions(level, below, own):

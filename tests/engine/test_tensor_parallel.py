@@ -99,6 +99,30 @@ def test_speculative_greedy_tokens_identical_to_one_rank(llm_tp, llm_int4):
 
 
 @pytest.mark.slow
+def test_draft_model_greedy_tokens_identical_to_one_rank(llm_tp, decoded):
+    """The draft-model drafter (SmolLM2 drafting for itself, in this process) on the group: spec_cases' requests (a
+    grammar, a stop string, a seeded sampled one) in one batch give one rank's tokens without speculation."""
+    from spec_cases import request_params
+
+    from cpuserve.engine.config import EngineConfig
+    from cpuserve.engine.spec.draft_model import build_draft_model_drafter
+    from cpuserve.engine.spec.policy import SpecPolicy
+
+    engine, (prompts, want) = llm_tp.engine, decoded
+    config = EngineConfig(weights="int4", kv_cache="int8", speculative="draft", spec_draft_kv_cache_gb=0.05)
+    drafter = build_draft_model_drafter(config, engine.tokenizer, engine.args.vocab_size, engine.max_model_len)
+    engine.scheduler.drafter, engine.scheduler.spec_policy = drafter, SpecPolicy(4, 16, 3, 16)
+    try:
+        got = llm_tp.generate(prompts, [request_params(i) for i in range(len(prompts))])
+    finally:
+        engine.scheduler.drafter = engine.scheduler.spec_policy = None
+    for i, (w, g) in enumerate(zip(want, got)):
+        assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason), i
+    assert sum(o.num_accepted_tokens for o in got) > 0.8 * sum(o.num_draft_tokens for o in got) > 50
+    assert drafter.block_manager.num_free_blocks == drafter.block_manager.num_blocks  # every draft's KV given back
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt,tiled", [
     ("Write a long and detailed story about a lighthouse keeper who finds a map in a bottle, then sails north to "
      "the islands the map shows.", True),  # a prefill of > kInt4FewRowsMax (16) rows: the tiled int4 GEMM

@@ -2,7 +2,8 @@
 
     QuantLinear                 forward(x, out=, prompt_rows=): dtype cast, out= checked, rows [M, K] handed to the
                                 format (prompt rows to its prompt kernel, if it has one)
-    ├── DenseLinear (dense.py)  fp32 / bf16, and the fallback of int4 / int8 shapes the kernels refuse: F.linear
+    ├── DenseLinear (dense.py)  fp32 / bf16, and the fallback of int4 / int8 shapes the kernels refuse: our
+    │                           dense_gemm, prompt rows on F.linear (its prompt kernel)
     └── PackedLinear            a packed weight through a C++ GEMM (ours, with out=, else torch's, without)
         ├── Int4Linear (int4.py)
         └── Int8Linear (int8.py)
@@ -10,8 +11,9 @@
 factory.py's build_linear picks the class for a weight format.
 
 Prompt rows: a layer may compute the rows that are prompt tokens in another scheme than the rest (Int8ActLinear on
-AMX-BF16: bf16 activations instead of int8 ones). The runner names those rows per step (AttentionMetadata.prompt_rows,
-from each row's role, never from the batch's size), so a row's bits depend on its role alone:
+AMX-BF16: bf16 activations instead of int8 ones; DenseLinear: torch's F.linear instead of dense_gemm). The runner
+names those rows per step (AttentionMetadata.prompt_rows, from each row's role, never from the batch's size), so
+which scheme computes a row depends on its role alone:
 
     rows  | decode | decode | prompt chunk a | b's recompute: prompt | b: generated | prompt chunk c |
     path  |      usual      |            prompt kernel               |    usual     | prompt kernel  |
