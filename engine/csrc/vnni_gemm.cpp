@@ -69,19 +69,13 @@ constexpr int kFewRowsBlock = 8;
 // and takes the shared counter (a cache line the threads pass back and forth) a few times per GEMM, not once per
 // 16 columns
 constexpr int64_t kDecodeTasksPerThread = 4;
-// Up to kPairRows rows, 6-bit codes (Q6_K, the 5-bit types) go two column blocks a register block, two independent
-// chains of dot products where one left their unpacking waiting on latencies: the 3B file's Q6_K GEMMs at one row,
-// streamed from memory, 2 threads, alternating builds: v 80-86 -> 56-65 us, down 648-695 -> 465-501 us, the lm_head
-// 8.4-8.8 -> 7.1-7.5 ms. 4-bit codes stay one block at a time (two streams made some of their GEMMs slower).
-constexpr int kPairRows = 2;
-
-// Decode's column blocks b..end-1 of one GEMM of M <= kFewRows rows: their weights read once for up to 8 rows
+// Decode's column blocks b..end-1 of one GEMM of M <= kFewRows rows: their weights read once for up to 8 rows. Every
+// width goes one column block a register block: two blocks at a time (two streams, two chains of 6-bit unpacking) ran
+// Q6_K at one row 22-24 GB/s against 35-41 for one at a time once decode prefetched far enough (kDecodePrefetch).
 template <int Bits, typename Scales>
 void decode_blocks(const GemmOperands<Scales>& gemm, int64_t M, int64_t b, int64_t end) {
-  using cpuserve_vnni::all_rows_fixed, cpuserve_vnni::kPrefetch;
-  if (Bits == 6 && M <= kPairRows)
-    for (; b + 2 <= end; b += 2) all_rows_fixed<Bits, kPairRows, 2>(gemm, M, b, kPrefetch);
-  for (; b < end; ++b) all_rows_fixed<Bits, kFewRowsBlock, 1>(gemm, M, b, kPrefetch);
+  using cpuserve_vnni::all_rows_fixed, cpuserve_vnni::kDecodePrefetch;
+  for (; b < end; ++b) all_rows_fixed<Bits, kFewRowsBlock, 1>(gemm, M, b, kDecodePrefetch);
 }
 
 // GEMMs of one layout (the same N, K and scales' form), gemms[i] of rows[i] rows: those of up to kFewRows rows in one

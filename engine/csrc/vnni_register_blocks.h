@@ -22,6 +22,10 @@ namespace cpuserve_vnni {
 using cpuserve_int8::GemmOperands;
 
 constexpr int64_t kPrefetch = 1024;  // bytes ahead in a column block's stream (tasks interleave between threads)
+// Decode's distance: a task streams one run of column blocks from memory, and 1024 bytes ahead is ~40 ns at a core's
+// read rate, well short of DRAM's latency. One thread, M = 1, 2048 x 2048 GEMMs streamed from memory (Zen 5, medians):
+// 1024 -> 8192 bytes took Q4_K 28-31 -> 38-45 GB/s, Q6_K 27-31 -> 35-41, Q4_0 29-32 -> 36-42; at 8 rows Q4_K 13 -> 19.
+constexpr int64_t kDecodePrefetch = 8192;
 
 // What a register block's loops know at compile time, kAtRunTime where they read it from the operands: fixed, a
 // group's Steps (of Codes<Bits>::kStep inputs) unroll and the epilogue loses its branches
