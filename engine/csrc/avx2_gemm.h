@@ -28,7 +28,10 @@
 namespace cpuserve_avx2 {
 
 using bf16 = at::BFloat16;
-constexpr int64_t kPrefetch = 1024;    // bytes ahead in a column block's stream, in the first register block of rows
+// Bytes ahead in a column block's stream, in the first register block of rows: far enough to cover DRAM's latency at
+// decode (one thread, M = 1, 2048 x 2048 GEMMs streamed, Zen 5 forced to this level: 1024 -> 8192 bytes took Q4_K
+// 22-23 -> 28-29 GB/s, Q6_K 21-23 -> 27-33, Q4_0 22 -> 30-32; 8 and 128 rows, compute-bound, unchanged)
+constexpr int64_t kPrefetch = 8192;
 constexpr int64_t kTasksPerThread = 4;  // runs of column blocks per thread (vnni_gemm.cpp's decode tasks)
 constexpr int kRows = 4;
 
