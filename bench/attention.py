@@ -5,7 +5,9 @@
 Prefill: SlimAttention vs torch SDPA (is_causal=True, enable_gqa=True: torch's CPU flash kernel) at 1024 and
 4096 tokens, bf16 and fp32; ratio = sdpa_ms / slim_ms (> 1: SlimAttention is faster). The two run interleaved, one
 call each per repetition, so drift from other load on the machine hits both alike. The case names the kernel:
-"native brgemm" / "native avx512_bf16" (engine/csrc/slim_attention.cpp) or "torch" (attention.slim_attention);
+"native brgemm" / "native avx512_bf16" (engine/csrc/slim_attention.cpp), "native fp32" (slim_attention_fp32.cpp)
+or "torch" (attention.slim_attention); "prefill fp32" rows time the fp32 kernel against that plain-torch path
+(ratio = torch_ms / native_ms), which fp32 prefill ran before the kernel;
 "int8 K" is the engine's prefill with int8 activations where the kernel runs Q K^T as int8 dot products (AVX-512
 VNNI without AMX: engine/csrc/int8_scores.h), on K as the int8 pool holds it.
 Decode: paged_decode_attention with an int8 vs a bf16 cache at batch 1/8/32, context 512;
@@ -60,7 +62,7 @@ def bench_prefill(seq_len: int, dtype: torch.dtype, repeats: int, block_rows: in
     """SlimAttention as the engine runs it (the C++ kernel for bf16 when it runs on this CPU) against SDPA.
     int8_keys: K as the int8 pool holds it, Q K^T as int8 dot products (the engine's way with int8 activations
     where native.slim_attention_int8_keys()); SDPA gets the bf16 keys the codes were made from."""
-    fused = dtype == torch.bfloat16 and native.slim_attention_native_enabled()
+    fused = native_prefill(dtype)
     block_rows = block_rows or (NATIVE_SLIM_BLOCK_ROWS if fused else SLIM_BLOCK_ROWS)
     q = torch.randn(seq_len, HEADS, HEAD_DIM).to(dtype)
     k = torch.randn(seq_len, KV_HEADS, HEAD_DIM).to(dtype)
@@ -77,11 +79,31 @@ def bench_prefill(seq_len: int, dtype: torch.dtype, repeats: int, block_rows: in
         return slim_attention(q, codes, v, 0, scale, block_rows=block_rows, k_scale=k_scale)
 
     sdpa, slim = interleaved_median_ms([sdpa_fn, slim_fn], repeats)
-    kind = f"native {torch.ops.cpuserve.slim_attention_kernel()}" if fused else "torch"
+    kind = "torch" if not fused else "native fp32" if dtype == torch.float32 else \
+        f"native {torch.ops.cpuserve.slim_attention_kernel()}"
     kind += " int8 K" if int8_keys else ""
     return {"bench": "prefill", "case": f"L={seq_len} {str(dtype)[6:]} {kind} rows={block_rows}",
             "base_ms": round(sdpa, 2), "ours_ms": round(slim, 2), "ratio": round(sdpa / slim, 2),
             "vs": "sdpa/slim"}
+
+
+def native_prefill(dtype: torch.dtype) -> bool:
+    """The engine's prefill of this dtype runs the C++ SlimAttention here (ops.prefill_attention's choice)."""
+    if dtype == torch.bfloat16:
+        return native.slim_attention_native_enabled()
+    return dtype == torch.float32 and native.slim_attention_fp32_enabled()
+
+
+def bench_prefill_fp32_paths(seq_len: int, repeats: int, block_rows: int | None = None) -> dict:
+    """fp32 prefill: the C++ kernel against the plain-torch SlimAttention, interleaved."""
+    block_rows = block_rows or NATIVE_SLIM_BLOCK_ROWS
+    q, k, v = (torch.randn(seq_len, h, HEAD_DIM) for h in (HEADS, KV_HEADS, KV_HEADS))
+    scale = HEAD_DIM ** -0.5
+    plain, fused = interleaved_median_ms(
+        [lambda: slim_attention(q, k, v, 0, scale),
+         lambda: torch.ops.cpuserve.slim_attention(q, k, v, 0, scale, block_rows, 0, None)], repeats)
+    return {"bench": "prefill fp32", "case": f"L={seq_len} rows={block_rows}", "base_ms": round(plain, 2),
+            "ours_ms": round(fused, 2), "ratio": round(plain / fused, 2), "vs": "torch/native"}
 
 
 def make_pool(cache_dtype: torch.dtype, batch: int, context: int):
@@ -132,6 +154,8 @@ def run(prefill_lens=(1024, 4096), dtypes=(torch.bfloat16, torch.float32), batch
         prefill_only: bool = False) -> list[dict]:
     """Rows of {bench, case, base_ms, ours_ms, ratio, vs}; medians of `repeats` runs."""
     rows = [bench_prefill(n, dt, repeats, block_rows) for n in prefill_lens for dt in dtypes]
+    if torch.float32 in dtypes and native_prefill(torch.float32):
+        rows += [bench_prefill_fp32_paths(n, repeats, block_rows) for n in prefill_lens]
     if torch.bfloat16 in dtypes and native.slim_attention_int8_keys():
         rows += [bench_prefill(n, torch.bfloat16, repeats, block_rows, int8_keys=True) for n in prefill_lens]
     if prefill_only:
@@ -155,6 +179,7 @@ if __name__ == "__main__":
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="1024-token prefill only")
     ap.add_argument("--prefill", action="store_true", help="bf16 prefill only (the SlimAttention ratio table)")
+    ap.add_argument("--fp32", action="store_true", help="fp32 prefill only (the fp32 kernel against the torch path)")
     ap.add_argument("--block-rows", type=int, default=None, help="SlimAttention row block (default: the engine's)")
     ap.add_argument("--chunk-tokens", type=int, default=DECODE_CHUNK_TOKENS)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
@@ -165,6 +190,6 @@ if __name__ == "__main__":
     tuned = not a.no_malloc_tuning and tune_malloc()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, malloc tuned: {tuned}")
     lens = (1024,) if a.quick else (1024, 4096)
-    dtypes = (torch.bfloat16,) if a.prefill else (torch.bfloat16, torch.float32)
+    dtypes = (torch.float32,) if a.fp32 else (torch.bfloat16,) if a.prefill else (torch.bfloat16, torch.float32)
     print_table(run(prefill_lens=lens, dtypes=dtypes, repeats=a.repeats, block_rows=a.block_rows,
-                    chunk_tokens=a.chunk_tokens, prefill_only=a.prefill))
+                    chunk_tokens=a.chunk_tokens, prefill_only=a.prefill or a.fp32))

@@ -8,10 +8,11 @@ nothing here touches torch.
     blocks  |    id 7     |    id 2     |    id 9     |   <- last block partly full, not hashed
     hash    | h(-, t0..3) | h(h7, t4..7)|     -       |
 
-With key_by_role (the runner computes prompt tokens in another GEMM scheme than generated ones: QuantLinear's
-prompt rows), a block's KV also depends on which of its tokens were prompt tokens, so that count joins the hash:
-h(parent, tokens, num_prompt_tokens). A request whose prompt holds another's generated tokens (the next turn of a
-chat) then misses those blocks and computes them as prompt tokens, as it would alone.
+With key_by_role (the engine's way), a block's KV also depends on which of its tokens were prompt tokens, so that
+count joins the hash: h(parent, tokens, num_prompt_tokens). A prompt token's row runs prefill attention (and, where a
+layer has one, its prompt GEMM scheme: QuantLinear's prompt rows), a generated token's decode attention, and the two
+round differently with every weight format. A request whose prompt holds another's generated tokens (the next turn
+of a chat) then misses those blocks and computes them as prompt tokens, as it would alone.
 """
 
 from __future__ import annotations

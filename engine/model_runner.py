@@ -8,7 +8,6 @@ import torch
 
 from cpuserve.engine import huge_pages
 from cpuserve.engine.layers import ops
-from cpuserve.engine.layers.linear import QuantLinear
 from cpuserve.engine.models.args import ModelArgs
 from cpuserve.engine.models.llama import AttentionMetadata, LayerKV, LlamaModel, PrefillChunk
 from cpuserve.engine.models.rope import rope_tables
@@ -32,8 +31,6 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.num_threads = torch.get_num_threads()
-        # some linear layer computes prompt rows in a scheme of its own (QuantLinear.has_prompt_kernel)
-        self.has_prompt_scheme = any(isinstance(m, QuantLinear) and m.has_prompt_kernel() for m in model.modules())
         self.cos, self.sin = rope_tables(args, max_model_len, model.dtype)  # [max_len, D] each
         shape = (num_blocks, block_size, 2 * args.n_kv_heads, args.head_dim)  # K heads then V heads
         dtype = KV_DTYPES[kv_cache]

@@ -3,8 +3,6 @@
     run(out) -> ModelRunnerOutput     compute the scheduled chunks and sample (sampler.sample_scheduled)
     forward_logits(out) -> [N, V]      logits at every scheduled token (scoring), float32
     health() -> str | None             why this runner cannot serve any more, or None
-    has_prompt_scheme                  prompt tokens' rows take another GEMM scheme than the rest (block_manager.py
-                                       then keys the prefix cache by role)
     close()                            stop what it started (a replica group's worker ranks)
 
 A single rank is a ModelRunner (model_runner.py); a replica group is rank 0's TPRunner (distributed/tp_runner.py),
@@ -24,7 +22,6 @@ from cpuserve.engine.scheduler_output import SchedulerOutput
 
 class Runner(Protocol):
     num_threads: int  # torch threads of the process that steps
-    has_prompt_scheme: bool
 
     def run(self, out: SchedulerOutput) -> ModelRunnerOutput: ...
 

@@ -19,6 +19,9 @@
 // instead (int8_scores.h, each query row quantized on its own), on avx512_bf16 only: where brgemm runs, AMX's bf16 is
 // faster than VNNI's int8, and the caller passes a bf16 K (engine/layers/ops.py decides). P V stays bf16.
 //
+// fp32 q, k and v (fp32 weights' activations) go to slim_attention_fp32.cpp: this scheme with fp32 products, on any
+// AVX-512 CPU (slim_attention_fp32() says whether this level has it). slim_rows.h holds what the two share.
+//
 // Every product covers whole key blocks from key 0 (masked keys get P = 0, which adds exact zeros; the
 // avx512_bf16 kernel stops at the row block's last key instead, and what it skips no row reads), so a query
 // row's result does not depend on which other rows share its block or where the chunk started: a prompt
@@ -37,6 +40,7 @@
 #include "bf16_dot.h"
 #include "int8_scores.h"
 #include "simd.h"
+#include "slim_rows.h"
 #include "tasks.h"
 
 #include <algorithm>
@@ -50,11 +54,10 @@
 
 namespace {
 
-#if defined(__AVX512F__)
-using cpuserve_simd::exp2_neg;
-#endif
-
-constexpr int64_t kKeyBlock = 256;  // keys per packed block (N of one Q K^T product)
+using cpuserve_slim::kKeyBlock;
+using cpuserve_slim::pack_keys;
+using cpuserve_slim::row_max;
+using cpuserve_slim::softmax_row;
 constexpr int64_t kValueChunk = 256;  // keys per avx512_bf16 P V pass: its strip of V stays in L1
 
 using bf16 = at::BFloat16;
@@ -70,58 +73,13 @@ inline __m256i to_bf16(__m512 x) {
   return cpuserve_simd::to_bf16_exact(x);
 #endif
 }
+
+// softmax_row's P as bf16
+inline void store_bf16(bf16* p, __m512 e, __mmask16 live) { _mm256_mask_storeu_epi16(p, live, to_bf16(e)); }
+#else
+inline void store_bf16(bf16*) {}  // softmax_row calls it only with AVX-512
 #endif
 
-
-// max of s[0, n)
-float row_max(const float* s, int64_t n, float mx) {
-  int64_t t = 0;
-#if defined(__AVX512F__)
-  __m512 vmax = _mm512_set1_ps(mx);
-  for (; t + 16 <= n; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + t));
-  mx = _mm512_reduce_max_ps(vmax);
-#endif
-  for (; t < n; ++t) mx = std::max(mx, s[t]);
-  return mx;
-}
-
-// p[0, valid) = bf16(exp(scale * (s - mx))), zero on [valid, n), where mx is the max of s[0, valid); returns
-// 1 / the sum of the fp32 exponentials, by which the row's P V is scaled at the end (one pass over the scores
-// less than normalizing P itself). exp2_neg with log2(e) folded into the scale: three instructions fewer for 16
-// scores than exp512 after a multiply.
-float softmax_row(const float* s, int64_t valid, int64_t n, float mx, float scale, bf16* p) {
-  int64_t t = 0;
-  float sum = 0.f;
-#if defined(__AVX512F__)
-  const float scale2 = scale * 1.44269504f;  // exp(scale * d) = 2^(scale2 * d)
-  const __m512 vshift = _mm512_set1_ps(-mx * scale2), vscale = _mm512_set1_ps(scale2);
-  __m512 vsum0 = _mm512_setzero_ps(), vsum1 = _mm512_setzero_ps();  // two sums: the adds do not wait on each other
-  for (t = 0; t + 32 <= valid; t += 32) {
-    const __m512 e0 = exp2_neg(_mm512_fmadd_ps(_mm512_loadu_ps(s + t), vscale, vshift));
-    const __m512 e1 = exp2_neg(_mm512_fmadd_ps(_mm512_loadu_ps(s + t + 16), vscale, vshift));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), to_bf16(e0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t + 16), to_bf16(e1));
-    vsum0 = _mm512_add_ps(vsum0, e0);
-    vsum1 = _mm512_add_ps(vsum1, e1);
-  }
-  for (; t < valid; t += 16) {  // the last 1..31 scores, 16 lanes at a time; lanes past valid are zero
-    const __mmask16 live = valid - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (valid - t)) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(live, exp2_neg(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(live, s + t), vscale,
-                                                                         vshift)));
-    _mm256_mask_storeu_epi16(p + t, live, to_bf16(e));
-    vsum0 = _mm512_add_ps(vsum0, e);
-  }
-  sum = _mm512_reduce_add_ps(_mm512_add_ps(vsum0, vsum1));
-  t = valid;
-#endif
-  for (; t < valid; ++t) {
-    const float e = std::exp((s[t] - mx) * scale);
-    p[t] = static_cast<bf16>(e);
-    sum += e;
-  }
-  for (t = valid; t < n; ++t) p[t] = bf16(0.f);
-  return 1.f / sum;
-}
 
 enum class Products { kNone, kBrgemm, kAvx512Bf16 };
 
@@ -144,7 +102,7 @@ Products best_products() {
 }
 
 std::atomic<int> g_products{-1};  // the Products in force; -1 until first asked (then best_products())
-std::array<std::atomic<int64_t>, 3> g_runs{};  // calls: brgemm, avx512_bf16 with a bf16 K, with an int8 K
+std::array<std::atomic<int64_t>, 4> g_runs{};  // calls: brgemm, avx512_bf16 with a bf16 K, with an int8 K, fp32
 
 Products product_kernel() {
   int kernel = g_products.load();
@@ -179,8 +137,13 @@ std::string slim_attention_products(const std::string& mode) {
   return slim_attention_kernel();
 }
 
-// slim_attention's calls so far: [brgemm, avx512_bf16 with a bf16 K, avx512_bf16 with an int8 K]
-std::vector<int64_t> slim_attention_runs() { return {g_runs[0].load(), g_runs[1].load(), g_runs[2].load()}; }
+// slim_attention's calls so far: [brgemm, avx512_bf16 with a bf16 K, avx512_bf16 with an int8 K, fp32]
+std::vector<int64_t> slim_attention_runs() {
+  return {g_runs[0].load(), g_runs[1].load(), g_runs[2].load(), g_runs[3].load()};
+}
+
+// slim_attention takes fp32 q, k and v on this level (slim_attention_fp32.cpp: AVX-512)
+bool slim_attention_fp32() { return cpuserve_slim::fp32_supported(); }
 
 // slim_attention takes an int8 K (Q K^T as int8 dot products) on this CPU
 bool slim_attention_int8_keys() {
@@ -221,30 +184,6 @@ void weigh_values(Products kernel, int64_t m, int64_t D, int64_t keys, const bf1
   at::native::cpublas::brgemm(m, D, keys, ld, D, D, false, p, vh, o, true);
 }
 
-// One key block of a kv head as K^T in 32-bit words: dst[p][t] = word p of key t ^ flip for t < n, zero for
-// n <= t < kKeyBlock, where key t's words start at src + t * ld_words words. A bf16 key's word is a VNNI pair
-// (d, d+1); an int8 key's 4 consecutive dims, flipped by 0x80808080 to code + 128 (int8_scores.h). Sixteen keys'
-// words gathered per store.
-void pack_keys(const void* src, int64_t ld_words, int64_t n, int64_t words, uint32_t flip, uint32_t* dst) {
-  const auto* in = static_cast<const uint32_t*>(src);
-#if defined(__AVX512F__)
-  const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                          _mm512_set1_epi32(static_cast<int>(ld_words)));
-  const __m512i vflip = _mm512_set1_epi32(static_cast<int>(flip));
-  for (int64_t p = 0; p < words; ++p)
-    for (int64_t t = 0; t < kKeyBlock; t += 16) {
-      const __mmask16 live = t >= n ? 0 : n - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
-      const __m512i gathered = live ? _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows,
-                                                                   in + t * ld_words + p, 4)
-                                    : _mm512_setzero_si512();
-      _mm512_storeu_si512(dst + p * kKeyBlock + t, _mm512_maskz_xor_epi32(live, gathered, vflip));
-    }
-#else
-  for (int64_t p = 0; p < words; ++p)
-    for (int64_t t = 0; t < kKeyBlock; ++t) dst[p * kKeyBlock + t] = t < n ? in[t * ld_words + p] ^ flip : 0u;
-#endif
-}
-
 // One key block of a kv head's values in VNNI pairs: dst[t/2][d][t%2] = src[t * ld + d] for t < n, zero for
 // n <= t < kKeyBlock: two keys' rows interleaved, sixteen values of each per store.
 void pack_values(const bf16* src, int64_t ld, int64_t n, int64_t D, bf16* dst) {
@@ -276,10 +215,15 @@ void pack_values(const bf16* src, int64_t ld, int64_t n, int64_t D, bf16* dst) {
 at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t q_start,
                           double sm_scale, int64_t block_rows, int64_t window,
                           const c10::optional<at::Tensor>& k_scale) {
+  if (q.scalar_type() == at::kFloat) {  // fp32 weights' activations: fp32 products, on AVX-512 alone
+    TORCH_CHECK(!k_scale.has_value(), "slim_attention: an int8 k goes with bfloat16 q only");
+    g_runs[3].fetch_add(1, std::memory_order_relaxed);
+    return cpuserve_slim::slim_attention_fp32(q, k, v, q_start, sm_scale, block_rows, window);
+  }
   const bool int8_keys = k.scalar_type() == at::kChar;
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && (int8_keys || k.scalar_type() == at::kBFloat16) &&
                   v.scalar_type() == at::kBFloat16,
-              "slim_attention: q and v must be bfloat16, k bfloat16 or int8 (fp32 runs on the plain-torch path)");
+              "slim_attention: q and v must be bfloat16 (or all three fp32), k bfloat16 or int8");
   TORCH_CHECK(int8_keys == k_scale.has_value(), "slim_attention: k_scale goes with an int8 k, and only with one");
   TORCH_CHECK(q.dim() == 3 && q.stride(-1) == 1 && q.stride(1) == q.size(2), "q must be [L, H, D] with dense rows");
   TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes() && k.dim() == 3,
@@ -394,7 +338,8 @@ at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
         const int64_t valid = q_start + start + i / g + 1, lo = first_key(i);
         bf16* pi = p.data() + i * ld;
         std::fill(pi + kb0 * kKeyBlock, pi + lo, bf16(0.f));
-        inv_sum[i] = softmax_row(s.data() + i * ld + lo, valid - lo, blocks * kKeyBlock - lo, mx[i], scale, pi + lo);
+        inv_sum[i] = softmax_row(s.data() + i * ld + lo, valid - lo, blocks * kKeyBlock - lo, mx[i], scale, pi + lo,
+                                 store_bf16);
       }
       // P V over all the row block's keys: the packed V blocks of a head are consecutive, so they read as one
       // [keys / 2][D][2] matrix (avx512_bf16 stops at the first pair past the block's last key, brgemm runs on to
@@ -423,6 +368,7 @@ TORCH_LIBRARY_FRAGMENT(cpuserve, m) {
   m.def("slim_attention_int8_keys() -> bool");
   m.def("slim_attention_products(str mode=\"\") -> str");
   m.def("slim_attention_runs() -> int[]");
+  m.def("slim_attention_fp32() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(cpuserve, CPU, m) { m.impl("slim_attention", &slim_attention); }
@@ -432,4 +378,5 @@ TORCH_LIBRARY_IMPL(cpuserve, CompositeExplicitAutograd, m) {
   m.impl("slim_attention_int8_keys", &slim_attention_int8_keys);
   m.impl("slim_attention_products", &slim_attention_products);
   m.impl("slim_attention_runs", &slim_attention_runs);
+  m.impl("slim_attention_fp32", &slim_attention_fp32);
 }

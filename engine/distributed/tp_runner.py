@@ -29,7 +29,6 @@ class TPRunner:
         self.vocab_size = vocab_size
         self.plan = runner.model.plan
         self.num_threads = runner.num_threads  # rank 0's, bound to its CPU set before the runner was built
-        self.has_prompt_scheme = runner.has_prompt_scheme  # rank 0's layers; every rank runs the same build
         self.worker_pids: list[int] = []  # set by start_group
         self._on_close = on_close  # stops the worker processes
         self._check = check  # returns why a worker is gone (it may die while the group idles), or None

@@ -72,6 +72,13 @@ def slim_attention_native_enabled() -> bool:
 
 
 @functools.lru_cache(maxsize=1)
+def slim_attention_fp32_enabled() -> bool:
+    """The C++ SlimAttention takes fp32 q, k and v (slim_attention_fp32.cpp: fp32 products on AVX-512, each row's bits
+    independent of how its prompt was split); elsewhere fp32 prefill runs attention.py's plain-torch path."""
+    return enabled() and bool(torch.ops.cpuserve.slim_attention_fp32())
+
+
+@functools.lru_cache(maxsize=1)
 def slim_attention_int8_keys() -> bool:
     """The C++ SlimAttention takes an int8 K (Q K^T as int8 dot products): its products run on avx512_bf16 and the
     CPU has AVX-512 VNNI. Where AMX's bf16 brgemm runs, it does not (that is faster than VNNI's int8)."""

@@ -8,7 +8,8 @@ torch.ops.cpuserve.*) and its plain-torch reference, which the tests compare the
     gather_kv          cpuserve.gather_kv_int8 (int8 pool -> bf16)  kv_quant.gather_kv, for K and for V
     decode_attention   cpuserve.decode_attention.out              attention.paged_decode_attention
     prefill_context    gather_kv, and the int8 K as stored       kv_quant.gather_codes
-    prefill_attention  cpuserve.slim_attention (bf16: AMX/AVX512) attention.slim_attention
+    prefill_attention  cpuserve.slim_attention (bf16: AMX/AVX512;  attention.slim_attention
+                       fp32: AVX-512)
     argmax_rows        cpuserve.argmax_rows                       logits.max(dim=-1).indices
     decode_layers      cpuserve.decode_layers (models/fused_decode.py; the op-by-op path of the model's own modules
                        is its reference: decode_layers_enabled() says whether it can run)
@@ -133,8 +134,12 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, scale: floa
                       k_scale: Tensor | None = None) -> Tensor:
     """SlimAttention as the engine runs it: the C++ kernel (engine/csrc/slim_attention.cpp: bf16 products on AMX
     or AVX512-BF16, fp32 softmax; with an int8 K and k_scale from prefill_context, Q K^T in int8) for bf16 when it
-    is built and the CPU has either, else attention.slim_attention. Same arguments."""
-    if q.dtype == torch.bfloat16 and native.slim_attention_native_enabled():
+    is built and the CPU has either, and for fp32 (fp32 products: slim_attention_fp32.cpp) when it is built with
+    AVX-512; else attention.slim_attention. Same arguments. The kernel's rows do not depend on how a prompt was split
+    (whole, in chunks, after a prefix-cache hit); the plain-torch path's fp32 matmuls round a row by its block's
+    size."""
+    if (native.slim_attention_native_enabled() if q.dtype == torch.bfloat16 else
+            q.dtype == torch.float32 and native.slim_attention_fp32_enabled()):
         return torch.ops.cpuserve.slim_attention(q, k.contiguous(), v.contiguous(), q_start, scale,
                                                  NATIVE_SLIM_BLOCK_ROWS, window, k_scale)
     return slim_attention(q, k, v, q_start, scale, window=window, k_scale=k_scale)

@@ -31,6 +31,18 @@ def load_bench():
     return module
 
 
+def load_bench_script(name: str):
+    """bench/<name>.py as a module, bench/ on sys.path while it loads (the scripts import their neighbours)."""
+    sys.path.insert(0, BENCH)
+    try:
+        spec = importlib.util.spec_from_file_location(f"cpuserve_bench_{name}", os.path.join(BENCH, f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(BENCH)
+    return module
+
+
 @pytest.fixture(scope="module")
 def bench():
     return load_bench()
@@ -160,21 +172,22 @@ def test_dense_tables_time_dense_gemm_against_f_linear():
     """bench/linear.py --dense per layer shape and bench/dense_decode.py on the engine: every row a positive ratio."""
     if not native.dense_gemm_enabled():
         pytest.skip("dense_gemm is not built here: nothing to compare")
-    sys.path.insert(0, BENCH)  # both import their neighbours in bench/
-    try:
-        modules = {}
-        for name in ("linear", "dense_decode"):
-            spec = importlib.util.spec_from_file_location(f"cpuserve_bench_{name}", os.path.join(BENCH, f"{name}.py"))
-            modules[name] = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(modules[name])
-    finally:
-        sys.path.remove(BENCH)
+    modules = {name: load_bench_script(name) for name in ("linear", "dense_decode")}
     rows = modules["linear"].run_dense((1, 5), budget_s=0.001)
     assert len(rows) == 2 * 2 * len(modules["linear"].DENSE_SHAPES)  # fp32 and bf16, two row counts
     assert all(r["torch_ms"] > 0 and r["ours_ms"] > 0 and r["ours_vs_torch"] > 0 for r in rows)
     rows = modules["dense_decode"].measure("fp32", [1, 2], reps=1, gen_tokens=3, threads=2, prefill_len=16)
     assert [r["streams"] for r in rows] == [1, 2, "prefill"] and all(r["ratio"] > 0 for r in rows)
     assert all(len(runs) == 1 for r in rows for runs in r["runs"].values())
+
+
+def test_prefill_fp32_times_the_kernel_against_the_torch_path():
+    """bench/prefill_fp32.py on the engine: fp32 prefill with each attention path, a positive ratio."""
+    if not native.slim_attention_fp32_enabled():
+        pytest.skip("the fp32 SlimAttention kernel does not run here: nothing to compare")
+    rows = load_bench_script("prefill_fp32").measure([40], reps=1, threads=2)
+    assert [r["prompt"] for r in rows] == [40] and rows[0]["ratio"] > 0
+    assert all(len(runs) == 1 for runs in rows[0]["runs"].values())
 
 
 def test_tp_decode_and_topk_measures_run_and_report_sane_figures():

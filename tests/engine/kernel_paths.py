@@ -16,13 +16,14 @@ PATHS = {  # key -> what it is
     "slim_brgemm": "SlimAttention's bf16 products on oneDNN's brgemm (AMX-BF16; slim_attention.cpp)",
     "slim_avx512_bf16": "SlimAttention's bf16 products on AVX512-BF16 (bf16_dot.h)",
     "slim_int8_scores": "SlimAttention's Q K^T as int8 dot products (int8_scores.h, AVX-512 VNNI)",
+    "slim_fp32": "SlimAttention's fp32 products (slim_attention_fp32.cpp, AVX-512)",
     "amx_tiles_hw": "the int8 GEMMs' AMX tiles, the instructions (amx_tiles.h AmxHw)",
     "amx_tiles_model": "the int8 GEMMs' AMX tiles, their software model (amx_tiles.h AmxEmu)",
     "int8_gemm_avx512_vnni": "the int8 GEMMs on AVX-512 VNNI (vnni_gemm.cpp)",
     "int8_gemm_avx_vnni": "the int8 GEMMs on AVX-VNNI (avx2_gemm.h, the avx2_vnni level)",
     "int8_gemm_avx2": "the int8 GEMMs on AVX2 (avx2_gemm.h, vpmaddubsw: the avx2 level)",
 }
-SLIM_RUNS = ("slim_brgemm", "slim_avx512_bf16", "slim_int8_scores")  # the order of slim_attention_runs()
+SLIM_RUNS = ("slim_brgemm", "slim_avx512_bf16", "slim_int8_scores", "slim_fp32")  # the order of slim_attention_runs()
 _noted: set[str] = set()
 
 
@@ -62,6 +63,8 @@ def _why(path: str, ops) -> str:
         return "this CPU (or this build) has no AVX512-BF16"
     if path == "slim_int8_scores" and not _int8_scores_possible(ops):
         return "this CPU has no AVX-512 VNNI"
+    if path == "slim_fp32" and not ops.slim_attention_fp32():
+        return "this kernel level has no AVX-512"
     if path.startswith("amx_tiles") and ops.vnni_gemm_isa() != "avx512_vnni":
         return "the int8 GEMMs of this level have no AMX path (it is the AVX-512 level's)"
     if path.startswith("int8_gemm_"):

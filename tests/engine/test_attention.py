@@ -8,8 +8,11 @@ from cpuserve.engine.layers.attention import (gather_kv, paged_decode_attention,
 
 
 def native_slim(q, k, v, q_start, scale, block_rows):
+    """The C++ SlimAttention of q's dtype; skips where the engine runs slim_attention (tested too) for it instead."""
     assert native.available(), "the fused kernels must build here (gcc and ninja are installed by the project)"
-    if not native.slim_attention_native_enabled():  # the engine then runs slim_attention (tested above) for bf16 too
+    if q.dtype == torch.float32 and not native.slim_attention_fp32_enabled():
+        pytest.skip("this kernel level has no AVX-512, so the C++ SlimAttention takes no fp32 here")
+    if q.dtype == torch.bfloat16 and not native.slim_attention_native_enabled():
         pytest.skip("this CPU has neither AMX nor AVX512-BF16, so the C++ SlimAttention is not used here")
     return torch.ops.cpuserve.slim_attention(q, k, v, q_start, scale, block_rows)
 
@@ -35,8 +38,10 @@ SLIM_SHAPES = [  # seq_len, q_start, heads, kv_heads, head_dim, block_rows
 ]
 
 
-# the C++ SlimAttention takes bf16 only (fp32 prefill runs the torch version)
-@pytest.mark.parametrize("impl,dtype", [("torch", torch.float32), ("torch", torch.bfloat16), ("native", torch.bfloat16)])
+SLIM_IMPLS = [("torch", torch.float32), ("torch", torch.bfloat16), ("native", torch.bfloat16), ("native", torch.float32)]
+
+
+@pytest.mark.parametrize("impl,dtype", SLIM_IMPLS)
 @pytest.mark.parametrize("seq_len,q_start,heads,kv_heads,head_dim,block_rows", SLIM_SHAPES)
 def test_slim_attention_matches_reference(impl, dtype, seq_len, q_start, heads, kv_heads, head_dim, block_rows):
     total = q_start + seq_len
@@ -52,7 +57,8 @@ def test_slim_attention_matches_reference(impl, dtype, seq_len, q_start, heads, 
     assert (out.float() - ref.float()).abs().max() < TOL[dtype]
 
 
-@pytest.mark.parametrize("fn,dtype", [(slim_attention, torch.float32), (native_slim, torch.bfloat16)])
+@pytest.mark.parametrize("fn,dtype", [(slim_attention, torch.float32), (native_slim, torch.bfloat16),
+                                      (native_slim, torch.float32)])
 def test_slim_attention_is_causal(fn, dtype):
     q, k, v = (rand(8, 2, 16, seed=s, dtype=dtype) for s in (1, 2, 3))
     base = fn(q, k, v, 0, 0.25, block_rows=4)
@@ -207,10 +213,13 @@ def test_each_product_kernel_matches_reference_with_rows_independent_of_chunking
         switch(before)
 
 
-def test_native_slim_rows_do_not_depend_on_chunking():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_slim_rows_do_not_depend_on_chunking(dtype):
     """A prompt prefilled whole, in chunks, or after a prefix-cache hit must give bit-identical rows: replica
-    ranks and batch-invariance tests compare engines whose prompts were split differently."""
-    q, k, v = (rand(700, heads, 64, dtype=torch.bfloat16, seed=s) for s, heads in ((1, 9), (2, 3), (3, 3)))
+    ranks and batch-invariance tests compare engines whose prompts were split differently, and a prompt's logprobs
+    must not depend on whether its prefix came from the cache (test_prefix_cache.py). slim_attention's fp32 rows
+    did (torch's matmuls round a row by its block's size): fp32 prefill has a kernel of its own for this."""
+    q, k, v = (rand(700, heads, 64, dtype=dtype, seed=s) for s, heads in ((1, 9), (2, 3), (3, 3)))
     whole = native_slim(q, k, v, 0, 0.125, block_rows=32)
     for start in (100, 517, 699):  # chunks crossing key blocks (256 keys), starting inside one, and at the end
         part = native_slim(q[start:].contiguous(), k, v, start, 0.125, block_rows=32)

@@ -121,9 +121,10 @@ def _decode(bm: BlockManager, r, tokens: list[int]) -> None:
 
 
 def test_keyed_by_role_a_prompt_misses_the_blocks_another_request_generated():
-    """Prompt tokens and generated ones run different GEMM schemes (QuantLinear's prompt rows): a block's KV depends on
-    which of its tokens were prompt tokens, so a later prompt holding a's output (the next turn of a chat) must not
-    take a's blocks past its prompt; a's own recompute after a preemption takes them all."""
+    """Prompt tokens and generated ones run different attention (prefill, decode) and maybe GEMM schemes (QuantLinear's
+    prompt rows): a block's KV depends on which of its tokens were prompt tokens, so a later prompt holding a's output
+    (the next turn of a chat) must not take a's blocks past its prompt; a's own recompute after a preemption takes them
+    all."""
     for key_by_role, num_hits in ((False, 3), (True, 1)):
         bm = BlockManager(num_blocks=16, block_size=4, key_by_role=key_by_role)
         a = make_request("a", list(range(1, 7)))  # block 0: prompt; block 1: 2 prompt + 2 generated; block 2: generated

@@ -91,6 +91,7 @@ def test_plain_torch_path_matches_transformers(models, monkeypatch):
     """The reference attention (CPUSERVE_KERNELS=torch): windowed decode mask, SlimAttention in torch."""
     monkeypatch.setattr(native, "enabled", lambda: False)
     monkeypatch.setattr(native, "slim_attention_native_enabled", lambda: False)
+    monkeypatch.setattr(native, "slim_attention_fp32_enabled", lambda: False)
     model, path = models["gguf"]
     llm = _engine(path)
     _check_logits(llm, model, 1e-3)

@@ -2,7 +2,7 @@
 (reference and C++) against plain causal attention over each query's own window of keys."""
 import pytest
 import torch
-from test_attention import TOL, fill_sequences, make_cache, native_decode, native_slim, rand
+from test_attention import SLIM_IMPLS, TOL, fill_sequences, make_cache, native_decode, native_slim, rand
 
 from cpuserve.engine.layers.attention import gather_kv, paged_decode_attention, reference_attention, slim_attention
 
@@ -17,7 +17,7 @@ def windowed_truth(q, k, v, q_start, scale, window):
     return torch.cat(rows)
 
 
-@pytest.mark.parametrize("impl,dtype", [("torch", torch.float32), ("torch", torch.bfloat16), ("native", torch.bfloat16)])
+@pytest.mark.parametrize("impl,dtype", SLIM_IMPLS)
 @pytest.mark.parametrize("seq_len,q_start,heads,kv_heads,head_dim,block_rows,window", [
     (37, 0, 9, 3, 64, 16, 8),      # window shorter than a row block
     (300, 100, 4, 2, 32, 64, 70),  # chunked prefill: the window reaches back into the cached prefix
@@ -44,8 +44,9 @@ def test_windowed_prefill_matches_truth(impl, dtype, seq_len, q_start, heads, kv
         assert (reference_attention(q, k, v, q_start, scale).float() - truth).abs().max() > 10 * TOL[dtype]
 
 
-def test_native_windowed_rows_do_not_depend_on_chunking():
-    q, k, v = (rand(700, heads, 64, dtype=torch.bfloat16, seed=s) for s, heads in ((1, 8), (2, 2), (3, 2)))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_windowed_rows_do_not_depend_on_chunking(dtype):
+    q, k, v = (rand(700, heads, 64, dtype=dtype, seed=s) for s, heads in ((1, 8), (2, 2), (3, 2)))
     native_slim(q[:1], k[:1], v[:1], 0, 0.125, 32)  # skips where the C++ SlimAttention is not used
     whole = torch.ops.cpuserve.slim_attention(q, k, v, 0, 0.125, 32, 300)
     for start in (100, 517, 699):
