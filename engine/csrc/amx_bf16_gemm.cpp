@@ -30,6 +30,7 @@
 #include <torch/library.h>
 
 #include "amx_tiles.h"
+#include "int8_gemm_operands.h"
 #include "ops.h"
 #include "simd.h"
 #include "tasks.h"
@@ -408,11 +409,10 @@ at::Tensor& prompt_gemm(const at::Tensor& x, const at::Tensor& packed, const at:
     const uint8_t* mins = symmetric ? nullptr : zoffs.data_ptr<uint8_t>();
     const int64_t shift = __builtin_ctzll(S / supers->size(1)), F = supers->size(2);
     const auto* sup = supers->data_ptr<at::Half>();
-    if (scales.scalar_type() == at::kByte) {
-      widths(SuperScales<uint8_t>{scales.data_ptr<uint8_t>(), mins, sup, S, shift, F});
-    } else {
-      widths(SuperScales<int8_t>{scales.data_ptr<int8_t>(), mins, sup, S, shift, F});
-    }
+    cpuserve_int8::with_super_scales<SuperScales>(scales.scalar_type() == at::kByte, symmetric, [&](auto form) {
+      using Factored = decltype(form);
+      widths(Factored{static_cast<decltype(Factored::sub)>(scales.data_ptr()), mins, sup, S, shift, F});
+    });
   } else if (scales.scalar_type() == at::kHalf) {
     widths(StoredScales<at::Half>{scales.data_ptr<at::Half>(), symmetric ? nullptr : zoffs.data_ptr<at::Half>(), S, 0});
   } else {

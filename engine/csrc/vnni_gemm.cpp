@@ -256,19 +256,14 @@ at::Tensor& gemm_runs(const at::Tensor& x, const at::Tensor& packed, const at::T
   };
   if (supers.has_value()) {
     const int64_t shift = __builtin_ctzll(num_weight_groups / supers->size(1)), per_super = supers->size(2);
-    const auto factored = [&](auto sub) {  // sub: the sub-scales' type
-      using Sub = decltype(sub);
+    cpuserve_int8::with_super_scales<SuperScales>(scales.scalar_type() == at::kByte, symmetric, [&](auto form) {
+      using Factored = decltype(form);
       run_widths([&](const RowRun& r) {
-        return SuperScales<Sub>{static_cast<const Sub*>(r.scales),
-                                symmetric ? nullptr : static_cast<const uint8_t*>(r.zoffs),
-                                static_cast<const at::Half*>(r.supers), num_weight_groups, shift, per_super};
+        return Factored{static_cast<decltype(Factored::sub)>(r.scales),
+                        symmetric ? nullptr : static_cast<const uint8_t*>(r.zoffs),
+                        static_cast<const at::Half*>(r.supers), num_weight_groups, shift, per_super};
       });
-    };
-    if (scales.scalar_type() == at::kByte) {
-      factored(uint8_t{});
-    } else {
-      factored(int8_t{});
-    }
+    });
   } else {
     const auto stored = [&](auto scale) {  // scale: the scales' type
       using T = decltype(scale);
