@@ -1,7 +1,7 @@
 // Prompt rows on AMX-BF16: a layer's codes (vnni_layouts.h: 4-, 6- or 8-bit, every scale form) dequantized to bf16
 // once per call and column tile, bf16 activations as they come, fp32 sums kept in the tiles over all of K.
 //
-// Why not the int8 path's tiles (vnni_gemm.cpp amx_rows): their per-group epilogue needs each weight group's int32
+// Why not the int8 path's tiles (vnni_amx_rows.h amx_rows): their per-group epilogue needs each weight group's int32
 // sums out of the tiles, 1 KB per 16 x 16 x 32 multiply-adds, and tile stores cap that at about a third of the
 // TMUL's rate (measured on a 2-core Xeon with AMX: 340 G multiply-adds a second a core at best, 170 in registers).
 // Here the group scales are folded into the weights before the tiles see them, so nothing leaves a tile until K is
