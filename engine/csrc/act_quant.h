@@ -6,8 +6,9 @@
 //
 // Each group also gets the sum of its codes and act_sums = scale * that sum, for the weights' zero points
 // (vnni_epilogue.h).
-// engine/layers/linear/act_int8.py's quantize_rows is the plain-torch reference. The AVX2 build (avx2_gemm.h)
-// computes the same codes and floats, 8 lanes at a time: the same multiply, rounding and sums per element.
+// quantize_rows does a GEMM's rows, shared between threads; engine/layers/linear/act_int8.py's quantize_rows is the
+// plain-torch reference. The AVX2 build (avx2_gemm.h) computes the same codes and floats, 8 lanes at a time: the
+// same multiply, rounding and sums per element.
 #pragma once
 
 #if defined(__AVX512F__)
@@ -125,4 +126,37 @@ inline void group_sums(const int8_t* q, const float* scale, int64_t K, int64_t a
 
 }  // namespace cpuserve_act
 
+#endif
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include "tasks.h"
+
+#include <algorithm>
+
+namespace cpuserve_act {
+
+constexpr int64_t kQuantRowsPerTask = 8;
+
+// x [M, K] bf16 -> per row: act_codes, act_scales per act_group, act_sums and code_sums (and code_sums16) per
+// sum_group (group_sums), act_row_sum (int8_gemm_operands.h); rows shared between threads when there are many
+inline void quantize_rows(const c10::BFloat16* x, int64_t M, int64_t K, int64_t act_group, int64_t sum_group,
+                          int8_t* act_codes, float* act_scales, float* act_sums, int32_t* code_sums,
+                          int16_t* code_sums16, float* act_row_sum) {
+  const int64_t act_groups = K / act_group, sum_groups = K / sum_group;
+  const auto rows = [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      quantize_row(x + m * K, K, act_group, act_codes + m * K, act_scales + m * act_groups);
+      group_sums(act_codes + m * K, act_scales + m * act_groups, K, act_group, sum_group, act_sums + m * sum_groups,
+                 code_sums + m * sum_groups, code_sums16 + m * sum_groups);
+      act_row_sum[m] = 0.f;
+      for (int64_t g = 0; g < sum_groups; ++g) act_row_sum[m] += act_sums[m * sum_groups + g];
+    }
+  };
+  if (M < 2 * kQuantRowsPerTask) return rows(0, M);
+  cpuserve_tasks::share_tasks((M + kQuantRowsPerTask - 1) / kQuantRowsPerTask, [&](const auto& next) {
+    for (int64_t t; (t = next()) >= 0;) rows(t * kQuantRowsPerTask, std::min(M, (t + 1) * kQuantRowsPerTask));
+  });
+}
+
+}  // namespace cpuserve_act
 #endif

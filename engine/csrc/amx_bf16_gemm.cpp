@@ -1,7 +1,7 @@
 // Prompt rows on AMX-BF16: a layer's codes (vnni_layouts.h: 4-, 6- or 8-bit, every scale form) dequantized to bf16
 // once per call and column tile, bf16 activations as they come, fp32 sums kept in the tiles over all of K.
 //
-// Why not the int8 path's tiles (vnni_gemm.cpp amx_rows): their per-group epilogue needs each weight group's int32
+// Why not the int8 path's tiles (vnni_amx_rows.h amx_rows): their per-group epilogue needs each weight group's int32
 // sums out of the tiles, 1 KB per 16 x 16 x 32 multiply-adds, and tile stores cap that at about a third of the
 // TMUL's rate (measured on a 2-core Xeon with AMX: 340 G multiply-adds a second a core at best, 170 in registers).
 // Here the group scales are folded into the weights before the tiles see them, so nothing leaves a tile until K is
@@ -30,6 +30,7 @@
 #include <torch/library.h>
 
 #include "amx_tiles.h"
+#include "int8_gemm_operands.h"
 #include "ops.h"
 #include "simd.h"
 #include "tasks.h"
@@ -408,11 +409,10 @@ at::Tensor& prompt_gemm(const at::Tensor& x, const at::Tensor& packed, const at:
     const uint8_t* mins = symmetric ? nullptr : zoffs.data_ptr<uint8_t>();
     const int64_t shift = __builtin_ctzll(S / supers->size(1)), F = supers->size(2);
     const auto* sup = supers->data_ptr<at::Half>();
-    if (scales.scalar_type() == at::kByte) {
-      widths(SuperScales<uint8_t>{scales.data_ptr<uint8_t>(), mins, sup, S, shift, F});
-    } else {
-      widths(SuperScales<int8_t>{scales.data_ptr<int8_t>(), mins, sup, S, shift, F});
-    }
+    cpuserve_int8::with_super_scales<SuperScales>(scales.scalar_type() == at::kByte, symmetric, [&](auto form) {
+      using Factored = decltype(form);
+      widths(Factored{static_cast<decltype(Factored::sub)>(scales.data_ptr()), mins, sup, S, shift, F});
+    });
   } else if (scales.scalar_type() == at::kHalf) {
     widths(StoredScales<at::Half>{scales.data_ptr<at::Half>(), symmetric ? nullptr : zoffs.data_ptr<at::Half>(), S, 0});
   } else {

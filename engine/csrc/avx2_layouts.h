@@ -118,16 +118,16 @@ struct StoredScales {
 };
 
 // A K-quant's factored scales (vnni_layouts.h SuperScales): scale = d * sub, zoff = -dmin * sub_min, each product
-// exact in fp32, the same floats as the AVX-512 build's
-template <typename Sub>
+// exact in fp32, the same floats as the AVX-512 build's; Symmetric: no sub-mins, as there
+template <typename Sub, bool Symmetric>
 struct SuperScales {
   static constexpr bool kFactored = true;
   const Sub* sub;         // [N/16, S, 16]; with sub-mins, their low 2 bits in bits 6-7
   const uint8_t* min_hi;  // [N/16, S/2, 16]: the sub-mins' high 4 bits; null when symmetric
   const at::Half* sup;    // [N/16, S >> shift, F, 16]: d, then -dmin (F = 2) unless symmetric
   int64_t S, shift, F;
-  bool symmetric() const { return min_hi == nullptr; }
-  bool int_mins(int64_t sub_groups) const { return !symmetric() && sub_groups == int64_t{1} << shift; }
+  static constexpr bool symmetric() { return Symmetric; }
+  bool int_mins(int64_t sub_groups) const { return !Symmetric && sub_groups == int64_t{1} << shift; }
   CPUSERVE_HOT const at::Half* super(int64_t b, int64_t g, int h) const {
     return sup + (b * (S >> shift) + (g >> shift)) * F * 16 + 8 * h;
   }
@@ -135,9 +135,12 @@ struct SuperScales {
     return load8_u8(reinterpret_cast<const uint8_t*>(sub) + (b * S + g) * 16 + 8 * h);
   }
   CPUSERVE_HOT __m256 scale(int64_t b, int64_t g, int h) const {
-    if (symmetric()) return _mm256_mul_ps(load8(super(b, g, h)), load8(sub + (b * S + g) * 16 + 8 * h));
-    const __m256i s = _mm256_and_si256(sub_bytes(b, g, h), _mm256_set1_epi32(63));
-    return _mm256_mul_ps(load8(super(b, g, h)), _mm256_cvtepi32_ps(s));
+    if constexpr (Symmetric) {
+      return _mm256_mul_ps(load8(super(b, g, h)), load8(sub + (b * S + g) * 16 + 8 * h));
+    } else {
+      const __m256i s = _mm256_and_si256(sub_bytes(b, g, h), _mm256_set1_epi32(63));
+      return _mm256_mul_ps(load8(super(b, g, h)), _mm256_cvtepi32_ps(s));
+    }
   }
   // the sub-min of group g (a 6-bit integer) in every lane
   CPUSERVE_HOT __m256i sub_min(int64_t b, int64_t g, int h) const {

@@ -68,4 +68,16 @@ struct GemmOperands {
   }
 };
 
+// fn(Super<Sub, Symmetric>{}): the type of a K-quant's factored scales (SuperScales, vnni_layouts.h or
+// avx2_layouts.h) for uint8 sub-scales (unsigned_subs) or int8 ones, with sub-mins or symmetric. Chosen here once,
+// so the register blocks see symmetric() as a constant. int8 sub-scales (negative: Q3_K, Q6_K) come without sub-mins
+// (int8_gemm_checks.cpp).
+template <template <typename, bool> class Super, typename Fn>
+void with_super_scales(bool unsigned_subs, bool symmetric, Fn&& fn) {
+  TORCH_INTERNAL_ASSERT(unsigned_subs || symmetric, "int8 sub-scales with sub-mins");
+  if (!unsigned_subs) return fn(Super<int8_t, true>{});
+  if (symmetric) return fn(Super<uint8_t, true>{});
+  fn(Super<uint8_t, false>{});
+}
+
 }  // namespace cpuserve_int8

@@ -39,6 +39,6 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& router, int64_t k,
 // The checks of every GEMM over vnni_layouts.h's operands (vnni_gemm, amx_bf16_gemm): TORCH_CHECK on a mismatch
 void check_gemm_operands(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                          const at::Tensor& zoffs, int64_t bits, int64_t act_group,
-                         const c10::optional<at::Tensor>& supers, const at::Tensor& out);  // vnni_gemm.cpp
+                         const c10::optional<at::Tensor>& supers, const at::Tensor& out);  // int8_gemm_checks.cpp
 
 }  // namespace cpuserve_ops

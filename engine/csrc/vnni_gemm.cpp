@@ -1,14 +1,16 @@
 // The int8 dot-product GEMM op: int4 / int6 / int8 weights x dynamic int8 activations, with out=. Its parts:
 //
 //   act_quant.h              x's rows into int8 codes, scales and code sums (each row on its own)
+//   int8_gemm_checks.cpp     the operands' checks (amx_bf16_gemm.cpp's too)
 //   vnni_layouts.h           the packed codes and scales as they lie in memory, and how a register block loads them
 //   int8_gemm_operands.h     one GEMM's operands (both builds)
 //   vnni_register_blocks.h   R rows x C column blocks in registers: vpdpbusd's integer sums, a group at a time
 //   vnni_epilogue.h          a group's integer sums into the rows' fp32 sums and bf16 out (the formulas)
 //   vnni_amx_rows.h          16 rows on AMX tiles, into the same epilogue (amx_tiles.h: the tiles)
+//   vnni_amx_mode.cpp        whether the tiles run: the instructions, their software model (tests) or off
 //   vnni_column_tiles.h      beyond decode, runs of column tiles shared between threads
 //   avx2_gemm.h              the AVX2 levels' register blocks (the same bits)
-//   this file                the decode / prompt dispatch, the checks, the op and its registration
+//   this file                the decode / prompt dispatch, the op and its registration
 //
 // Packing happens once at load (engine/layers/linear/act_int8.py, with the plain-torch reference). Integer sums
 // are exact and each output element's epilogue runs in the same order (groups in k order) whatever the register
@@ -19,7 +21,6 @@
 #include <torch/library.h>
 
 #include "act_quant.h"
-#include "amx_tiles.h"
 #include "avx2_gemm.h"
 #include "int8_gemm_operands.h"
 #include "ops.h"
@@ -44,7 +45,6 @@ namespace {
 
 using bf16 = at::BFloat16;
 using cpuserve_int8::GemmOperands;
-constexpr int64_t kQuantRowsPerTask = 8;
 
 std::atomic<int64_t> g_runs{0};  // calls of vnni_gemm_out, for the tests (which kernels the layers use)
 
@@ -115,91 +115,6 @@ void run_gemms(const std::vector<GemmOperands<Scales>>& gemms, const std::vector
 }
 #endif
 
-#if defined(CPUSERVE_INT8_GEMM)
-// x [M, K] bf16 -> per row: act_codes, act_scales per act_group, act_sums and code_sums (and code_sums16) per
-// sum_group (act_quant.h group_sums), act_row_sum (int8_gemm_operands.h); rows shared between threads when there
-// are many
-void quantize_rows(const bf16* x, int64_t M, int64_t K, int64_t act_group, int64_t sum_group, int8_t* act_codes,
-                   float* act_scales, float* act_sums, int32_t* code_sums, int16_t* code_sums16, float* act_row_sum) {
-  const int64_t act_groups = K / act_group, sum_groups = K / sum_group;
-  const auto rows = [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      cpuserve_act::quantize_row(x + m * K, K, act_group, act_codes + m * K, act_scales + m * act_groups);
-      cpuserve_act::group_sums(act_codes + m * K, act_scales + m * act_groups, K, act_group, sum_group,
-                               act_sums + m * sum_groups, code_sums + m * sum_groups, code_sums16 + m * sum_groups);
-      act_row_sum[m] = 0.f;
-      for (int64_t g = 0; g < sum_groups; ++g) act_row_sum[m] += act_sums[m * sum_groups + g];
-    }
-  };
-  if (M < 2 * kQuantRowsPerTask) return rows(0, M);
-  cpuserve_tasks::share_tasks((M + kQuantRowsPerTask - 1) / kQuantRowsPerTask, [&](const auto& next) {
-    for (int64_t t; (t = next()) >= 0;) rows(t * kQuantRowsPerTask, std::min(M, (t + 1) * kQuantRowsPerTask));
-  });
-}
-#endif
-
-// The scales' form: stored (fp32 or fp16 scales [N/16, S, 16], zoffs alike) or, with supers, a K-quant's factors
-// (SuperScales); zoffs {z, e} for symmetric codes either way (e = 0 with supers)
-void check_scales(const at::Tensor& scales, const at::Tensor& zoffs, const c10::optional<at::Tensor>& supers,
-                  int64_t bits, int64_t N, int64_t K, int64_t act_group) {
-  TORCH_CHECK(!supers.has_value() || bits == 4 || bits == 6, "factored scales (supers) go with 4- or 6-bit codes, got ",
-              bits);
-  const int64_t S = scales.size(1);
-  TORCH_CHECK(S == 1 || (S % (K / act_group) == 0 && K % S == 0 && (K / S) % 16 == 0),
-              "scales must have 1 (per channel) or K/act_group=", K / act_group,
-              " groups or a multiple of it (weight groups of 16 or more inputs inside each activation group), got ", S);
-  const bool symmetric = zoffs.scalar_type() == at::kInt;
-  const int32_t* header = symmetric && zoffs.numel() == 2 && zoffs.is_contiguous() ? zoffs.data_ptr<int32_t>() : nullptr;
-  TORCH_CHECK(!symmetric || (header && header[0] >= 0 && header[0] < (1 << bits) && header[1] >= 0 && header[1] < 64),
-              "zoffs must be like scales, or two int32 {z, e}: a zero code z below 2**bits and 0 <= e < 64; got ",
-              zoffs.scalar_type(), " ", zoffs.sizes());
-  const bool shape = scales.is_contiguous() && scales.sizes() == at::IntArrayRef({N / 16, S, 16});
-  const bool like_scales = zoffs.is_contiguous() && zoffs.sizes() == scales.sizes();
-  if (!supers.has_value()) {
-    TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) && shape,
-                "scales must be contiguous fp32 or fp16 [N/16, S, 16], got ", scales.scalar_type(), " ", scales.sizes());
-    TORCH_CHECK(symmetric || (zoffs.scalar_type() == scales.scalar_type() && like_scales),
-                "zoffs must be like scales, or two int32 {z, e}; got ", zoffs.scalar_type(), " ", zoffs.sizes());
-    return;
-  }
-  const at::Tensor& sp = *supers;
-  TORCH_CHECK((scales.scalar_type() == at::kByte || scales.scalar_type() == at::kChar) && shape && S > 1,
-              "with supers, scales must be contiguous uint8 or int8 sub-scales [N/16, K/act_group, 16], got ",
-              scales.scalar_type(), " ", scales.sizes());
-  const bool twelve_bits = scales.scalar_type() == at::kByte && zoffs.scalar_type() == at::kByte &&
-                           zoffs.is_contiguous() && S % 2 == 0 && zoffs.sizes() == at::IntArrayRef({N / 16, S / 2, 16});
-  TORCH_CHECK(symmetric ? header[1] == 0 : twelve_bits,
-              "with supers, zoffs must be {z, 0} or the sub-mins' high nibbles, uint8 [N/16, S/2, 16] (two groups a "
-              "byte, beside uint8 scales); got ", zoffs.scalar_type(), " ", zoffs.sizes());
-  const int64_t P = sp.dim() == 4 && sp.size(1) > 0 && S % sp.size(1) == 0 ? S / sp.size(1) : 0;
-  TORCH_CHECK(sp.scalar_type() == at::kHalf && sp.is_contiguous() && P > 0 && (P & (P - 1)) == 0 &&
-                  sp.sizes() == at::IntArrayRef({N / 16, S / P, symmetric ? 1 : 2, 16}),
-              "supers must be contiguous fp16 [N/16, S/P, F, 16], P a power of two, F = 1 (symmetric) or 2, got ",
-              sp.scalar_type(), " ", sp.sizes());
-}
-
-// x [M, K] bf16; packed [N/16, K*bits/32, 64] uint8; scales, zoffs, supers: check_scales; out [M, N] bf16, rows
-// of any stride (a StackedLinear's part writes its columns). The operands of every GEMM over these layouts
-// (vnni_gemm, amx_bf16_gemm.cpp).
-void check_operands(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& zoffs,
-                    int64_t bits, int64_t act_group, const c10::optional<at::Tensor>& supers, const at::Tensor& out) {
-  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "bits must be 4, 6 or 8, got ", bits);
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == 64 && packed.is_contiguous() &&
-                  packed.size(1) * 32 % bits == 0,
-              "packed must be contiguous uint8 [N/16, K*bits/32, 64], got ", packed.scalar_type(), " ", packed.sizes());
-  const int64_t N = packed.size(0) * 16, K = packed.size(1) * 32 / bits;
-  TORCH_CHECK(act_group % 16 == 0 && K % act_group == 0 && act_group <= 65536, "act_group=", act_group,
-              " must be a multiple of 16 dividing K=", K, ", at most 65536 (a group's integer sum must fit int32)");
-  check_scales(scales, zoffs, supers, bits, N, K, act_group);
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous() && x.size(1) == K,
-              "x must be contiguous bf16 [M, ", K, "], got ", x.scalar_type(), " ", x.sizes());
-  const int64_t M = x.size(0);
-  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.sizes() == at::IntArrayRef({M, N}) && out.stride(1) == 1 &&
-                  out.stride(0) >= N,
-              "out must be bf16 [", M, ", ", N, "] with contiguous rows (a block of columns of a wider output, too), "
-              "got ", out.scalar_type(), " ", out.sizes(), " strides ", out.strides());
-}
-
 // One row run of a GEMM over several weights of one layout: rows [row, row + rows) of x through the weights whose
 // tensors start at these bytes (a stack's expert e: each tensor's e-th slice), into the same rows of out
 struct RowRun {
@@ -208,12 +123,12 @@ struct RowRun {
 };
 
 // x [M, K] bf16 through each run's weights into out [M, N]; packed, scales, zoffs, supers: the layout every run's
-// weights share (check_operands' shapes and types); each x row is quantized once whatever the runs
+// weights share (check_gemm_operands' shapes and types); each x row is quantized once whatever the runs
 at::Tensor& gemm_runs(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& zoffs,
                       int64_t bits, int64_t act_group, const c10::optional<at::Tensor>& supers,
                       const std::vector<RowRun>& runs, at::Tensor& out) {
   TORCH_CHECK(vnni_gemm_supported(), "the int8 dot-product GEMMs need AVX-512 VNNI or AVX2 (this build has neither)");
-  check_operands(x, packed, scales, zoffs, bits, act_group, supers, out);
+  cpuserve_ops::check_gemm_operands(x, packed, scales, zoffs, bits, act_group, supers, out);
   g_runs.fetch_add(static_cast<int64_t>(runs.size()), std::memory_order_relaxed);
 #if defined(CPUSERVE_INT8_GEMM)
   const int64_t N = packed.size(0) * 16, K = packed.size(1) * 32 / bits, M = x.size(0);
@@ -227,8 +142,8 @@ at::Tensor& gemm_runs(const at::Tensor& x, const at::Tensor& packed, const at::T
   float* act_row_sum = act_sums + 2 * M * sum_groups;
   int32_t* code_sums = reinterpret_cast<int32_t*>(act_sums + M * sum_groups);
   int16_t* code_sums16 = reinterpret_cast<int16_t*>(act_row_sum + M);
-  quantize_rows(x.data_ptr<bf16>(), M, K, act_group, K / sum_groups, act_codes.data_ptr<int8_t>(), act_scales, act_sums,
-                code_sums, code_sums16, act_row_sum);
+  cpuserve_act::quantize_rows(x.data_ptr<bf16>(), M, K, act_group, K / sum_groups, act_codes.data_ptr<int8_t>(),
+                              act_scales, act_sums, code_sums, code_sums16, act_row_sum);
   const bool symmetric = zoffs.scalar_type() == at::kInt;  // each run's zoffs then its {z, e}
   // form(run): the run's scales in the form of this layout
   const auto run_widths = [&](auto form) {  // the codes' width, with the scales' form
@@ -250,19 +165,14 @@ at::Tensor& gemm_runs(const at::Tensor& x, const at::Tensor& packed, const at::T
   };
   if (supers.has_value()) {
     const int64_t shift = __builtin_ctzll(num_weight_groups / supers->size(1)), per_super = supers->size(2);
-    const auto factored = [&](auto sub) {  // sub: the sub-scales' type
-      using Sub = decltype(sub);
+    cpuserve_int8::with_super_scales<SuperScales>(scales.scalar_type() == at::kByte, symmetric, [&](auto form) {
+      using Factored = decltype(form);
       run_widths([&](const RowRun& r) {
-        return SuperScales<Sub>{static_cast<const Sub*>(r.scales),
-                                symmetric ? nullptr : static_cast<const uint8_t*>(r.zoffs),
-                                static_cast<const at::Half*>(r.supers), num_weight_groups, shift, per_super};
+        return Factored{static_cast<decltype(Factored::sub)>(r.scales),
+                        symmetric ? nullptr : static_cast<const uint8_t*>(r.zoffs),
+                        static_cast<const at::Half*>(r.supers), num_weight_groups, shift, per_super};
       });
-    };
-    if (scales.scalar_type() == at::kByte) {
-      factored(uint8_t{});
-    } else {
-      factored(int8_t{});
-    }
+    });
   } else {
     const auto stored = [&](auto scale) {  // scale: the scales' type
       using T = decltype(scale);
@@ -325,34 +235,9 @@ at::Tensor vnni_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   return vnni_gemm_out(x, packed, scales, zoffs, bits, act_group, supers, out);
 }
 
-// The AMX path's mode: mode "off", "auto" (the instructions where the CPU and Linux give them) or "emulate" (their
-// software model: tests), or "" to keep it; returns the mode in force: "off", "hw" or "emulate"
-std::string vnni_gemm_amx(const std::string& mode) {
-  TORCH_CHECK(mode.empty() || mode == "off" || mode == "auto" || mode == "emulate",
-              "vnni_gemm_amx: mode must be off, auto or emulate, got ", mode);
-  static const char* const kNames[] = {"off", "hw", "emulate"};
-#if defined(CPUSERVE_VNNI)
-  using cpuserve_vnni::g_amx_mode;
-  if (mode == "off") g_amx_mode = 0;
-  if (mode == "emulate") g_amx_mode = 2;
-  if (mode == "auto") g_amx_mode = cpuserve_amx::amx_hw_available() ? 1 : 0;
-  return kNames[cpuserve_vnni::amx_mode()];
-#else
-  return kNames[0];  // the tiles belong to the AVX-512 build
-#endif
-}
-
-int64_t vnni_gemm_amx_blocks() {
-#if defined(CPUSERVE_VNNI)
-  return cpuserve_vnni::g_amx_blocks.load();
-#else
-  return 0;
-#endif
-}
-
 int64_t vnni_gemm_runs() { return g_runs.load(); }
 
-// The instructions this build's int8 GEMMs run on: "avx512_vnni" (and AMX tiles, vnni_gemm_amx), "avx_vnni" or
+// The instructions this build's int8 GEMMs run on: "avx512_vnni" (and AMX tiles, vnni_amx_mode.cpp), "avx_vnni" or
 // "avx2" (avx2_gemm.h), or "" where they are not built
 std::string vnni_gemm_isa() {
 #if defined(CPUSERVE_VNNI)
@@ -367,12 +252,6 @@ std::string vnni_gemm_isa() {
 }
 
 }  // namespace
-
-void cpuserve_ops::check_gemm_operands(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                                       const at::Tensor& zoffs, int64_t bits, int64_t act_group,
-                                       const c10::optional<at::Tensor>& supers, const at::Tensor& out) {
-  check_operands(x, packed, scales, zoffs, bits, act_group, supers, out);
-}
 
 at::Tensor& cpuserve_ops::vnni_gemm_experts_out(const at::Tensor& x, const ExpertWeights& w,
                                                 const std::vector<ExpertRows>& runs, at::Tensor& out) {
@@ -391,8 +270,6 @@ TORCH_LIBRARY_FRAGMENT(cpuserve, m) {
   m.def("vnni_gemm.out(Tensor x, Tensor packed, Tensor scales, Tensor zoffs, int bits, int act_group, "
         "Tensor? supers=None, *, Tensor(a!) out) -> Tensor(a!)");
   m.def("vnni_gemm_supported() -> bool");
-  m.def("vnni_gemm_amx(str mode=\"\") -> str");
-  m.def("vnni_gemm_amx_blocks() -> int");
   m.def("vnni_gemm_runs() -> int");
   m.def("vnni_gemm_isa() -> str");
 }
@@ -404,8 +281,6 @@ TORCH_LIBRARY_IMPL(cpuserve, CPU, m) {
 
 TORCH_LIBRARY_IMPL(cpuserve, CompositeExplicitAutograd, m) {
   m.impl("vnni_gemm_supported", &vnni_gemm_supported);
-  m.impl("vnni_gemm_amx", &vnni_gemm_amx);
-  m.impl("vnni_gemm_amx_blocks", &vnni_gemm_amx_blocks);
   m.impl("vnni_gemm_runs", &vnni_gemm_runs);
   m.impl("vnni_gemm_isa", &vnni_gemm_isa);
 }

@@ -115,15 +115,16 @@ struct StoredScales {
 // A K-quant's factored scales (engine/layers/linear/coded.py super_layout): scale = d * sub, zoff = -dmin * sub_min
 // per group, d and -dmin fp16 per super-block of 2^shift groups. Each product is exact in fp32: the very floats of
 // the file's own dequantization, from 8 or 12 bits per group and 2 or 4 bytes per super-block instead of one or two
-// fp16 per group.
-template <typename Sub>
+// fp16 per group. Symmetric (no sub-mins: Q3_K, Q6_K) is part of the type, chosen once where the op builds its
+// operands (int8_gemm_operands.h with_super_scales), so no loop tests it at run time.
+template <typename Sub, bool Symmetric>
 struct SuperScales {
   static constexpr bool kFactored = true;
   const Sub* sub;         // [N/16, S, 16] uint8 or int8; with sub-mins, their low 2 bits in bits 6-7
   const uint8_t* min_hi;  // [N/16, S/2, 16]: the sub-mins' high 4 bits, two groups a byte; null when symmetric
   const at::Half* sup;    // [N/16, S >> shift, F, 16]: d, then -dmin (F = 2) unless symmetric (F = 1)
   int64_t S, shift, F;
-  bool symmetric() const { return min_hi == nullptr; }
+  static constexpr bool symmetric() { return Symmetric; }
   CPUSERVE_HOT const at::Half* super(int64_t b, int64_t g) const {
     return sup + (b * (S >> shift) + (g >> shift)) * F * 16;
   }
@@ -131,9 +132,12 @@ struct SuperScales {
     return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub + (b * S + g) * 16)));
   }
   CPUSERVE_HOT __m512 scale(int64_t b, int64_t g) const {
-    if (symmetric()) return _mm512_mul_ps(load16(super(b, g)), load16(sub + (b * S + g) * 16));
-    const __m512i s = _mm512_and_si512(sub_bytes(b, g), _mm512_set1_epi32(63));
-    return _mm512_mul_ps(load16(super(b, g)), _mm512_cvtepi32_ps(s));
+    if constexpr (Symmetric) {
+      return _mm512_mul_ps(load16(super(b, g)), load16(sub + (b * S + g) * 16));
+    } else {
+      const __m512i s = _mm512_and_si512(sub_bytes(b, g), _mm512_set1_epi32(63));
+      return _mm512_mul_ps(load16(super(b, g)), _mm512_cvtepi32_ps(s));
+    }
   }
   // the sub-min of group g (a 6-bit integer) in every lane
   CPUSERVE_HOT __m512i sub_min(int64_t b, int64_t g) const {
@@ -151,7 +155,7 @@ struct SuperScales {
     return _mm512_or_si512(sub_min(b, g), _mm512_slli_epi32(sub_min(b, g + 1), 16));
   }
   // The zero term as integer sums of sub-mins and the activations' code sums per super-block of `sub` groups
-  bool int_mins(int64_t sub) const { return !symmetric() && sub == int64_t{1} << shift; }
+  bool int_mins(int64_t sub) const { return !Symmetric && sub == int64_t{1} << shift; }
 };
 
 }  // namespace cpuserve_vnni

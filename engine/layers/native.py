@@ -159,7 +159,7 @@ def amx_reproduces_registers(mode: str) -> bool:
         packed = torch.randint(0, 256, (n // 16, k * bits // 32, 64), generator=gen, dtype=torch.uint8)
         scales = torch.rand(n // 16, k // group, 16, generator=gen) / 64
         zoffs = torch.randn(n // 16, k // group, 16, generator=gen) / 64
-        x = torch.randn(136, k, generator=gen).to(torch.bfloat16)  # tiles from 128 rows (vnni_gemm.cpp)
+        x = torch.randn(136, k, generator=gen).to(torch.bfloat16)  # tiles from 128 rows (vnni_column_tiles.h)
         torch.ops.cpuserve.vnni_gemm_amx("off")
         want = torch.ops.cpuserve.vnni_gemm(x, packed, scales, zoffs, bits, group)
         torch.ops.cpuserve.vnni_gemm_amx(mode)

@@ -1,4 +1,4 @@
-"""The int8 GEMMs' AMX path (engine/csrc/vnni_gemm.cpp amx_rows, engine/csrc/amx_tiles.h) against their register
+"""The int8 GEMMs' AMX path (engine/csrc/vnni_amx_rows.h amx_rows, engine/csrc/amx_tiles.h) against their register
 blocks: the same bits for every form it takes, every row count, the last tile of one column block.
 
 On a CPU without AMX the path runs through the tiles' software model (AmxEmu), so its addressing, tile shapes and
@@ -16,7 +16,8 @@ from test_int8_activations import coded_layer, make_weight, make_x
 
 pytestmark = pytest.mark.skipif(native.vnni_gemm_isa() != "avx512_vnni",
                                 reason="the AMX tiles belong to the AVX-512 level's int8 GEMMs")
-ROWS = [128, 129, 143, 160]  # from kAmxMinRows (vnni_gemm.cpp): whole 16-row tile blocks and remainders beside them
+# from kAmxMinRows (vnni_column_tiles.h): whole 16-row tile blocks and remainders beside them
+ROWS = [128, 129, 143, 160]
 
 
 @pytest.fixture

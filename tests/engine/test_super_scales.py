@@ -1,4 +1,4 @@
-"""K-quant scales kept as the file factors them (coded.super_layout; vnni_gemm.cpp SuperScales): sub-scales and
+"""K-quant scales kept as the file factors them (coded.super_layout; vnni_layouts.h SuperScales): sub-scales and
 sub-mins per group, fp16 d and dmin per super-block, multiplied out in the kernel. Held to gguf's own
 dequantization, and to the same kernel over the products stored in fp32 (bit for bit)."""
 from __future__ import annotations
@@ -70,7 +70,7 @@ def test_kernel_gives_the_bits_of_the_products_stored_in_fp32(qtype):
 @pytest.mark.parametrize("qtype", ("Q2_K", "Q4_K", "Q5_K"))
 def test_the_sub_mins_zero_term_is_the_references(qtype):
     """With sub-mins, the zero term of a super-block is -dmin times an exact integer sum of sub-min x the activations'
-    code sum per group (vnni_gemm.cpp zero_term), at every row count: decode's factored scales and a tile's copy."""
+    code sum per group (vnni_epilogue.h zero_term), at every row count: decode's factored scales and a tile's copy."""
     layer, _, _ = _layer(qtype)
     assert layer.act_group == 256 and layer.zoffs.dtype == torch.uint8
     scales, zoffs = _stored(layer)

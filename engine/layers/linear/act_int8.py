@@ -384,7 +384,7 @@ class W8A8Linear(Int8ActLinear):
 
     def has_prompt_kernel(self) -> bool:
         """Per token (act_group = K, vLLM's W8A8 scheme, the throughput mode): prompt rows keep the scheme, since on
-        AMX its integer sums stay in the int8 tiles over all of K (vnni_gemm.cpp token_form) and run faster than the
-        bf16 prompt kernel (at a 3B model's shapes, 512 rows, 2 cores of a Xeon: ~1200-1650 against ~650-850 G
+        AMX its integer sums stay in the int8 tiles over all of K (vnni_amx_rows.h is_token_form) and run faster than
+        the bf16 prompt kernel (at a 3B model's shapes, 512 rows, 2 cores of a Xeon: ~1200-1650 against ~650-850 G
         multiply-adds a second)."""
         return self.act_group != self.in_features and super().has_prompt_kernel()

@@ -233,7 +233,7 @@ def to_linear(weight: CodedWeight, fmt: str) -> Int8ActLinear:
     fmt is "int4" and every code fits, 6 bits for codes below 64 in groups of 16 or more (Q6_K, the 5-bit types, a
     fused Q4_K + Q6_K qkv), else 8 (and always 8 when fmt is "int8"). Activation groups are the file's groups,
     except a K-quant's kept factors: one activation scale per super-block of 256 inputs, as llama.cpp quantizes
-    activations for these files (its Q8_K), over the file's groups of 32 or 16 (vnni_gemm.cpp block_nested; a
+    activations for these files (its Q8_K), over the file's groups of 32 or 16 (vnni_register_blocks.h block_nested; a
     multiply fewer per weight group). Scales and offsets in fp16 where compact_scales(exact=False) allows, symmetric
     codes keeping only their zero."""
     n, k = weight.shape
@@ -254,8 +254,8 @@ def to_linear(weight: CodedWeight, fmt: str) -> Int8ActLinear:
 
 
 def super_layout(weight: CodedWeight, bits: int) -> tuple[Tensor, Tensor, Tensor] | None:
-    """(scales, zoffs, supers) of a K-quant in the kernel's factored form (vnni_gemm.cpp), or None where it does
-    not fit (no factors, a cut through a super-block, 8-bit storage): then compact_scales' fp16 products.
+    """(scales, zoffs, supers) of a K-quant in the kernel's factored form (vnni_layouts.h SuperScales), or None where it
+    does not fit (no factors, a cut through a super-block, 8-bit storage): then compact_scales' fp16 products.
 
         scales  the sub-scales, uint8 (or int8 where negative: Q3_K, Q6_K) [N/16, S, 16]; with sub-mins, each
                 byte's bits 6-7 hold its sub-min's low 2 bits
