@@ -147,6 +147,11 @@ inline void block_nested(const GemmOperands<Scales>& gemm, int64_t m, int64_t b,
       weight_group_terms<R, C>(gemm, act_group_sum, acc, m, g, b, symmetric || int_zero_term);
     }
     activation_group_terms<R, C>(gemm, y, act_group_sum, m, a, b, int_zero_term);
+    // Where y's R x C registers would crowd out the weight groups' (6-bit codes in 8 x 1 blocks: acc, act_group_sum
+    // and y take 24 of the 32 vector registers, a step's codes 4 more), y waits in memory until the next activation
+    // group: a store and a load there, where GCC spilled sums every weight group (Q6_K at 8 rows: 13 stack accesses
+    // a weight group, none this way)
+    if constexpr (3 * R * C + Codes<Bits>::kOps >= 28) asm("" : "+m"(y));
   }
   store<R, C>(gemm, m, b, y);
 }
