@@ -38,6 +38,10 @@ RAY_ENV = {
     # the token path (Serve's data plane is gRPC between the workers). Processes on glibc's malloc (the Python ones)
     # ignore this variable.
     "MALLOC_CONF": "background_thread:true,tcache:false",
+    # Ray gives its GCS 30 s to start and publish its port ("Timed out waiting for file .../gcs_server_port_..."),
+    # then fails ray.init. On 2 busy cores (the last cluster's processes still exiting, a build beside it) that was
+    # seen to run out; waiting longer costs nothing when the GCS is quick.
+    "RAY_gcs_server_port_wait_time_s": "120",
 }
 
 
