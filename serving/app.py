@@ -215,10 +215,7 @@ def stop_serving() -> None:
             serve.shutdown()
         finally:
             ray.shutdown()
-            # workers stop shortly after their raylet; one still running would slow the next cluster's start
-            _, alive = psutil.wait_procs(started, timeout=30)
-            for p in alive:
-                p.kill()
+            psutil.wait_procs(started, timeout=5)  # workers stop shortly after their raylet
             # and those Ray restarted or ended while serving: registered since this process started
             since = registrations_since(psutil.Process().create_time())
             remove_openmp_registrations({p.pid for p in started} | since)
