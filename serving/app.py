@@ -26,7 +26,7 @@ from cpuserve.serving.config import ServeConfig
 from cpuserve.serving.direct_http import bind
 from cpuserve.serving.names import APP_NAME, GRPC_SERVICER, INGRESS_DEPLOYMENT, RANK_LABEL, SERVER_DEPLOYMENT
 from cpuserve.serving.ports import free_port
-from cpuserve.serving.ray_env import RAY_ENV, without_intel_openmp_preload
+from cpuserve.serving.ray_env import RAY_ENV, head_without_extras, without_intel_openmp_preload
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ def start_serving(config: ServeConfig, blocking_timeout_s: float = 600) -> None:
             split = _split_cores(config)
             # address="local": always a cluster of our own, never one another process left running on this machine
             # Ray's processes, started here: on the serving cores, on Ray's own allocator
-            with on_cores(split[1] if split else None), without_intel_openmp_preload():
+            with on_cores(split[1] if split else None), without_intel_openmp_preload(), head_without_extras():
                 ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1",
                          log_to_driver=False,
                          num_cpus=max(config.replicas * config.cpus_per_replica, len(os.sched_getaffinity(0))),
@@ -222,8 +222,9 @@ def stop_serving() -> None:
 
 
 # serve.shutdown() asks the controller to shut down gracefully and the controller then kills itself, so the
-# raylet always reports that call as failed ("... killed by `ray.kill`", with retries left): how it ends, not an error.
-_NORMAL_SHUTDOWN = re.compile(r"ServeController\.graceful_shutdown failed.*killed by `ray\.kill`")
+# raylet always reports that call, and this process's long poll of the controller, as failed ("... killed by
+# `ray.kill`", with retries left): how it ends, not an error.
+_NORMAL_SHUTDOWN = re.compile(r"ServeController\.(graceful_shutdown|listen_for_change) failed.*killed by `ray\.kill`")
 
 
 def _drop_normal_shutdown_lines() -> None:

@@ -58,12 +58,20 @@ def test_only_the_normal_shutdown_line_is_dropped_from_forwarded_logs():
     from cpuserve.serving.app import _forward_unless_normal_shutdown
 
     got = []
-    normal = ("Task ServeController.graceful_shutdown failed. There are infinite retries remaining, so the task "
-              "will be retried. Error: The actor is dead because it was killed by `ray.kill`.")
+    normal = [f"Task ServeController.{call} failed. There are infinite retries remaining, so the task will be "
+              "retried. Error: The actor is dead because it was killed by `ray.kill`."
+              for call in ("graceful_shutdown", "listen_for_change")]
     other = "Task LLMServer.generate failed. Error: The actor is dead because it was killed by `ray.kill`."
-    _forward_unless_normal_shutdown(got.append, {"pid": "raylet", "lines": [normal, other]})
-    _forward_unless_normal_shutdown(got.append, {"pid": "raylet", "lines": [normal]})
+    _forward_unless_normal_shutdown(got.append, {"pid": "raylet", "lines": [*normal, other]})
+    _forward_unless_normal_shutdown(got.append, {"pid": "raylet", "lines": normal})
     assert [d["lines"] for d in got] == [[other]]
+
+
+def _command(pid: int) -> str:
+    try:
+        return " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:  # ended meanwhile
+        return ""
 
 
 def listening(pids: list[int]) -> dict[tuple[str, int], str]:
@@ -84,6 +92,10 @@ def test_serve_binds_its_endpoints_to_host_and_sigterm_stops_every_process(tmp_p
     proc, ports, err = start_serve(tmp_path)
     try:
         tree = [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        commands = " ".join(_command(pid) for pid in tree)
+        for unused in ("autoscaler/_private/monitor.py", "_private/log_monitor.py", "dashboard/dashboard.py"):
+            assert unused not in commands  # serving/ray_env.py head_without_extras
+        assert "ServeController" in commands and "raylet" in commands
         sockets = listening(tree)
         assert sockets[("127.0.0.1", ports["http"])] and sockets[("127.0.0.1", ports["metrics"])]
         assert any(sockets.get((ip, ports["grpc"])) for ip in LOOPBACK)  # direct_grpc: on host, not all interfaces
@@ -106,7 +118,7 @@ def test_serve_binds_its_endpoints_to_host_and_sigterm_stops_every_process(tmp_p
         assert "Traceback" not in log and "SIGTERM received" not in log, log
         assert "Connecting to existing Serve app" not in log, log
         assert " is ready at http" not in log, log  # Serve's line names its proxy's URL, not the endpoints
-        assert "graceful_shutdown failed" not in log, log  # normal at every shutdown: filtered (serving/app.py)
+        assert " failed" not in log, log  # graceful_shutdown, listen_for_change: normal at every shutdown, filtered
         leftover = [p for p in tree if (Path("/dev/shm") / f"__KMP_REGISTERED_LIB_{p}_{os.getuid()}").exists()]
         assert leftover == []
     finally:
