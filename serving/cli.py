@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from typing import Callable
 
@@ -68,27 +67,31 @@ def _serve(args: argparse.Namespace) -> int:
         from cpuserve.engine.layers import kernel_build
 
         kernel_build.prepare()
-    stop = threading.Event()
-    signals = []
+    signals: list[int] = []
 
-    def on_signal(*_) -> None:
-        signals.append(1)
-        stop.set()
+    def on_signal(signum: int, _frame) -> None:
+        # an append only: another signal may run this again before it returns (pkill signals both this process and
+        # its supervisor, which passes its own on); a threading.Event's set() here deadlocked on the Event's lock
+        signals.append(signum)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
+    def take_signals() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
+
+    take_signals()
     print(f"starting: {config.model_name}, {config.replicas} replica(s) x {config.ranks_per_replica} rank(s) x "
           f"{config.cpus_per_rank} CPU(s), "
           f"weights={config.weights}, kv-cache={config.kv_cache}", file=sys.stderr, flush=True)
     try:
         start_serving(config)
+        take_signals()  # again: connecting to Ray put its own SIGTERM handler (a stack dump, then death) in place
         for name, url in endpoints(config).items():
             print(f"{name:8s}{url}", flush=True)
         print("serving; Ctrl-C stops", file=sys.stderr, flush=True)
         parent = os.getppid()
-        while not stop.wait(1.0) and os.getppid() == parent:  # the supervisor gone: stop too
-            pass
-        if stop.is_set():
+        while not signals and os.getppid() == parent:  # the supervisor gone: stop too
+            time.sleep(0.2)
+        if signals:
             _drain(config.drain_timeout_s, lambda: len(signals) > 1)
     finally:
         print("shutting down", file=sys.stderr, flush=True)

@@ -4,6 +4,7 @@ what it leaves behind when it stops."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import secrets
@@ -172,9 +173,10 @@ def refused_while_draining(ports: dict[str, int]) -> dict:
     return {"health": health.status_code, "http": (rsp.status_code, rsp.json()["error"]["type"]), "grpc": code}
 
 
-def start_serve(tmp_path: Path, ray_auth: dict[str, str] | None = None) -> tuple[subprocess.Popen, dict[str, int], Any]:
-    """`cpuserve serve` in a session of its own on free ports, once /health answers 200: (process, ports, stderr).
-    ray_auth: Ray's token auth variables (default: auth off)."""
+def start_serve(tmp_path: Path, ray_auth: dict[str, str] | None = None,
+                wait: str | None = None) -> tuple[subprocess.Popen, dict[str, int], Any]:
+    """`cpuserve serve` in a session of its own on free ports, once /health answers 200 (or once its stderr has the
+    line `wait`): (process, ports, stderr). ray_auth: Ray's token auth variables (default: auth off)."""
     ports = {"grpc": free_port(), "http": free_port(), "metrics": free_port()}
     err = (tmp_path / "stderr").open("w+")
     proc = subprocess.Popen([CPUSERVE, "serve", "--grpc-port", str(ports["grpc"]), "--http-port", str(ports["http"]),
@@ -182,11 +184,11 @@ def start_serve(tmp_path: Path, ray_auth: dict[str, str] | None = None) -> tuple
                             stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
                             env={**os.environ, **(ray_auth or {"RAY_AUTH_MODE": "disabled"})})
     deadline = time.monotonic() + 180
-    while not _healthy(ports["http"]):
+    while not (wait in _read(err) if wait else _healthy(ports["http"])):
         if proc.poll() is not None or time.monotonic() > deadline:
             os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
             pytest.fail(f"cpuserve serve did not become healthy: {_read(err)}")
-        time.sleep(1)
+        time.sleep(0.05 if wait else 1)
     return proc, ports, err
 
 
@@ -201,6 +203,29 @@ def _read(f) -> str:
     f.flush()
     f.seek(0)
     return f.read()[-4000:]
+
+
+@pytest.mark.parametrize("when", ["starting", "serving"])
+def test_a_burst_of_signals_still_stops_the_serving_process(tmp_path, when):
+    """`pkill cpuserve` signals the supervisor and the serving process at once, and the supervisor passes its signal
+    on: a second signal may then arrive while the first one's handler runs, while Serve starts the app or while it
+    serves. The process still stops, in order (a handler that set a threading.Event deadlocked on the Event's lock
+    when a second signal interrupted it)."""
+    proc, ports, err = start_serve(tmp_path, wait="serving; Ctrl-C stops" if when == "serving" else "Started Serve")
+    try:
+        serving = psutil.Process(proc.pid).children()[0]
+        # while Ray starts, its SIGTERM handler is the driver's (a stack dump, then death): SIGINT only until serving
+        burst = [signal.SIGINT] if when == "starting" else [signal.SIGINT, signal.SIGTERM]
+        end = time.monotonic() + 2
+        with contextlib.suppress(ProcessLookupError):  # it may stop before the burst ends
+            while time.monotonic() < end:
+                for sig in burst:
+                    os.kill(serving.pid, sig)
+        assert proc.wait(timeout=120) == 0, _read(err)
+        assert "shutting down" in _read(err)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def test_sigkill_of_the_serving_process_leaves_no_process_behind(tmp_path):
