@@ -212,8 +212,8 @@ def test_a_burst_of_signals_still_stops_the_serving_process(tmp_path, when):
     serves. The process still stops, in order (a handler that set a threading.Event deadlocked on the Event's lock
     when a second signal interrupted it)."""
     proc, ports, err = start_serve(tmp_path, wait="serving; Ctrl-C stops" if when == "serving" else "Started Serve")
+    serving = psutil.Process(proc.pid).children()[0]
     try:
-        serving = psutil.Process(proc.pid).children()[0]
         # while Ray starts, its SIGTERM handler is the driver's (a stack dump, then death): SIGINT only until serving
         burst = [signal.SIGINT] if when == "starting" else [signal.SIGINT, signal.SIGTERM]
         end = time.monotonic() + 2
@@ -224,8 +224,9 @@ def test_a_burst_of_signals_still_stops_the_serving_process(tmp_path, when):
         assert proc.wait(timeout=120) == 0, _read(err)
         assert "shutting down" in _read(err)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        for group in (proc.pid, serving.pid):  # the serving process leads a session of its own: Ray's processes too
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
 
 
 def test_sigkill_of_the_serving_process_leaves_no_process_behind(tmp_path):
