@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include "dense_lanes.h"
+#include "ops.h"
 #include "tasks.h"
 
 #include <algorithm>
@@ -165,6 +166,11 @@ at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& weight, const c10::
 }
 
 }  // namespace
+
+at::Tensor& cpuserve_ops::dense_gemm_out(const at::Tensor& x, const at::Tensor& weight,
+                                         const c10::optional<at::Tensor>& bias, at::Tensor& out) {
+  return ::dense_gemm_out(x, weight, bias, out);
+}
 
 TORCH_LIBRARY_FRAGMENT(cpuserve, m) {
   m.def("dense_gemm(Tensor x, Tensor weight, Tensor? bias) -> Tensor");

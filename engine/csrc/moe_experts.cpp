@@ -5,8 +5,9 @@
 // dispatches a layer for GEMMs of some tens of microseconds. This runs the very same kernels (ops.h) in the same
 // order, so its result is the reference's bit for bit (tests/engine/test_moe.py):
 //
-//     route    moe.py's MoE.route in the same torch ops: logits = x in float64 times the router, rounded to fp32;
-//              softmax over all experts, the top k (topk's order), renormalised to sum 1 where norm_topk_prob
+//     route    moe.py's MoE.route in the same ops: logits = x times the router, fp32 (dense_gemm: each row's bits
+//              independent of N; a float64 router where that is not built: torch's matmul in float64, rounded to
+//              fp32); softmax over all experts, the top k (topk's order), renormalised to sum 1 where norm_topk_prob
 //     pairs    the N * k (token, slot) pairs sorted by expert, tokens ascending within one (a stable counting sort)
 //     gather   xs[i] = x[token of pair i]                                        [N k, dim]
 //     experts  per active expert e, over its run of pairs: gate_up GEMM -> silu(gate) * up -> down GEMM, every
@@ -38,9 +39,16 @@ using Stack = c10::List<c10::optional<at::Tensor>>;
 
 using cpuserve_ops::ExpertWeights;
 
+// ops.router_logits: x [N, dim] bf16 -> [N, E] fp32
+at::Tensor router_logits(const at::Tensor& x, const at::Tensor& router) {
+  if (router.scalar_type() == at::kDouble) return at::matmul(x.to(at::kDouble), router.t()).to(at::kFloat);
+  auto logits = at::empty({x.size(0), router.size(0)}, x.options().dtype(at::kFloat));
+  return cpuserve_ops::dense_gemm_out(x.to(at::kFloat), router, c10::nullopt, logits);
+}
+
 // MoE.route: (weights [N, k] fp32, chosen [N, k] int64)
 std::pair<at::Tensor, at::Tensor> route(const at::Tensor& x, const at::Tensor& router, int64_t k, bool norm_topk_prob) {
-  const auto logits = at::matmul(x.to(at::kDouble), router.t()).to(at::kFloat);  // logits: [N, E]
+  const auto logits = router_logits(x, router);  // logits: [N, E]
   auto [weights, chosen] = at::softmax(logits, -1).topk(k, -1);
   if (norm_topk_prob) weights = weights / weights.sum(-1, true);
   return {weights.contiguous(), chosen.contiguous()};
@@ -135,12 +143,13 @@ void combine(const at::Tensor& ys, const Routing& r, int64_t k, int64_t first, i
 void check_inputs(const at::Tensor& x, const at::Tensor& router, int64_t k) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x must be contiguous bf16 [N, dim]");
   const int64_t E = router.size(0);
-  TORCH_CHECK(router.scalar_type() == at::kDouble && router.dim() == 2 && router.size(1) == x.size(1),
-              "router must be float64 [E, dim=", x.size(1), "]");
+  TORCH_CHECK((router.scalar_type() == at::kFloat || router.scalar_type() == at::kDouble) && router.dim() == 2 &&
+                  router.size(1) == x.size(1) && router.is_contiguous(),
+              "router must be contiguous fp32 or float64 [E, dim=", x.size(1), "]");
   TORCH_CHECK(k >= 1 && k <= E, "k=", k, " experts a token must lie in [1, ", E, "]");
 }
 
-// x [N, dim] bf16, router [E, dim] float64, every expert stacked -> [N, dim] bf16
+// x [N, dim] bf16, router [E, dim] fp32 (or float64), every expert stacked -> [N, dim] bf16
 at::Tensor moe_block(const at::Tensor& x, const at::Tensor& router, int64_t k, bool norm_topk_prob,
                      const ExpertWeights& gate_up, const ExpertWeights& down) {
   check_inputs(x, router, k);

@@ -19,6 +19,9 @@ at::Tensor& decode_attention_out(const at::Tensor& q, const at::Tensor& kv, cons
 at::Tensor& vnni_gemm_out(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                           const at::Tensor& zoffs, int64_t bits, int64_t act_group,
                           const c10::optional<at::Tensor>& supers, at::Tensor& out);  // vnni_gemm.cpp
+// x [M, K] @ weight [N, K].T (+ bias) into out [M, N], fp32 or bf16: each element's bits independent of M
+at::Tensor& dense_gemm_out(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                           at::Tensor& out);  // dense_gemm.cpp
 // A stacked projection of a mixture of experts' experts: expert e's vnni_gemm operands at index e of each tensor
 struct ExpertWeights {
   at::Tensor packed, scales, zoffs;
@@ -33,7 +36,8 @@ struct ExpertRows {
 // the decode-sized ones in one parallel region, every row quantized once
 at::Tensor& vnni_gemm_experts_out(const at::Tensor& x, const ExpertWeights& w, const std::vector<ExpertRows>& runs,
                                   at::Tensor& out);  // vnni_gemm.cpp
-// x [N, dim] bf16 through the layer's router [E, dim] float64 and its k routed experts -> [N, dim] bf16
+// x [N, dim] bf16 through the layer's router [E, dim] (fp32: dense_gemm; float64 where that is not built) and its
+// k routed experts -> [N, dim] bf16
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& router, int64_t k, bool norm_topk_prob,
                        const ExpertWeights& gate_up, const ExpertWeights& down);  // moe_experts.cpp
 // The checks of every GEMM over vnni_layouts.h's operands (vnni_gemm, amx_bf16_gemm): TORCH_CHECK on a mismatch

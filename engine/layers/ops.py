@@ -11,6 +11,8 @@ torch.ops.cpuserve.*) and its plain-torch reference, which the tests compare the
     prefill_attention  cpuserve.slim_attention (bf16: AMX/AVX512;  attention.slim_attention
                        fp32: AVX-512)
     argmax_rows        cpuserve.argmax_rows                       logits.max(dim=-1).indices
+    router_logits      cpuserve.dense_gemm over an fp32 router    x in float64 @ a float64 router, rounded to fp32
+                       (router_dtype() says which the weights are kept in)
     decode_layers      cpuserve.decode_layers (models/fused_decode.py; the op-by-op path of the model's own modules
                        is its reference: decode_layers_enabled() says whether it can run)
     moe_experts        cpuserve.moe_experts (a mixture of experts' router and routed experts in one call; its reference
@@ -150,6 +152,25 @@ def argmax_rows(logits: Tensor) -> Tensor:
     if native.enabled() and logits.dtype == torch.float32 and logits.is_contiguous():
         return torch.ops.cpuserve.argmax_rows(logits)
     return logits.max(dim=-1).indices
+
+
+def router_dtype() -> torch.dtype:
+    """The dtype a mixture of experts keeps its router [E, dim] in for router_logits: fp32 where dense_gemm runs,
+    else float64."""
+    return torch.float32 if native.dense_gemm_enabled() else torch.float64
+
+
+def router_logits(x: Tensor, router: Tensor) -> Tensor:
+    """x [N, dim] (bf16 or fp32) @ router.T -> logits [N, E] fp32, each row's bits independent of N and of its place
+    in the batch (a request is routed alike batched and alone; moe_experts' route computes the same bits).
+
+    An fp32 router (router_dtype()): dense_gemm, one fixed summation order per element, reading 4 bytes a weight.
+    A float64 one (the plain-torch path): torch's matmul in float64, whose order follows N, but a logit could only
+    change where the float64 sums of two orders straddle an fp32 rounding boundary.
+    """
+    if router.dtype == torch.float32:
+        return torch.ops.cpuserve.dense_gemm(x.float().contiguous(), router, None)  # [N, E]
+    return (x.to(torch.float64) @ router.T).float()  # [N, E]
 
 
 def decode_layers_enabled() -> bool:

@@ -1,9 +1,9 @@
 """A mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks n_experts_used of the layer's SwiGLU experts per
 token, and each expert runs only on the tokens routed to it.
 
-    router     logits = x @ W_router.T [N, E], softmax over all E, the top k kept (ties: torch.topk's order),
-               renormalised to sum 1 when norm_topk_prob (Mixtral always: that is the softmax of its top-k logits;
-               Qwen3-MoE as its config says)
+    router     logits = x @ W_router.T [N, E] (ops.router_logits), softmax over all E, the top k kept (ties:
+               torch.topk's order), renormalised to sum 1 when norm_topk_prob (Mixtral always: that is the softmax
+               of its top-k logits; Qwen3-MoE as its config says)
     grouping   the step's N * k (token, expert) pairs sorted by expert, tokens in order within each
     experts    per active expert e, one gate_up GEMM and one down GEMM over its tokens' rows x[rows_e] (the same
                QuantLinear kernels as a dense MLP, the file's own codes), so a decode step reads only the active
@@ -12,9 +12,10 @@ token, and each expert runs only on the tokens routed to it.
 
 A token's result depends on its own row alone: its router row, its experts' rows (their GEMMs compute each row on
 its own: the int8 dot products are exact at any M), and the order of its k terms (by expert id). So a request gets
-the same bits batched with any others as alone. The router multiplies in float64 and rounds the logits to fp32: a
-reduction order that changes with the batch's size could only change a logit where the float64 sums of the two
-orders straddle an fp32 rounding boundary.
+the same bits batched with any others as alone. The router's weights are fp32 and its logits come from dense_gemm
+(each output element summed in one fixed order, whatever the rows around it); where that kernel is not built they
+are float64, multiplied in float64 and rounded to fp32, so a reduction order that changes with the batch's size
+could only change a logit where the float64 sums of the two orders straddle an fp32 rounding boundary.
 
 The router and the experts run in one C++ call a layer (ops.moe_experts, engine/csrc/moe_experts.cpp: the same torch
 ops and kernels in the same order, the same bits) where their weights stack (ExpertStack: every expert's gate_up, and every down, in one int8
@@ -50,7 +51,7 @@ class Routing(NamedTuple):
 class MoE(nn.Module):
     def __init__(self, router: Tensor, experts: list[MLP], n_used: int, norm_topk_prob: bool):
         super().__init__()
-        self.register_buffer("router", router.to(torch.float64).contiguous())  # [E, dim]
+        self.register_buffer("router", router.to(ops.router_dtype()).contiguous())  # [E, dim]
         self.experts = nn.ModuleList(experts)
         self.first_expert = 0  # experts[0]'s id: a replica group's rank holds experts [first, first + len(experts))
         self.n_used = n_used
@@ -59,7 +60,7 @@ class MoE(nn.Module):
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [N, dim] -> (weights [N, k] fp32, expert ids [N, k] int64)."""
-        logits = (x.to(torch.float64) @ self.router.T).float()  # logits: [N, E]
+        logits = ops.router_logits(x, self.router)  # logits: [N, E] fp32
         weights, chosen = torch.softmax(logits, dim=-1).topk(self.n_used, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from arch_factory import build_hf_model, write_gguf
 
-from cpuserve.engine.layers import native
+from cpuserve.engine.layers import native, ops
 from cpuserve.engine.layers.linear.act_int8 import W4A8Linear, W6A8Linear
 from cpuserve.engine.llm import LLM
 from cpuserve.engine.loader import load_checkpoint
@@ -39,6 +39,23 @@ def test_router_weights_and_experts_match_transformers_router(name):
     assert torch.equal(chosen, want_chosen)
     torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=1e-7)
     assert torch.allclose(weights.sum(-1), torch.ones(64)) == (name != "qwen3moe-raw-topk")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_rows_router_logits_are_its_own_at_any_batch_size(dtype):
+    """MoE.route's logits and weights: a row's bits alone, at every batch size and at either end of the batch (the
+    router fp32 on dense_gemm where that runs, else float64); Qwen3-30B-A3B's router shape, 128 experts x 2048."""
+    gen = torch.Generator().manual_seed(0)
+    block = MoE(torch.randn(128, 2048, generator=gen) / 45, [], 8, True)
+    assert block.router.dtype == (torch.float32 if native.dense_gemm_enabled() else torch.float64)
+    x = torch.randn(37, 2048, generator=gen).to(dtype)
+    alone = [(ops.router_logits(x[i:i + 1], block.router), *block.route(x[i:i + 1])) for i in range(len(x))]
+    for rows in (2, 3, 5, 16, 37):
+        for first in (0, len(x) - rows):
+            batch = x[first:first + rows]
+            got = (ops.router_logits(batch, block.router), *block.route(batch))
+            for want, part in zip(zip(*alone[first:first + rows]), got):
+                assert torch.equal(part, torch.cat(want)), (rows, first)
 
 
 @pytest.mark.parametrize("rows,prompt_rows,local", [
