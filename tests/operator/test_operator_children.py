@@ -108,7 +108,7 @@ def test_rank_pod_placement_and_ray_worker():
     assert term["labelSelector"]["matchLabels"] == {naming.LABEL_SERVICE: "chat", naming.LABEL_GROUP: "0"}
     cmd = spread["spec"]["containers"][0]["command"]
     assert cmd[:3] == ["ray", "start", "--address=chat-head.chat-headless:6379"]
-    assert '--resources={"cpuserve_socket": 1}' in cmd and "--num-cpus=2" in cmd
+    assert '--resources={"cpuserve_socket": 1}' in cmd and "--num-cpus=2" in cmd and "--include-log-monitor=false" in cmd
     pack = by_kind(children(make_body(ranksPerReplica=2, placement={"mode": "pack"})), "Pod")[1]
     assert "podAffinity" in pack["spec"]["affinity"] and "podAntiAffinity" not in pack["spec"]["affinity"]
 
@@ -132,6 +132,7 @@ def test_head_runs_only_ray_and_is_untouched_by_serving_changes():
     head = by_kind(build_children(body, spec, SETTINGS, False), "Pod")[0]
     cmd = head["spec"]["containers"][0]["command"]
     assert cmd[:3] == ["ray", "start", "--head"] and "--dashboard-port=8265" in cmd and cmd[-1] == "--block"
+    assert {"--include-log-monitor=false", "--no-monitor"} <= set(cmd)  # no one reads either (operator/pods.py)
     assert "args" not in head["spec"]["containers"][0], "the Serve app comes through the REST API"
     init = head["spec"]["initContainers"][0]
     assert init["command"][3:] == ["--url", URL_MODEL["url"], "--dest", "/models/model", "--sha256", "a" * 64]
