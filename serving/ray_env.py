@@ -82,7 +82,6 @@ def without_intel_openmp_preload() -> Iterator[None]:
         os.environ["LD_PRELOAD"] = before
 
 
-
 @contextlib.contextmanager
 def head_without_extras() -> Iterator[None]:
     """Within: a head node that ray.init starts runs neither the autoscaler's monitor, nor the log monitor, nor the
