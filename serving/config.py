@@ -107,8 +107,8 @@ class ServeConfig(BaseSettings):
     max_request_bytes: int = Field(1 << 20, ge=1024)
     """Largest HTTP body or gRPC prompt accepted."""
     stream_interval_ms: float = Field(0.0, ge=0, le=1000)
-    """Least time between two messages of one stream: tokens arriving sooner are sent together. The first and
-    last messages never wait."""
+    """Least time between two messages of one stream: tokens arriving sooner are sent together. The last message
+    never waits, nor does any before the first with text (serving/pacing.py)."""
     stream_messages_per_s: float = Field(128.0, ge=0)
     """Messages per second one replica sends over all its streams, at most: with n streams open, each stream's
     messages are n / this seconds apart (when that is longer than stream_interval_ms), and tokens arriving

@@ -103,3 +103,26 @@ def test_min_interval_spaces_chunks_but_not_the_first_or_last(interval):
     assert [t for _, c in got for t in c.new_token_ids] == [1, 2, 3, 4, 5]
     assert all(b - a >= 0.045 for a, b in zip(times, times[1:-1]))  # the last chunk goes out at once
     assert len(got) < 5
+
+
+def test_chunks_before_the_first_text_are_not_held_back():
+    """A token whose text is not yet whole (a character spanning tokens) has none: the client has seen no first
+    token yet, so pacing waits for nothing until a chunk with text went out; then it spaces chunks as before."""
+    texts = ["", "", "é", "a", "b", "c"]
+
+    async def timed():
+        for n, text in enumerate(texts, 1):
+            await asyncio.sleep(0.01)
+            yield StepOutput("r", [n], text, None, n == len(texts), "length" if n == len(texts) else None, 3, n)
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        return [(loop.time() - start, c) async for c in paced(timed(), 0.2)]
+
+    got = asyncio.run(run())
+    first_text = next(t for t, c in got if c.new_text)
+    assert "".join(c.new_text for _, c in got) == "éabc"
+    assert first_text < 0.15  # paced from the first chunk on, "é" waited 0.2 s behind the empty one
+    after = [t for t, c in got if t > first_text and not c.finished]
+    assert all(t - first_text >= 0.19 for t in after)  # then spaced: "a" waits its interval
