@@ -127,7 +127,9 @@ class AsyncLLMEngine:
                 self._beat = time.monotonic()
                 self._drain_commands()
                 if not self.engine.has_unfinished_requests():
-                    self._wakeup.wait(timeout=1.0)
+                    # idle: fault in the KV pool 2 MiB at a time (a request waits for one region at most), then sleep
+                    if not self._commands.empty() or not self.engine.populate_kv():
+                        self._wakeup.wait(timeout=1.0)
                     self._wakeup.clear()
                     self._gather()
                     continue

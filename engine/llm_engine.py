@@ -180,6 +180,10 @@ class LLMEngine:
         """Why this engine cannot serve any more (a replica group's failed step or dead rank), or None."""
         return self.runner.health()
 
+    def populate_kv(self) -> bool:
+        """Idle work: fault in the next part of the KV pool (ModelRunner.populate_kv); whether any is left."""
+        return self.runner.populate_kv()
+
     def close(self) -> None:
         """Stop the replica group's worker processes (a single-rank engine has nothing to stop)."""
         self.runner.close()

@@ -34,9 +34,14 @@ class ModelRunner:
         self.cos, self.sin = rope_tables(args, max_model_len, model.dtype)  # [max_len, D] each
         shape = (num_blocks, block_size, 2 * args.n_kv_heads, args.head_dim)  # K heads then V heads
         dtype = KV_DTYPES[kv_cache]
+        self.kv_pools: list[torch.Tensor] = []  # every layer's pool tensors, block first: [num_blocks, ...]
         for layer in model.layers:  # one pool per layer, pre-allocated once (zero pages: no write yet), in place
             scale = huge_pages.zeroed(shape[:3], torch.float32) if kv_cache == "int8" else None
             layer.attention.kv = LayerKV(huge_pages.zeroed(shape, dtype), scale)
+            self.kv_pools += [t for t in (layer.attention.kv.kv, scale) if t is not None]
+        # populate_kv's place: 2 MiB region r of pool i is step r * len(pools) + i (the pools start 2 MiB-aligned)
+        self._regions = max(-(-t.nbytes // huge_pages.HUGE) for t in self.kv_pools) * len(self.kv_pools)
+        self._next_region = 0
         huge_pages.collapse([t for m in model.modules() for t in (*m.parameters(False), *m.buffers(False))])
 
     @torch.inference_mode()
@@ -52,6 +57,28 @@ class ModelRunner:
 
     def health(self) -> str | None:
         return None  # a single rank fails only by raising from run
+
+    @property
+    def kv_populated(self) -> bool:
+        """Every pool region was faulted in by populate_kv (or this kernel cannot do it)."""
+        return self._next_region >= self._regions
+
+    def populate_kv(self) -> bool:
+        """Fault in the next 2 MiB of the KV pools (huge_pages.populate), work for an engine with nothing to do: a
+        request arriving meanwhile waits for one region at most. The regions go round the pools, so blocks become
+        resident in about the order the block manager hands fresh ones out. Returns whether regions remain; False at
+        once where the kernel cannot populate (pages then come at their first write)."""
+        while self._next_region < self._regions:
+            region, pool = divmod(self._next_region, len(self.kv_pools))
+            self._next_region += 1
+            data = self.kv_pools[pool].view(-1).view(torch.uint8)
+            part = data[region * huge_pages.HUGE:(region + 1) * huge_pages.HUGE]
+            if part.numel() == 0:  # a smaller pool (the scales) ends sooner
+                continue
+            if not huge_pages.populate(part):
+                self._next_region = self._regions  # not on this kernel: stop asking
+            break
+        return not self.kv_populated
 
     def close(self) -> None:
         pass

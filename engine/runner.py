@@ -4,6 +4,7 @@
     forward_logits(out) -> [N, V]      logits at every scheduled token (scoring), float32
     health() -> str | None             why this runner cannot serve any more, or None
     close()                            stop what it started (a replica group's worker ranks)
+    populate_kv() -> bool              fault in the next part of the KV pool while idle; whether any is left
 
 A single rank is a ModelRunner (model_runner.py); a replica group is rank 0's TPRunner (distributed/tp_runner.py),
 which drives the other ranks' ModelRunners.
@@ -30,6 +31,8 @@ class Runner(Protocol):
     def health(self) -> str | None: ...
 
     def close(self) -> None: ...
+
+    def populate_kv(self) -> bool: ...
 
 
 def build_runner(config: EngineConfig, checkpoint, max_model_len: int) -> Runner:

@@ -74,6 +74,10 @@ class TPRunner:
         """Why this group cannot serve any more (a failed step, a worker gone), or None."""
         return self.broken or (self._check() if self._check is not None else None)
 
+    def populate_kv(self) -> bool:
+        """The ranks' pools are faulted in by their first write (a step has no message to populate them)."""
+        return False
+
     def close(self) -> None:
         if self._on_close is not None:
             on_close, self._on_close = self._on_close, None

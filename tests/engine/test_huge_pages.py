@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import mmap
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,44 @@ def test_the_runner_backs_weights_and_pools(llm_int4):
     assert biggest.untyped_storage().nbytes() >= 4 * MB, "SmolLM2 should have a weight of several MiB"
     assert anon_huge_kb(biggest) > 0, "the largest weight is not on 2 MiB pages"
     assert anon_huge_kb(pool) > 0, "the KV pool is not on 2 MiB pages"
+
+
+def test_populate_faults_pages_in_and_keeps_what_they_hold(monkeypatch):
+    """MADV_POPULATE_WRITE: the pages become resident (on 2 MiB pages where advised) as a first write would make
+    them, and nothing they hold changes."""
+    monkeypatch.delenv(huge_pages.ENV, raising=False)
+    t = huge_pages.zeroed((4, 2 * MB), torch.float32)  # 4 rows of 8 MiB
+    t[0, 5] = 3.0  # row 0 holds a value (a block in use)
+    if not huge_pages.populate(t[0:3]):
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14)")
+    assert smaps_kb(t, "Rss") >= 24 * 1024 and anon_huge_kb(t) >= 20 * 1024  # rows 0-2 resident, on 2 MiB pages
+    assert smaps_kb(t, "Rss") <= 26 * 1024  # row 3 was not asked for
+    assert float(t[0, 5]) == 3.0 and float(t.abs().sum()) == 3.0
+    assert huge_pages.populate(t[3:3])  # nothing to do is done
+
+
+def test_an_idle_engine_faults_its_kv_pool_in_and_keeps_the_cached_blocks(llm_int4):
+    """Served, no step waits for the kernel to zero a fresh page of the pool (huge_pages.populate): AsyncLLMEngine
+    faults the pools in while idle. Blocks already in use keep their K and V: a prompt run before is a prefix-cache hit
+    afterwards, with the same greedy tokens."""
+    from cpuserve.engine.async_engine import AsyncLLMEngine
+    from cpuserve.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=8, temperature=0)
+    prompt = "Huge pages keep a pool resident, and nothing in it changes. " * 6  # a few whole blocks to cache
+    before = llm_int4.generate([prompt], params)[0]
+    runner = llm_int4.engine.runner
+    if not huge_pages.populate(runner.kv_pools[0][:0]) or not huge_pages.populate(runner.kv_pools[0][:1]):
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14)")
+    engine = AsyncLLMEngine(llm_int4.engine)
+    try:
+        for _ in range(600):  # 0.25 GiB of pools: well under a second on a quiet machine
+            if runner.kv_populated:
+                break
+            time.sleep(0.05)
+    finally:
+        engine.shutdown()
+    for pool in runner.kv_pools:
+        assert smaps_kb(pool, "Rss") * 1024 >= pool.nbytes - 4096, "a KV pool is not all resident"
+    after = llm_int4.generate([prompt], params)[0]
+    assert after.num_cached_tokens > 0 and after.token_ids == before.token_ids

@@ -30,6 +30,8 @@ from cpuserve.engine.sampling_params import SamplingParams
 model, ranks, kv_gb = sys.argv[1] or None, int(sys.argv[2]), float(sys.argv[3])
 llm = LLM(model=model, ranks=ranks, num_threads=1, kv_cache_gb=kv_gb, show_progress=False)
 runner = llm.engine.runner
+while runner.populate_kv():  # served, an idle engine faults its whole KV pool in (engine/huge_pages.py)
+    pass
 tensors = {t.data_ptr(): t.nbytes for t in [*runner.model.parameters(), *runner.model.buffers()]} if ranks == 1 else {}
 llm.generate([f"Tell me story number {i} about a cat." for i in range(8)], SamplingParams(max_tokens=48))
 llm.engine.close()  # the other ranks' processes end: their peak is the children's
