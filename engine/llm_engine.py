@@ -181,8 +181,10 @@ class LLMEngine:
         return self.runner.health()
 
     def populate_kv(self) -> bool:
-        """Idle work: fault in the next part of the KV pool (ModelRunner.populate_kv); whether any is left."""
-        return self.runner.populate_kv()
+        """Idle work: fault in the next part of the KV pools (ModelRunner.populate_kv), the model's (every rank's in
+        a replica group), then a draft model's; whether any is left."""
+        drafter = self.scheduler.drafter
+        return self.runner.populate_kv() or (drafter is not None and drafter.populate_kv())
 
     def close(self) -> None:
         """Stop the replica group's worker processes (a single-rank engine has nothing to stop)."""

@@ -6,6 +6,9 @@ Wire (one int64 vector, so a step costs one broadcast):
      then per scheduled item: num_tokens, start_pos, needs_sample, num_blocks, num_scheduled_prompt_tokens,
      num_draft_tokens, *token_ids, *block_ids]
 
+KIND_POPULATE, with no items, is idle work instead of a step: every rank faults in the next 2 MiB of its KV pools
+(ModelRunner.populate_kv) and rank 0 gathers whether any rank has more left.
+
 Every rank (rank 0 included) rebuilds the step from the wire and runs the runner's own prepare_inputs on it,
 so all ranks feed their shard exactly the same positions, slots, block tables and logit rows.
 
@@ -25,7 +28,7 @@ import torch
 from cpuserve.engine.sampler import WHOLE_ROW, num_top_logits, top_k_ids
 from cpuserve.engine.scheduler_output import SamplingInputs, ScheduledRequest, SchedulerOutput
 
-KIND_STOP, KIND_SAMPLE, KIND_SCORE = 0, 1, 2
+KIND_STOP, KIND_SAMPLE, KIND_SCORE, KIND_POPULATE = 0, 1, 2, 3
 FULL = WHOLE_ROW  # num_candidates meaning "gather the whole shard"
 
 

@@ -13,7 +13,7 @@ import torch
 
 from cpuserve.engine.distributed import step
 from cpuserve.engine.distributed.communicator import Communicator, RankFailedError
-from cpuserve.engine.distributed.worker import contribute, run_shard
+from cpuserve.engine.distributed.worker import contribute, populate_shard, run_shard
 from cpuserve.engine.model_runner import ModelRunner
 from cpuserve.engine.outputs import ModelRunnerOutput
 from cpuserve.engine.sampler import sample_candidates, sample_scheduled
@@ -35,6 +35,7 @@ class TPRunner:
         self.broken: str | None = None
         self.use_candidates = True  # False: always gather full logits (the benchmark's baseline)
         self.compute_seconds = 0.0  # forward time outside collectives, accumulated (bench/tp.py)
+        self._kv_left = True  # some rank has pool regions not yet faulted in (populate_kv)
 
     def _step(self, out: SchedulerOutput, kind: int, candidates: int) -> torch.Tensor | None:
         """Run one step on the group; rank 0 gets the gathered candidates (or shards)."""
@@ -43,6 +44,8 @@ class TPRunner:
         try:
             wire = step.pack(out, kind, candidates)
             self.comm.broadcast_ints(wire)
+            if kind == step.KIND_POPULATE:
+                return populate_shard(self.comm, self.runner)
             comm_before, start = self.comm.stats.seconds, time.perf_counter()
             _, _, logits = run_shard(self.runner, wire)
             self.compute_seconds += time.perf_counter() - start - (self.comm.stats.seconds - comm_before)
@@ -75,8 +78,17 @@ class TPRunner:
         return self.broken or (self._check() if self._check is not None else None)
 
     def populate_kv(self) -> bool:
-        """The ranks' pools are faulted in by their first write (a step has no message to populate them)."""
-        return False
+        """Idle work, as ModelRunner.populate_kv on every rank: each faults in the next 2 MiB of its own pools (one
+        broadcast and one gather, then nothing once no rank has any left). Returns whether any rank has more. A rank
+        lost meanwhile marks the group down, and the next step says so."""
+        if not self._kv_left or self.broken:
+            return False
+        try:
+            left = self._step(SchedulerOutput([]), step.KIND_POPULATE, 0)
+        except RankFailedError:
+            return False
+        self._kv_left = bool(left.any())
+        return self._kv_left
 
     def close(self) -> None:
         if self._on_close is not None:

@@ -96,6 +96,9 @@ class DraftModelDrafter:
             self.block_manager.free(held)
         self._drafts.pop(request_id, None)
 
+    def populate_kv(self) -> bool:
+        return self.runner.populate_kv()
+
     def _catch_up(self, request: Request, k: int) -> _Held | None:
         """The request's held state, trimmed to what agrees with its tokens (at least its last token left to run)
         and with blocks for its tokens and k-1 draft tokens; None when the draft pool has no room for them."""

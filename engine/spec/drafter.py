@@ -4,6 +4,8 @@
                                                 how many tokens each (a drafter that runs a model batches them here)
     propose(request, max_tokens) -> list[int]   up to max_tokens tokens to follow the request's tokens ([] = none)
     forget(request_id)                          the request ended: drop what was kept for it
+    populate_kv() -> bool                       idle work: fault in the next part of the drafter's own KV pool
+                                                (ModelRunner.populate_kv); whether any is left (none: False)
 
 Two drafters: the n-gram one (ngram.py: no model, no torch) and a draft model with the model's tokenizer
 (draft_model.py: its own runner and KV pool, loaded only when chosen). Neither touches the model's KV pool.
@@ -26,6 +28,8 @@ class Drafter(Protocol):
     def propose(self, request: Request, max_tokens: int) -> list[int]: ...
 
     def forget(self, request_id: str) -> None: ...
+
+    def populate_kv(self) -> bool: ...
 
 
 def check_rows_verify_exactly(config: EngineConfig) -> None:

@@ -48,6 +48,9 @@ class NgramDrafter:
     def forget(self, request_id: str) -> None:
         self._contexts.pop(request_id, None)
 
+    def populate_kv(self) -> bool:
+        return False  # no model, no pool
+
     def _update(self, request_id: str, tokens: list[int]) -> _ContextIndex:
         """Index the n-grams that end before the last token (the suffix itself must match an earlier one)."""
         context = self._contexts.setdefault(request_id, _ContextIndex())

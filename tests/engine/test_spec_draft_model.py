@@ -1,15 +1,17 @@
 """Speculative decoding with a draft model (engine/spec/draft_model.py) on the real model: greedy output is decoding's,
 token for token, whether the draft agrees (SmolLM2 drafting for itself) or not (a random-weight model with SmolLM2's
 tokenizer), in staggered runs and in one batch mixing drafting and plain requests; sampled tokens are distributed
-as without it; the draft's own KV pool is all free once requests end or are cancelled; a draft model with another
-vocabulary is refused by name."""
+as without it; the draft's own KV pool is all free once requests end or are cancelled, and an idle engine faults it in
+as it does its own; a draft model with another vocabulary is refused by name."""
 
 from __future__ import annotations
 
 import pytest
 from arch_factory import build_hf_model, save_hf_folder, tiny_tokenizer
+from resident import missing_bytes
 from spec_cases import USER_TURNS, assert_sampled_like_without, chat_ids, request_params, run_staggered
 
+from cpuserve.engine import huge_pages
 from cpuserve.engine.config import EngineConfig
 from cpuserve.engine.llm import LLM
 from cpuserve.engine.sampling_params import SamplingParams
@@ -92,6 +94,23 @@ def test_cancelled_requests_leave_the_draft_pool_free(llm_self_draft):
         engine.abort_request(f"c{i}")
     assert not engine.has_unfinished_requests()
     assert_draft_pool_free(llm_self_draft)
+
+
+def test_an_idle_engine_faults_the_draft_pool_in_after_its_own():
+    """AsyncLLMEngine's idle work (LLMEngine.populate_kv) goes on to the draft model's pool once the model's own is
+    resident, so no drafting step waits for the kernel to zero a fresh page either."""
+    engine = LLM(**ENGINE).engine  # fresh pools (the module's engines have drafted into every block of theirs)
+    draft = engine.scheduler.drafter.runner
+    if not huge_pages.populate(draft.kv_pools[0][:1]):
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14)")
+    assert missing_bytes(draft.kv_pools) > 0  # a fresh pool: nothing drafted into most of it yet
+    calls = 0
+    while engine.populate_kv():
+        calls += 1
+        assert calls < 10_000
+    assert engine.runner.kv_populated and draft.kv_populated
+    assert missing_bytes(engine.runner.kv_pools) == 0 and missing_bytes(draft.kv_pools) == 0
+    assert not engine.populate_kv()  # done: no more work
 
 
 def test_a_draft_model_with_another_vocabulary_is_refused_by_name(tmp_path, llm_int4):

@@ -9,7 +9,10 @@ import time
 
 import pytest
 import torch
+from resident import missing_bytes, process_rss_kb
 from torch import nn
+
+from cpuserve.engine import huge_pages
 
 from cpuserve.engine.distributed.communicator import RankFailedError
 from cpuserve.engine.distributed.sharding import ShardPlan
@@ -189,6 +192,38 @@ def test_every_sampling_field_samples_as_one_rank(llm_tp, llm_int4):
     for e, i, want in zip(cases, ids, one):
         assert _result(llm_tp.generate([i], e.params)[0]) == _result(want), e.name
     assert [_result(o) for o in llm_tp.generate(ids, [e.params for e in cases])] == [_result(o) for o in one]
+
+
+@pytest.mark.slow
+def test_an_idle_group_faults_every_ranks_kv_pool_in():
+    """Served, the engine's idle loop calls populate_kv (tests/engine/test_huge_pages.py): in a replica group every
+    rank faults in its own pools, and blocks in use keep their K and V (a prompt run before is still a prefix-cache
+    hit with the same greedy tokens)."""
+    llm = LLM(weights="int4", kv_cache="int8", kv_cache_gb=0.5, show_progress=False, ranks=2)
+    engine = llm.engine
+    try:
+        own = engine.runner.runner  # rank 0's ModelRunner; rank 1's pools are in its worker process
+        if not huge_pages.populate(own.kv_pools[0][:1]):
+            pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14)")
+        params = SamplingParams(max_tokens=8, temperature=0)
+        prompt = _ids(llm, "Every rank holds its own heads of the pool, and nothing in it changes. " * 6)
+        before = llm.generate([prompt], params)[0]
+        missing, pid = missing_bytes(own.kv_pools), engine.runner.worker_pids[0]
+        rss = process_rss_kb(pid)
+        calls = 0
+        while engine.populate_kv():
+            calls += 1
+            assert calls < 10_000
+        assert missing_bytes(own.kv_pools) == 0
+        # rank 1 holds the pool's other KV heads: its pools miss as many bytes per head as rank 0's did
+        heads = [p.kv_heads[1] - p.kv_heads[0] for p in (ShardPlan.make(engine.args, r, 2) for r in (0, 1))]
+        grown = (process_rss_kb(pid) - rss) * 1024
+        assert grown >= 0.75 * missing * heads[1] / heads[0], (grown, missing, heads)
+        after = llm.generate([prompt], params)[0]
+        assert after.num_cached_tokens > 0 and after.token_ids == before.token_ids
+        assert not engine.populate_kv()  # done: no message goes to the ranks any more
+    finally:
+        engine.close()
 
 
 @pytest.mark.slow
