@@ -10,7 +10,8 @@ for this engine alone), SSE streaming, API keys and TLS are the Ingress's code, 
 
     rank pod smollm2-g0-r0
       LLMServer replica -> :8000 /v1/chat/completions /v1/completions /v1/models /health   (this engine only)
-                        -> :8081 /metrics   vllm:* gauges of the same engine (engine_metrics.py)
+                        -> :8081 /metrics   vllm:* gauges of the same engine (engine_metrics.py), and the
+                                            cpuserve_* request metrics of the requests on :8000
     head pod smollm2-head
       Ingress           -> :8000 the same API over every replica (Serve's router picks one)
 

@@ -14,6 +14,11 @@ inherits from `ray start`. Unset (`cpuserve serve` on one machine, where replica
         vllm:num_requests_waiting{model_name}         (its own engine, read at each scrape)
 
 The values are read from the engine at each scrape (a custom collector), so they are never older than the scrape.
+
+Where the pod also serves the OpenAI API itself (engine_http.py: the gateway's requests), the same endpoint carries
+that API's `cpuserve_*` request metrics (requests, tokens, TTFT, latencies): the head's `cpuserve_*` endpoint never
+sees those requests, so a dashboard that sums `cpuserve_*` over the pods counts both ways in once each. The engine
+gauges stay the head's (and `vllm:*` here).
 """
 from __future__ import annotations
 
@@ -66,10 +71,25 @@ def engine_metrics_port(environ: dict[str, str] | None = None) -> int | None:
     return settings.ENGINE_METRICS_PORT.get(environ) or None
 
 
-def serve_engine_metrics(engine: Any, model_name: str, block_size: int, host: str, port: int):
-    """Start the endpoint on host:port (a daemon thread); returns the server (call .shutdown() to stop it)."""
+class RequestMetrics(Collector):
+    """The request-side families of an ingress's metrics (ServingMetrics.request_side) from its registry."""
+
+    def __init__(self, metrics: Any, registry: CollectorRegistry):
+        self.names = {family.name for metric in metrics.request_side() for family in metric.describe()}
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        return (family for family in self.registry.collect() if family.name in self.names)
+
+
+def serve_engine_metrics(engine: Any, model_name: str, block_size: int, host: str, port: int,
+                         ingress: Any = None):
+    """Start the endpoint on host:port (a daemon thread); returns the server (call .shutdown() to stop it). With
+    `ingress` (the IngressCore of the pod's own OpenAI API), its request metrics are served there too."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(engine, model_name, block_size))
+    if ingress is not None:
+        registry.register(RequestMetrics(ingress.metrics, ingress.registry))
     try:
         server, _ = start_http_server(port, addr=host, registry=registry)
     except OSError as e:

@@ -98,6 +98,7 @@ class IngressCore:
         self.llm = llm_server
         self.api_keys = self.config.api_keys()
         self.metrics = build_serving_metrics(registry := CollectorRegistry())
+        self.registry = registry
         self.engine_stats = EngineStatsAggregator(self.metrics, self.config.model_name if knows_model else None)
         if self.config.metrics_port:
             try:

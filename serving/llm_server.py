@@ -78,13 +78,14 @@ class LLMServer:
             from cpuserve.engine.async_engine import AsyncLLMEngine as engine_cls
         with on_cores(cores):  # the engine's thread (and its OpenMP workers) on the cores kept for it, if any
             self.engine = engine_cls.from_config(**options)
-        self._engine_metrics = None
-        if (port := engine_metrics_port()) is not None:  # this replica's pod is a model server of its own
-            self._engine_metrics = serve_engine_metrics(self.engine, self.config.model_name, self.config.block_size,
-                                                        self.config.host, port)
         self._http = None
         if (port := engine_http_port()) is not None:  # this replica's pod serves the OpenAI API itself
             self._http = EngineHTTP(self, self.config, port)
+        self._engine_metrics = None
+        if (port := engine_metrics_port()) is not None:  # this replica's pod is a model server of its own
+            self._engine_metrics = serve_engine_metrics(self.engine, self.config.model_name, self.config.block_size,
+                                                        self.config.host, port,
+                                                        self._http.core if self._http is not None else None)
         self.tokenizer = self.engine.tokenizer
         template = getattr(self.tokenizer, "chat_template", None)  # stand-in engines' tokenizers may have none
         self.tool_format = format_of(template)

@@ -48,6 +48,13 @@ class ServingMetrics:
     spec_accepted_tokens: Counter
 
 
+    def request_side(self) -> list[Counter | Histogram]:
+        """What the ingress records per request (counts, tokens, latencies), not the engine gauges the replicas
+        push to it."""
+        return [self.requests, self.refused, self.prompt_tokens, self.generation_tokens, self.time_to_first_token,
+                self.inter_token_latency, self.e2e_request_latency, self.request_queue_time]
+
+
 def build_serving_metrics(registry: CollectorRegistry) -> ServingMetrics:
     """Create every serving metric on `registry` (one registry per process; calling twice raises)."""
     model = ("model",)

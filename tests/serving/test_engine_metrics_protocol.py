@@ -135,6 +135,31 @@ def test_the_replicas_own_port_serves_the_openai_api(serving, engine_http_url, h
     assert refused.value.status_code == 400 and refused.value.param == "max_tokens"
 
 
+def request_counts(port: int) -> tuple[float, float, dict]:
+    """(finished requests, TTFT observations, every family) of the pod's `cpuserve_*` request metrics."""
+    _, families = scrape(port)
+    done = sum(s.value for s in families["cpuserve_requests"].samples if s.name == "cpuserve_requests_total")
+    (ttft,) = [s.value for s in families["cpuserve_time_to_first_token_seconds"].samples if s.name.endswith("_count")]
+    return done, ttft, families
+
+
+def test_the_gateways_requests_count_on_the_pods_metrics_port(serving, engine_port, engine_http_url, http_url):
+    """A request through the replica's own port (the gateway's way in) counts in the `cpuserve_*` request metrics
+    of the pod's metrics port, which the head's endpoint never sees; one through the head does not count there (the
+    head's endpoint has it). The engine gauges there are the `vllm:*` ones only."""
+    wait_for_health(engine_http_url)
+    done, ttft, _ = request_counts(engine_port)
+    ask = dict(model=serving.model_name, prompt="The capital of France is", max_tokens=4, temperature=0)
+    client(http_url).completions.create(**ask)
+    client(engine_http_url).completions.create(**ask)
+    deadline = time.monotonic() + 30
+    while request_counts(engine_port)[0] < done + 1 and time.monotonic() < deadline:
+        time.sleep(0.2)  # the ingress records a request as its stream ends, moments after the client has it
+    after_done, after_ttft, families = request_counts(engine_port)
+    assert (after_done - done, after_ttft - ttft) == (1, 1)
+    assert "cpuserve_num_requests_running" not in families and "vllm:num_requests_running" in families
+
+
 def test_gauges_follow_the_engine_and_cross_the_autoscaling_threshold(serving, engine_port, http_url,
                                                                       engine_http_url):
     """9 streams on a batch of 2, every other one through the replica's own port (as a gateway sends them): the
