@@ -18,9 +18,11 @@ from cpuserve.engine.config import EngineConfig
 from cpuserve.engine.errors import EngineDeadError, InvalidRequest
 from cpuserve.engine.llm_engine import EngineStats, LLMEngine
 from cpuserve.engine.outputs import StepOutput
+from cpuserve.engine.request import Request
 from cpuserve.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+LONE_ARRIVALS = 3  # requests in a row that arrived alone, after which the next starts without waiting
 
 
 class AsyncLLMEngine:
@@ -35,6 +37,8 @@ class AsyncLLMEngine:
         # wall time of each step (schedule + run + postprocess), drained by serving's metrics; bounded
         self._step_times: collections.deque[float] = collections.deque(maxlen=4096)
         self._beat = time.monotonic()  # the engine thread's last pass through its loop (idle: at least every second)
+        self._lone_arrivals = 0  # requests in a row that arrived more than the arrival window after the one before
+        self._last_arrival = -float("inf")
         self._thread = threading.Thread(target=self._loop, name="cpuserve-engine", daemon=True)
         self._thread.start()
 
@@ -125,14 +129,18 @@ class AsyncLLMEngine:
         try:
             while not self._stopped:
                 self._beat = time.monotonic()
+                if not self.engine.has_unfinished_requests():
+                    if self._commands.empty():
+                        # idle: fault in the KV pool 2 MiB at a time (a request waits for one region at most), then
+                        # sleep until a command comes
+                        if not self.engine.populate_kv():
+                            self._wakeup.wait(timeout=1.0)
+                            self._wakeup.clear()
+                        continue
+                    self._gather()  # the idle spell ends: the requests sent together join the first step
                 self._drain_commands()
                 if not self.engine.has_unfinished_requests():
-                    # idle: fault in the KV pool 2 MiB at a time (a request waits for one region at most), then sleep
-                    if not self._commands.empty() or not self.engine.populate_kv():
-                        self._wakeup.wait(timeout=1.0)
-                    self._wakeup.clear()
-                    self._gather()
-                    continue
+                    continue  # only aborts came
                 start = time.perf_counter()
                 chunks = self.engine.step()
                 self._step_times.append(time.perf_counter() - start)
@@ -148,13 +156,23 @@ class AsyncLLMEngine:
         prefills them all: up to arrival_window_ms, and no longer once none has come for a quarter of it. Served,
         a burst's requests reach the engine one by one; without this the first starts a step alone while the others
         are still on their way, and they wait a step more for their first token (docs/measurements/history.md,
-        run K)."""
+        run K).
+
+        Once the last LONE_ARRIVALS requests each arrived more than the window after the one before (a client at a
+        time, where the wait only added a quarter window to each first token), the next starts at once; the window
+        comes back with the first request that arrives within it of the one before (_note_arrival)."""
         window = self.engine.config.arrival_window_ms / 1e3
-        if window <= 0 or self._commands.empty():
+        if window <= 0 or self._commands.empty() or self._lone_arrivals >= LONE_ARRIVALS:
             return
         deadline = time.monotonic() + window
         while (left := deadline - time.monotonic()) > 0 and self._wakeup.wait(timeout=min(left, window / 4)):
             self._wakeup.clear()
+
+    def _note_arrival(self, request: Request) -> None:
+        """Count the requests in a row that arrived alone: more than the arrival window after the one before."""
+        alone = request.arrival_time - self._last_arrival > self.engine.config.arrival_window_ms / 1e3
+        self._lone_arrivals = self._lone_arrivals + 1 if alone else 0
+        self._last_arrival = max(self._last_arrival, request.arrival_time)
 
     def _drain_commands(self) -> None:
         while True:
@@ -163,6 +181,7 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if kind == "add":
+                self._note_arrival(arg)
                 try:
                     self.engine.add(arg)
                 except ValueError as e:  # an id still held by an aborting request: fail only this one

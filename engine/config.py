@@ -45,7 +45,8 @@ class EngineConfig:
     max_model_len: int | None = option(None, "Context length (prompt + output); None = the model's.")
     arrival_window_ms: float = option(0.0, "After an idle spell, how long the engine waits for requests sent "
                                       "together before its first step (it stops waiting once none has come for a "
-                                      "quarter of this); 0 = none.")
+                                      "quarter of this, and does not wait while requests keep coming alone); "
+                                      "0 = none.")
     enable_prefix_caching: bool = option(True, "Reuse the KV blocks of a prompt prefix seen before.")
     num_threads: int | None = option(None, "torch threads; None = the cores in the process's affinity mask.")
     ranks: int = 1  # tensor-parallel ranks of one replica group (processes, each bound to its own CPU set)

@@ -163,3 +163,46 @@ def test_arrival_window_lets_requests_sent_together_share_the_first_step(llm_int
 
     assert steps(0) > 3  # the first request's prefill starts alone; the others join later steps
     assert steps(500) == 3  # one prefill step for all three (the window waits 125 ms of quiet), two decode steps
+
+
+def test_lone_requests_stop_waiting_for_the_window_until_requests_come_together(llm_int4):
+    """One client at a time: once LONE_ARRIVALS requests in a row each arrived more than the window after the one
+    before, the next starts at once instead of waiting a quarter window for company; requests sent together (at
+    once, or 30 ms apart) bring the wait back. Each request's wait is its queue_time (arrival to first scheduling,
+    on its first chunk)."""
+    from cpuserve.engine.async_engine import LONE_ARRIVALS
+
+    ids = chat(llm_int4, "Name a colour.")
+    config = llm_int4.engine.config
+    params = SamplingParams(max_tokens=1, temperature=0)
+    apart = 0.3  # seconds between requests sent alone: more than the window
+
+    def run(gap: float):
+        """LONE_ARRIVALS + 1 requests alone, 3 sent `gap` seconds apart, then one alone: the seconds each waited."""
+        engine = AsyncLLMEngine(llm_int4.engine)
+
+        async def waits(n: int, tag: str) -> list[float]:
+            async def one(i: int):
+                await asyncio.sleep(gap * i)
+                return [c async for c in engine.generate(ids, params, f"{gap}-{tag}-{i}")][0].queue_time
+            await asyncio.sleep(apart)
+            return await asyncio.gather(*(one(i) for i in range(n)))
+
+        async def scenario():
+            lone = [(await waits(1, f"lone{i}"))[0] for i in range(LONE_ARRIVALS + 1)]
+            return lone, await waits(3, "together"), (await waits(1, "after"))[0]
+
+        try:
+            return asyncio.run(scenario())
+        finally:
+            engine.shutdown()
+
+    saved, config.arrival_window_ms = config.arrival_window_ms, 200.0  # a quarter of it: 50 ms of quiet
+    try:
+        runs = [run(0.0), run(0.03)]
+    finally:
+        config.arrival_window_ms = saved
+    for lone, together, after in runs:
+        assert all(w >= 0.05 for w in lone[:LONE_ARRIVALS]), lone  # each waited for company that did not come
+        assert lone[-1] < 0.05 and together[0] < 0.05, (lone, together)  # then at once, the burst's first too
+        assert after >= 0.05, (together, after)  # the burst brought the wait back
