@@ -123,14 +123,15 @@ def generate(port: int, i: int, out: dict, done: dict | None = None, tokens: int
 
 
 def engine_gauges(kubelet: LocalKubelet, pod: str) -> dict[str, float]:
-    """A rank pod's engine-metrics port (spec.ports.engineMetrics, mapped to this host) as {name: value}, samples
-    labelled with the served model."""
+    """The vLLM-named gauges of a rank pod's engine-metrics port (spec.ports.engineMetrics, mapped to this host) as
+    {name: value}, samples labelled with the served model. (The port's `cpuserve_*` request metrics, of the requests
+    on the pod's own API, are serving/test_engine_metrics_protocol.py's.)"""
     port = kubelet.procs[pod][1][PortsSpec().engine_metrics]
     text = wait_for(f"{pod}'s engine metrics", lambda: _get(f"http://127.0.0.1:{port}/metrics"), timeout=60)
     out = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == family.name and family.type == "gauge":
+            if sample.name == family.name and family.type == "gauge" and family.name.startswith("vllm:"):
                 assert sample.labels["model_name"] == DEFAULT_MODEL_NAME, sample
                 out[sample.name] = sample.value
     return out
