@@ -7,7 +7,7 @@ Wire (one int64 vector, so a step costs one broadcast):
      num_draft_tokens, *token_ids, *block_ids]
 
 KIND_POPULATE, with no items, is idle work instead of a step: every rank faults in the next 2 MiB of its KV pools
-(ModelRunner.populate_kv) and rank 0 gathers whether any rank has more left.
+(ModelRunner.populate_kv) and rank 0 gathers, in the place of logits, whether any rank has more left.
 
 Every rank (rank 0 included) rebuilds the step from the wire and runs the runner's own prepare_inputs on it,
 so all ranks feed their shard exactly the same positions, slots, block tables and logit rows.

@@ -13,7 +13,7 @@ import torch
 
 from cpuserve.engine.distributed import step
 from cpuserve.engine.distributed.communicator import Communicator, RankFailedError
-from cpuserve.engine.distributed.worker import contribute, populate_shard, run_shard
+from cpuserve.engine.distributed.worker import contribute, run_shard
 from cpuserve.engine.model_runner import ModelRunner
 from cpuserve.engine.outputs import ModelRunnerOutput
 from cpuserve.engine.sampler import sample_candidates, sample_scheduled
@@ -44,8 +44,6 @@ class TPRunner:
         try:
             wire = step.pack(out, kind, candidates)
             self.comm.broadcast_ints(wire)
-            if kind == step.KIND_POPULATE:
-                return populate_shard(self.comm, self.runner)
             comm_before, start = self.comm.stats.seconds, time.perf_counter()
             _, _, logits = run_shard(self.runner, wire)
             self.compute_seconds += time.perf_counter() - start - (self.comm.stats.seconds - comm_before)
@@ -84,7 +82,7 @@ class TPRunner:
         if not self._kv_left or self.broken:
             return False
         try:
-            left = self._step(SchedulerOutput([]), step.KIND_POPULATE, 0)
+            left = self._step(SchedulerOutput([]), step.KIND_POPULATE, step.FULL)
         except RankFailedError:
             return False
         self._kv_left = bool(left.any())

@@ -29,18 +29,15 @@ def build_rank(spec: dict, comm: Communicator):
     return ModelRunner(model, spec["kv_cache"], spec["num_blocks"], spec["block_size"], spec["max_model_len"])
 
 
-def populate_shard(comm: Communicator, runner) -> torch.Tensor | None:
-    """Every rank's part of KIND_POPULATE: the next region of this rank's pools, then gather at rank 0 whether each
-    rank has regions left ([ranks, 1] there)."""
-    return comm.gather(torch.tensor([float(runner.populate_kv())]))
-
-
 @torch.inference_mode()
 def run_shard(runner, wire: torch.Tensor) -> tuple[int, int, torch.Tensor | None]:
-    """Every rank's part of a step: (kind, num_candidates, local logits [S, V_pad] or None to stop)."""
+    """Every rank's part of a step: (kind, num_candidates, local logits [S, V_pad] or None to stop). KIND_POPULATE's
+    "logits" are [[1.0]] while this rank's pools have regions left to fault in (gathered whole: FULL), else [[0.0]]."""
     kind, candidates, out = step.unpack(wire)
     if kind == step.KIND_STOP:
         return kind, candidates, None
+    if kind == step.KIND_POPULATE:
+        return kind, candidates, torch.tensor([[float(runner.populate_kv())]])
     token_ids, meta, logit_rows = runner.prepare_inputs(out)
     if kind == step.KIND_SCORE:
         logit_rows = torch.arange(len(token_ids))
@@ -69,9 +66,6 @@ def worker_main(rank: int, world_size: int, addr: str, port: int, cpus: list[int
         vocab_start = runner.model.plan.vocab[0]
         while True:
             wire = comm.broadcast_ints(None, idle=True)  # idle: wait as long as rank 0 lives
-            if int(wire[0]) == step.KIND_POPULATE:
-                populate_shard(comm, runner)
-                continue
             kind, candidates, logits = run_shard(runner, wire)
             if logits is None:
                 break
