@@ -83,6 +83,21 @@ inline void store_bf16(bf16*) {}  // softmax_row calls it only with AVX-512
 
 enum class Products { kNone, kBrgemm, kAvx512Bf16 };
 
+// A thread's buffers for its row-block tasks: A (bf16 q rows), P, the scores, P V, each row's 1 / sum and max; with an
+// int8 K, the q rows' codes, group scales, scaled and integer code sums, and score offsets
+struct Scratch {
+  std::vector<bf16> a, p;
+  std::vector<float> s, o, inv_sum, mx;
+  std::vector<int8_t> qa;
+  std::vector<float> qscale, scaled_sums, starts;
+  std::vector<int32_t> code_sums;
+};
+
+template <typename T>
+void grow(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+}
+
 bool brgemm_available() { return at::native::cpublas::could_pack(at::kBFloat16); }
 
 bool avx512_bf16_available() {
@@ -212,13 +227,18 @@ void pack_values(const bf16* src, int64_t ld, int64_t n, int64_t D, bf16* dst) {
   }
 }
 
-at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t q_start,
-                          double sm_scale, int64_t block_rows, int64_t window,
-                          const c10::optional<at::Tensor>& k_scale) {
+// out: contiguous [L, H, D] in q's dtype (a slice of o_proj's input buffer: the rows land where the next GEMM reads
+// them, without a copy)
+at::Tensor& slim_attention_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t q_start,
+                               double sm_scale, int64_t block_rows, int64_t window,
+                               const c10::optional<at::Tensor>& k_scale, at::Tensor& out) {
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == q.scalar_type() && out.sizes() == q.sizes(),
+              "slim_attention: out must be a contiguous ", q.scalar_type(), " tensor of q's sizes ", q.sizes(),
+              ", got ", out.scalar_type(), " ", out.sizes(), out.is_contiguous() ? "" : " (not contiguous)");
   if (q.scalar_type() == at::kFloat) {  // fp32 weights' activations: fp32 products, on AVX-512 alone
     TORCH_CHECK(!k_scale.has_value(), "slim_attention: an int8 k goes with bfloat16 q only");
     g_runs[3].fetch_add(1, std::memory_order_relaxed);
-    return cpuserve_slim::slim_attention_fp32(q, k, v, q_start, sm_scale, block_rows, window);
+    return out.copy_(cpuserve_slim::slim_attention_fp32(q, k, v, q_start, sm_scale, block_rows, window));
   }
   const bool int8_keys = k.scalar_type() == at::kChar;
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && (int8_keys || k.scalar_type() == at::kBFloat16) &&
@@ -275,7 +295,6 @@ at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
     }
   });
 
-  auto out = at::empty({L, H, D}, q.options());
   const bf16* qd = q.data_ptr<bf16>();
   bf16* od = out.data_ptr<bf16>();
   const int64_t q_row = q.stride(0), num_row_blocks = (L + block_rows - 1) / block_rows;
@@ -284,13 +303,17 @@ at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   const int64_t num_tasks = Hkv * num_row_blocks;
   cpuserve_tasks::share_tasks(num_tasks, [&](const auto& next) {
     const int64_t m_max = block_rows * g;
-    std::vector<bf16> a(int8_keys ? 0 : m_max * D), p(m_max * ld);
-    std::vector<float> s(m_max * ld), o(m_max * D), inv_sum(m_max), mx(m_max);
-    // int8 K: the rows' codes, their group scales and offsets (int8_scores.h)
+    // the thread's buffers, kept between calls and grown when a call needs more (a long prompt's stay, about 0.6 MB
+    // a thread per 1000 keys): every element a task reads it has written first. Made and zeroed per call, they cost
+    // a 128-token prompt's attention 7% on 2 threads (P's bf16 zeroed one element at a time).
+    thread_local Scratch scratch;
+    auto& [a, p, s, o, inv_sum, mx, qa, qscale, scaled_sums, starts, code_sums] = scratch;
     const int64_t groups = D / cpuserve_int8_scores::kQGroup;
-    std::vector<int8_t> qa(int8_keys ? m_max * D : 0);
-    std::vector<float> qscale(int8_keys ? m_max * groups : 0), scaled_sums(groups), starts(int8_keys ? m_max : 0);
-    std::vector<int32_t> code_sums(groups);
+    grow(a, int8_keys ? 0 : m_max * D), grow(p, m_max * ld), grow(s, m_max * ld), grow(o, m_max * D);
+    grow(inv_sum, m_max), grow(mx, m_max);
+    // int8 K: the rows' codes, their group scales and offsets (int8_scores.h)
+    grow(qa, int8_keys ? m_max * D : 0), grow(qscale, int8_keys ? m_max * groups : 0), grow(scaled_sums, groups);
+    grow(starts, int8_keys ? m_max : 0), grow(code_sums, groups);
     for (int64_t task; (task = next()) >= 0;) {
       const int64_t h = task % Hkv, rb = num_row_blocks - 1 - task / Hkv;
       const int64_t start = rb * block_rows, rows = std::min(block_rows, L - start), m = rows * g;
@@ -359,11 +382,20 @@ at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   return out;
 }
 
+at::Tensor slim_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t q_start,
+                          double sm_scale, int64_t block_rows, int64_t window,
+                          const c10::optional<at::Tensor>& k_scale) {
+  auto out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  return slim_attention_out(q, k, v, q_start, sm_scale, block_rows, window, k_scale, out);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(cpuserve, m) {
   m.def("slim_attention(Tensor q, Tensor k, Tensor v, int q_start, float sm_scale, int block_rows, int window=0, "
         "Tensor? k_scale=None) -> Tensor");
+  m.def("slim_attention.out(Tensor q, Tensor k, Tensor v, int q_start, float sm_scale, int block_rows, int window=0, "
+        "Tensor? k_scale=None, *, Tensor(a!) out) -> Tensor(a!)");
   m.def("slim_attention_kernel() -> str");
   m.def("slim_attention_int8_keys() -> bool");
   m.def("slim_attention_products(str mode=\"\") -> str");
@@ -371,7 +403,10 @@ TORCH_LIBRARY_FRAGMENT(cpuserve, m) {
   m.def("slim_attention_fp32() -> bool");
 }
 
-TORCH_LIBRARY_IMPL(cpuserve, CPU, m) { m.impl("slim_attention", &slim_attention); }
+TORCH_LIBRARY_IMPL(cpuserve, CPU, m) {
+  m.impl("slim_attention", &slim_attention);
+  m.impl("slim_attention.out", &slim_attention_out);
+}
 
 TORCH_LIBRARY_IMPL(cpuserve, CompositeExplicitAutograd, m) {
   m.impl("slim_attention_kernel", &slim_attention_kernel);

@@ -7,7 +7,8 @@ torch.ops.cpuserve.*) and its plain-torch reference, which the tests compare the
     rope_write_kv      cpuserve.rope_write_kv                     models/rope.py apply_rope + kv_quant.write_kv_fused
     gather_kv          cpuserve.gather_kv_int8 (int8 pool -> bf16)  kv_quant.gather_kv, for K and for V
     decode_attention   cpuserve.decode_attention.out              attention.paged_decode_attention
-    prefill_context    gather_kv, and the int8 K as stored       kv_quant.gather_codes
+    prefill_context    gather_kv, or cpuserve.gather_context_int8  kv_quant.gather_codes + gather_kv for V
+                       (the int8 K as stored, V dequantized)
     prefill_attention  cpuserve.slim_attention (bf16: AMX/AVX512;  attention.slim_attention
                        fp32: AVX-512)
     argmax_rows        cpuserve.argmax_rows                       logits.max(dim=-1).indices
@@ -83,12 +84,14 @@ def prefill_context(kv: LayerKV, block_table: Tensor, length: int, dtype: torch.
     (native.slim_attention_int8_keys(): its products run on AVX-512 with VNNI, not AMX), K is the pool's codes with
     their scales [T, Hkv], so Q K^T runs as int8 dot products. Otherwise K comes dequantized like V, scales None.
     """
-    k, v = gather_kv(kv, block_table, length, dtype)
     head_dim = kv.kv.shape[-1]
     if (int8_keys and kv.kv.dtype == torch.int8 and dtype == torch.bfloat16 and head_dim % Q_GROUP == 0
             and native.slim_attention_int8_keys()):
+        if native.enabled():  # one pass: K's codes and scales copied, V dequantized
+            return torch.ops.cpuserve.gather_context_int8(kv.kv, kv.scale, block_table, length)
         codes, scale = gather_codes(kv.k, kv.k_scale, block_table, length)
-        return codes, scale, v
+        return codes, scale, gather_kv_reference(kv.v, kv.v_scale, block_table, length, dtype)
+    k, v = gather_kv(kv, block_table, length, dtype)
     return k, None, v
 
 
@@ -133,18 +136,22 @@ def prepare_decode_mask(context_lens: Tensor, block_size: int, window: int = 0) 
 
 
 def prefill_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, scale: float, window: int = 0,
-                      k_scale: Tensor | None = None) -> Tensor:
+                      k_scale: Tensor | None = None, out: Tensor | None = None) -> Tensor:
     """SlimAttention as the engine runs it: the C++ kernel (engine/csrc/slim_attention.cpp: bf16 products on AMX
     or AVX512-BF16, fp32 softmax; with an int8 K and k_scale from prefill_context, Q K^T in int8) for bf16 when it
     is built and the CPU has either, and for fp32 (fp32 products: slim_attention_fp32.cpp) when it is built with
-    AVX-512; else attention.slim_attention. Same arguments. The kernel's rows do not depend on how a prompt was split
+    AVX-512; else attention.slim_attention. Same arguments, and out: a contiguous tensor of q's shape and dtype to
+    write the result into (o_proj's input rows), returned. The kernel's rows do not depend on how a prompt was split
     (whole, in chunks, after a prefix-cache hit); the plain-torch path's fp32 matmuls round a row by its block's
     size."""
     if (native.slim_attention_native_enabled() if q.dtype == torch.bfloat16 else
             q.dtype == torch.float32 and native.slim_attention_fp32_enabled()):
-        return torch.ops.cpuserve.slim_attention(q, k.contiguous(), v.contiguous(), q_start, scale,
-                                                 NATIVE_SLIM_BLOCK_ROWS, window, k_scale)
-    return slim_attention(q, k, v, q_start, scale, window=window, k_scale=k_scale)
+        args = (q, k.contiguous(), v.contiguous(), q_start, scale, NATIVE_SLIM_BLOCK_ROWS, window, k_scale)
+        if out is None:
+            return torch.ops.cpuserve.slim_attention(*args)
+        return torch.ops.cpuserve.slim_attention.out(*args, out=out)
+    result = slim_attention(q, k, v, q_start, scale, window=window, k_scale=k_scale)
+    return result if out is None else out.copy_(result)
 
 
 def argmax_rows(logits: Tensor) -> Tensor:

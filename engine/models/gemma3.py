@@ -52,12 +52,12 @@ class Gemma3Attention(Attention):
                                  self.scale, out[: meta.num_decode], decode_invalid, self.window)
         for p in meta.prefills:  # prefill
             rows = slice(p.token_start, p.token_start + p.num_tokens)
-            out[rows] = self._prefill(q[rows], p)
+            self._prefill(q[rows], p, out[rows])
         return self.o_proj(buf, prompt_rows=meta.prompt_rows)
 
-    def _prefill(self, q: torch.Tensor, p: PrefillChunk) -> torch.Tensor:
-        """The chunk's rows against the context read back from the pool; a local layer reads only from the aligned
-        start of its first row's window."""
+    def _prefill(self, q: torch.Tensor, p: PrefillChunk, out: torch.Tensor) -> torch.Tensor:
+        """The chunk's rows against the context read back from the pool, into out; a local layer reads only from the
+        aligned start of its first row's window."""
         kv, block_size = self.kv, self.kv.kv.shape[1]
         first = 0
         if self.window:
@@ -67,7 +67,7 @@ class Gemma3Attention(Attention):
         table = p.block_table[first // block_size:]
         # each [T, Hkv, D], positions from `first` on
         k_ctx, k_scale, v_ctx = ops.prefill_context(kv, table, length, q.dtype, self.int8_keys)
-        return ops.prefill_attention(q, k_ctx, v_ctx, p.q_start - first, self.scale, self.window, k_scale)
+        return ops.prefill_attention(q, k_ctx, v_ctx, p.q_start - first, self.scale, self.window, k_scale, out)
 
 
 class Gemma3MLP(MLP):

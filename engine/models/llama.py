@@ -91,7 +91,7 @@ class Attention(nn.Module):
             length = p.q_start + p.num_tokens
             k_ctx, k_scale, v_ctx = ops.prefill_context(kv, p.block_table, length, q.dtype, self.int8_keys)
             rows = slice(p.token_start, p.token_start + p.num_tokens)
-            out[rows] = ops.prefill_attention(q[rows], k_ctx, v_ctx, p.q_start, self.scale, k_scale=k_scale)
+            ops.prefill_attention(q[rows], k_ctx, v_ctx, p.q_start, self.scale, k_scale=k_scale, out=out[rows])
         return self.o_proj(buf, prompt_rows=meta.prompt_rows)
 
 

@@ -57,6 +57,24 @@ def test_slim_attention_matches_reference(impl, dtype, seq_len, q_start, heads, 
     assert (out.float() - ref.float()).abs().max() < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_slim_attention_writes_the_same_bits_into_out(dtype):
+    """prefill's rows go straight into o_proj's input buffer (slim_attention.out): the bits of the result it would
+    return, only those rows written, and an out of another shape, dtype or layout refused, naming what it must be."""
+    q = rand(37, 9 + 6, 64, dtype=dtype, seed=1)[:, :9]
+    k, v = rand(57, 3, 64, dtype=dtype, seed=2), rand(57, 3, 64, dtype=dtype, seed=3)
+    whole = native_slim(q, k, v, 20, 0.125, block_rows=16)
+    buf = torch.full((40, 9, 64), 7.0, dtype=dtype)
+    got = torch.ops.cpuserve.slim_attention.out(q, k, v, 20, 0.125, 16, out=buf[2:39])
+    assert got.data_ptr() == buf[2].data_ptr() and torch.equal(buf[2:39], whole)
+    assert (buf[:2] == 7).all() and (buf[39:] == 7).all()
+    for bad, why in [(torch.empty(36, 9, 64, dtype=dtype), "of q's sizes"),
+                     (torch.empty(37, 9, 64, dtype=torch.float16), "contiguous"),
+                     (torch.empty(9, 37, 64, dtype=dtype).transpose(0, 1), "not contiguous")]:
+        with pytest.raises(RuntimeError, match=why):
+            torch.ops.cpuserve.slim_attention.out(q, k, v, 20, 0.125, 16, out=bad)
+
+
 @pytest.mark.parametrize("fn,dtype", [(slim_attention, torch.float32), (native_slim, torch.bfloat16),
                                       (native_slim, torch.float32)])
 def test_slim_attention_is_causal(fn, dtype):

@@ -7,7 +7,7 @@ import torch
 
 from cpuserve.engine.layers import native, ops
 from cpuserve.engine.layers.attention import decode_mask
-from cpuserve.engine.layers.kv_quant import LayerKV
+from cpuserve.engine.layers.kv_quant import LayerKV, gather_codes
 
 ENGINE = Path(__file__).resolve().parents[2] / "engine"
 MODEL_CODE = [*sorted((ENGINE / "models").glob("*.py")), ENGINE / "distributed" / "sharding.py"]
@@ -55,6 +55,27 @@ def test_gather_kv_kernel_gives_the_references_bits(head_dim, length):
         k, v = torch.ops.cpuserve.gather_kv_int8(kv, scale, table.to(table_dtype), length)
         assert torch.equal(k, ops.gather_kv_reference(layer.k, layer.k_scale, table, length, torch.bfloat16))
         assert torch.equal(v, ops.gather_kv_reference(layer.v, layer.v_scale, table, length, torch.bfloat16))
+
+
+@pytest.mark.parametrize("length", [1, 37, 160])
+def test_gather_context_kernel_gives_the_pools_k_codes_and_the_references_v(length):
+    """Where Q K^T runs in int8, prefill reads K as the pool stores it and V dequantized, in one pass: the codes and
+    scales equal the pool's rows (kv_quant.gather_codes), V the reference's bits."""
+    assert native.available()
+    kv, scale = _int8_pool(14, 16, 3, 64, seed=length)
+    layer = LayerKV(kv, scale)
+    table = torch.randperm(14, generator=torch.Generator().manual_seed(length))[:10]
+    for table_dtype in (torch.int32, torch.int64):
+        k, k_scale, v = torch.ops.cpuserve.gather_context_int8(kv, scale, table.to(table_dtype), length)
+        codes, scales = gather_codes(layer.k, layer.k_scale, table, length)
+        assert k.dtype == torch.int8 and torch.equal(k, codes) and torch.equal(k_scale, scales)
+        assert torch.equal(v, ops.gather_kv_reference(layer.v, layer.v_scale, table, length, torch.bfloat16))
+
+
+def test_gather_context_kernel_refuses_a_block_outside_the_pool():
+    kv, scale = _int8_pool(4, 16, 2, 64)
+    with pytest.raises(RuntimeError, match=r"block_table\[1\] = 9 is not a block of the pool \(4\)"):
+        torch.ops.cpuserve.gather_context_int8(kv, scale, torch.tensor([0, 9]), 20)
 
 
 def test_gather_kv_kernel_refuses_a_block_outside_the_pool():
