@@ -1,6 +1,7 @@
 """Attention micro-benchmarks (SmolLM2 shape: 9 heads, 3 kv heads, head_dim 64).
 
     python bench/attention.py [--quick] [--repeats 5]
+    python bench/attention.py --products      # which product kernel SlimAttention should take on this CPU
 
 Prefill: SlimAttention vs torch SDPA (is_causal=True, enable_gqa=True: torch's CPU flash kernel) at 1024 and
 4096 tokens, bf16 and fp32; ratio = sdpa_ms / slim_ms (> 1: SlimAttention is faster). The two run interleaved, one
@@ -10,6 +11,9 @@ or "torch" (attention.slim_attention); "prefill fp32" rows time the fp32 kernel 
 (ratio = torch_ms / native_ms), which fp32 prefill ran before the kernel;
 "int8 K" is the engine's prefill with int8 activations where the kernel runs Q K^T as int8 dot products (AVX-512
 VNNI without AMX: engine/csrc/int8_scores.h), on K as the int8 pool holds it.
+"prefill products" rows time each product kernel the CPU runs (AMX's brgemm, avx512_bf16, and Q K^T in int8 on it)
+against the one the engine chooses here, at 128, 512 and 2048 tokens; ratio = engine_ms / this_ms (> 1: the engine
+would gain from this kernel at that length).
 Decode: paged_decode_attention with an int8 vs a bf16 cache at batch 1/8/32, context 512;
 ratio = bf16_ms / int8_ms. Then the fused C++ kernel (torch.ops.cpuserve.decode_attention) against that
 plain-torch kernel on the same int8 pool; ratio = torch_ms / native_ms.
@@ -30,6 +34,7 @@ from cpuserve.engine.layers.attention import (DECODE_CHUNK_TOKENS, SLIM_BLOCK_RO
 from cpuserve.engine.layers.ops import NATIVE_SLIM_BLOCK_ROWS
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+PRODUCT_LENS = (128, 512, 2048)  # a served burst's short prompts, the engine bench's prompt, a long one
 
 
 def median_ms(fn, repeats: int, warmup: int = 1) -> float:
@@ -85,6 +90,45 @@ def bench_prefill(seq_len: int, dtype: torch.dtype, repeats: int, block_rows: in
     return {"bench": "prefill", "case": f"L={seq_len} {str(dtype)[6:]} {kind} rows={block_rows}",
             "base_ms": round(sdpa, 2), "ours_ms": round(slim, 2), "ratio": round(sdpa / slim, 2),
             "vs": "sdpa/slim"}
+
+
+def bench_products(seq_len: int, repeats: int) -> list[dict]:
+    """SlimAttention's product kernels that this CPU runs (brgemm: AMX-BF16; avx512_bf16, and on it Q K^T as int8 dot
+    products on the int8 pool's K codes), each timed against the one the engine takes here (slim_attention_products'
+    automatic choice, with an int8 K where the engine gives it one), interleaved. ratio = engine_ms / this_ms: above
+    1, this kernel would be faster than the engine's choice at this prompt length."""
+    if not native.slim_attention_native_enabled():
+        return []
+    q, k, v = (torch.randn(seq_len, h, HEAD_DIM).to(torch.bfloat16) for h in (HEADS, KV_HEADS, KV_HEADS))
+    codes, k_scale = quantize_kv(k)
+    scale = HEAD_DIM ** -0.5
+    chosen = torch.ops.cpuserve.slim_attention_products("auto")
+    engine = (chosen, native.slim_attention_int8_keys())
+    variants = []
+    for mode in ("brgemm", "avx512_bf16"):
+        try:
+            torch.ops.cpuserve.slim_attention_products(mode)
+        except RuntimeError:  # this CPU (or build) has not got it
+            continue
+        variants += [(mode, False)] + ([(mode, True)] if torch.ops.cpuserve.slim_attention_int8_keys() else [])
+    torch.ops.cpuserve.slim_attention_products("auto")
+
+    def call(mode: str, int8_keys: bool):
+        def fn():
+            torch.ops.cpuserve.slim_attention_products(mode)
+            return torch.ops.cpuserve.slim_attention(q, codes if int8_keys else k, v, 0, scale,
+                                                     NATIVE_SLIM_BLOCK_ROWS, 0, k_scale if int8_keys else None)
+        return fn
+
+    others = [variant for variant in variants if variant != engine]
+    try:
+        engine_ms, *times = interleaved_median_ms([call(*engine)] + [call(*variant) for variant in others], repeats)
+    finally:
+        torch.ops.cpuserve.slim_attention_products("auto")
+    label = lambda mode, int8_keys: mode + (" int8 K" if int8_keys else "")  # noqa: E731
+    return [{"bench": "prefill products", "case": f"L={seq_len} {label(*variant)}", "base_ms": round(engine_ms, 3),
+             "ours_ms": round(ms, 3), "ratio": round(engine_ms / ms, 2), "vs": f"engine's ({label(*engine)})/this"}
+            for variant, ms in zip(others, times)]
 
 
 def native_prefill(dtype: torch.dtype) -> bool:
@@ -151,13 +195,16 @@ def bench_native_decode(batch: int, context: int, repeats: int) -> dict:
 @torch.inference_mode()
 def run(prefill_lens=(1024, 4096), dtypes=(torch.bfloat16, torch.float32), batches=(1, 8, 32), context=512,
         repeats: int = 5, block_rows: int | None = None, chunk_tokens: int = DECODE_CHUNK_TOKENS,
-        prefill_only: bool = False) -> list[dict]:
-    """Rows of {bench, case, base_ms, ours_ms, ratio, vs}; medians of `repeats` runs."""
+        prefill_only: bool = False, products: bool = False) -> list[dict]:
+    """Rows of {bench, case, base_ms, ours_ms, ratio, vs}; medians of `repeats` runs. products: also the product
+    kernels' rows (bench_products, at PRODUCT_LENS)."""
     rows = [bench_prefill(n, dt, repeats, block_rows) for n in prefill_lens for dt in dtypes]
     if torch.float32 in dtypes and native_prefill(torch.float32):
         rows += [bench_prefill_fp32_paths(n, repeats, block_rows) for n in prefill_lens]
     if torch.bfloat16 in dtypes and native.slim_attention_int8_keys():
         rows += [bench_prefill(n, torch.bfloat16, repeats, block_rows, int8_keys=True) for n in prefill_lens]
+    if products:
+        rows += [row for n in PRODUCT_LENS for row in bench_products(n, max(repeats, 20))]
     if prefill_only:
         return rows
     rows += [bench_decode(b, context, max(repeats, 20), chunk_tokens) for b in batches]
@@ -167,6 +214,9 @@ def run(prefill_lens=(1024, 4096), dtypes=(torch.bfloat16, torch.float32), batch
 
 
 def print_table(rows: list[dict]) -> None:
+    if not rows:
+        print("no rows: the C++ SlimAttention does not run for bf16 on this CPU (neither AMX nor AVX512-BF16)")
+        return
     cols = list(rows[0])
     widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
     print("  ".join(c.ljust(widths[c]) for c in cols))
@@ -180,6 +230,8 @@ if __name__ == "__main__":
     ap.add_argument("--quick", action="store_true", help="1024-token prefill only")
     ap.add_argument("--prefill", action="store_true", help="bf16 prefill only (the SlimAttention ratio table)")
     ap.add_argument("--fp32", action="store_true", help="fp32 prefill only (the fp32 kernel against the torch path)")
+    ap.add_argument("--products", action="store_true",
+                    help="only the product kernels this CPU runs against the engine's choice (also in a full run)")
     ap.add_argument("--block-rows", type=int, default=None, help="SlimAttention row block (default: the engine's)")
     ap.add_argument("--chunk-tokens", type=int, default=DECODE_CHUNK_TOKENS)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
@@ -191,5 +243,9 @@ if __name__ == "__main__":
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, malloc tuned: {tuned}")
     lens = (1024,) if a.quick else (1024, 4096)
     dtypes = (torch.float32,) if a.fp32 else (torch.bfloat16,) if a.prefill else (torch.bfloat16, torch.float32)
-    print_table(run(prefill_lens=lens, dtypes=dtypes, repeats=a.repeats, block_rows=a.block_rows,
-                    chunk_tokens=a.chunk_tokens, prefill_only=a.prefill or a.fp32))
+    if a.products:
+        print_table([row for n in PRODUCT_LENS for row in bench_products(n, max(a.repeats, 20))])
+    else:
+        print_table(run(prefill_lens=lens, dtypes=dtypes, repeats=a.repeats, block_rows=a.block_rows,
+                        chunk_tokens=a.chunk_tokens, prefill_only=a.prefill or a.fp32,
+                        products=not (a.quick or a.prefill or a.fp32)))
