@@ -120,8 +120,7 @@ def profile_cpuserve(cfg: dict) -> dict:
 
     for batch in cfg["batches"]:
         profiled(f"decode, batch {batch}",
-                 lambda seed: cpuserve_decode(llm, make_prompts(batch, cfg["prompt_len"], seed),
-                                              cfg["gen_tokens"] if seed == 2 else 4))
+                 lambda seed: cpuserve_decode(llm, make_prompts(batch, cfg["prompt_len"], seed), cfg["gen_tokens"]))
     for count in (1, 4):
         length = cfg["prefill_len"] // count
         profiled(f"prefill, {count} x {length}-token prompts",
