@@ -39,7 +39,8 @@ import numpy as np
 import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from soak_checks import check_greedy, check_kv_free, check_memory, check_metrics, check_outcomes, scrape  # noqa: E402
+from soak_checks import (check_greedy, check_kv_free, check_memory, check_metrics_settled, check_outcomes,  # noqa: E402
+                         scrape)
 from soak_clients import GREEDY_PROMPTS, Bounds, Plan, Result, RunClock, bounded, grpc_complete, grpc_stream, \
     http_complete, http_stream, make_plan  # noqa: E402
 
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"driving {args.clients} clients for {args.duration:g} s", flush=True)
         elapsed = asyncio.run(drive(ports, args, results, memory, proc.pid))
         checks = [check_outcomes(results), check_kv_free(ports["metrics"]),
-                  check_metrics(before, scrape(ports["metrics"]), results),
+                  check_metrics_settled(ports["metrics"], before, results),
                   check_memory(memory["samples"], memory_window_s(args.duration), int(args.memory_min_mib * 1024))]
     finally:
         proc.send_signal(signal.SIGTERM)
