@@ -68,12 +68,12 @@ class LLMEngine:
                              f"({self.kv_bytes_per_token} bytes per token); raise it")
         self.runner = build_runner(config, checkpoint, self.max_model_len)
         self.num_threads = self.runner.num_threads
-        release_free_memory()  # loading left fp32 copies of every weight behind in the heap
-        tune_allocator()  # from here on keep freed activations for the next step
         # keyed by role: a generated token's KV (decode attention) is not the bits its prefill would give
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
                                           key_by_role=True)
         drafter = build_drafter(config, self.block_manager, self.tokenizer, self.args.vocab_size, self.max_model_len)
+        release_free_memory()  # loading (the model's, a draft model's) left fp32 copies of every weight in the heap
+        tune_allocator()  # from here on keep freed activations for the next step
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, drafter,
                                    SpecPolicy.from_config(config) if drafter is not None else None)
         self.outputs = OutputProcessor(self.tokenizer)

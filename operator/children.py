@@ -34,11 +34,11 @@ def build_children(body: dict[str, Any], spec: LLMServiceSpec, settings: Operato
         Manifests with owner references and spec-hash annotations.
     """
     name = body["metadata"]["name"]
-    plan = plan_memory(spec)
-    assert isinstance(plan, MemoryPlan), "validate() reports a missing parameter count first"
+    plans = [plan_memory(spec, r) for r in range(spec.ranks_per_replica)]  # rank 0's holds a draft model too
+    assert all(isinstance(p, MemoryPlan) for p in plans), "validate() reports a missing parameter count first"
     manifests = build_services(name, spec) + [build_head_pod(name, spec, settings)]
     rev = rank_pod_revision(name, spec, settings)
-    manifests += [build_rank_pod(name, g, r, spec, settings, plan, rev)
+    manifests += [build_rank_pod(name, g, r, spec, settings, plans[r], rev)
                   for g in (range(spec.replicas) if groups is None else groups)
                   for r in range(spec.ranks_per_replica)]
     manifests += [build_pdb(name), build_network_policy(name, spec, settings)]

@@ -1,10 +1,11 @@
-"""Memory of one rank pod: weights shard + KV budget + overhead, with the arithmetic spelled out for status."""
+"""Memory of one rank pod: weights shard + KV budget + overhead, with the arithmetic spelled out for status; a
+rank-0 pod adds its group's draft model (weights and KV pool), if any."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from cpuserve.operator.spec import EMBEDDED_NUM_PARAMETERS, LLMServiceSpec
+from cpuserve.operator.spec import EMBEDDED_NUM_PARAMETERS, DraftModelSpec, LLMServiceSpec
 
 GIB = 1024**3
 MIB = 1024**2
@@ -28,8 +29,10 @@ class MemoryPlan:
     weights_shard_bytes: int
     kv_cache_bytes: int
     overhead_bytes: int
+    draft_bytes: int
+    """The draft model's weights and KV pool: on rank-0 pods with speculative method draft, else 0."""
     required_bytes: int
-    """weights shard + KV + overhead, rounded up to MiB."""
+    """weights shard + KV + draft + overhead, rounded up to MiB."""
     limit_bytes: int
     """What the pod requests (= limit): spec.resources.memoryPerRankGb, else required_bytes."""
     arithmetic: str
@@ -51,23 +54,52 @@ def num_parameters(spec: LLMServiceSpec) -> int | None:
     return EMBEDDED_NUM_PARAMETERS if spec.model.source == "embedded" else None
 
 
-def plan_memory(spec: LLMServiceSpec) -> MemoryPlan | None:
-    """Memory of one rank pod, or None when the parameter count is unknown (validation reports it)."""
-    params = num_parameters(spec)
+def _weights_label(weights: str, group_size: int) -> str:
+    return f"{weights}/g{group_size}" if weights == "int4" else weights
+
+
+def draft_model(spec: LLMServiceSpec) -> DraftModelSpec | None:
+    """The draft model a replica group's engine runs (its defaults when spec.speculative.draft is omitted), or None."""
+    s = spec.speculative
+    if s is None or s.method != "draft":
+        return None
+    return s.draft or DraftModelSpec()
+
+
+def _draft_memory(spec: LLMServiceSpec, draft: DraftModelSpec) -> tuple[int, str] | None:
+    """(bytes, arithmetic) of the draft model: whole weights (a group's engine loads it unsharded, next to rank 0's
+    shard: engine/spec/draft_model.py) + its KV pool; None when its parameter count is unknown."""
+    params = draft.num_parameters or (EMBEDDED_NUM_PARAMETERS if draft.path is None else None)
     if params is None:
+        return None
+    q = spec.quantization
+    weights = draft.weights or q.weights
+    bpp = bytes_per_parameter(weights, q.group_size)
+    model, kv = math.ceil(params * bpp), math.ceil(draft.kv_cache_gb * GIB)
+    return model + kv, (f" + draft {model / GIB:.3f} GiB ({params} params x {bpp:g} B "
+                        f"{_weights_label(weights, q.group_size)}) + draft KV {kv / GIB:.3f} GiB")
+
+
+def plan_memory(spec: LLMServiceSpec, rank: int = 0) -> MemoryPlan | None:
+    """Memory of a rank pod of `rank` (rank 0, the default, holds the most), or None when a parameter count is
+    unknown (validation reports it). A group's engine, and so its draft model, runs on its rank-0 pod
+    (serving/app.py places it there)."""
+    params = num_parameters(spec)
+    draft = draft_model(spec) if rank == 0 else None
+    draft_memory = (0, "") if draft is None else _draft_memory(spec, draft)
+    if params is None or draft_memory is None:
         return None
     q, res, ranks = spec.quantization, spec.resources, spec.ranks_per_replica
     bpp = bytes_per_parameter(q.weights, q.group_size)
     shard = math.ceil(params * bpp / ranks)
     kv = math.ceil(res.kv_cache_gb * GIB)
     overhead = math.ceil(res.overhead_gb * GIB)
-    required = math.ceil((shard + kv + overhead) / MIB) * MIB
+    required = math.ceil((shard + kv + draft_memory[0] + overhead) / MIB) * MIB
     limit = required if res.memory_per_rank_gb is None else math.floor(res.memory_per_rank_gb * GIB / MIB) * MIB
-    label = f"{q.weights}/g{q.group_size}" if q.weights == "int4" else q.weights
-    arithmetic = (f"weights {shard / GIB:.3f} GiB ({params} params x {bpp:g} B {label} / {ranks} ranks)"
-                  f" + KV {kv / GIB:.3f} GiB + overhead {overhead / GIB:.3f} GiB"
-                  f" = {required // MIB}Mi; pod {limit // MIB}Mi")
-    return MemoryPlan(shard, kv, overhead, required, limit, arithmetic)
+    arithmetic = (f"weights {shard / GIB:.3f} GiB ({params} params x {bpp:g} B "
+                  f"{_weights_label(q.weights, q.group_size)} / {ranks} ranks) + KV {kv / GIB:.3f} GiB"
+                  f"{draft_memory[1]} + overhead {overhead / GIB:.3f} GiB = {required // MIB}Mi; pod {limit // MIB}Mi")
+    return MemoryPlan(shard, kv, overhead, draft_memory[0], required, limit, arithmetic)
 
 
 def download_size_limit(spec: LLMServiceSpec) -> str:

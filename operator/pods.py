@@ -15,7 +15,7 @@ from typing import Any
 
 from cpuserve.engine.settings import ENGINE_HTTP_PORT, ENGINE_METRICS_PORT, GROUP, LLMSERVICE, RANK
 from cpuserve.operator import naming
-from cpuserve.operator.memory import GIB, MIB, MemoryPlan, download_size_limit
+from cpuserve.operator.memory import GIB, MIB, MemoryPlan, download_size_limit, draft_model
 from cpuserve.operator.security import DASHBOARD_PORT, ray_auth_env
 from cpuserve.operator.settings import OperatorSettings
 from cpuserve.operator.spec import LLMServiceSpec
@@ -44,6 +44,15 @@ def model_path(spec: LLMServiceSpec) -> str | None:
     if m.source == "url":
         return f"{MODEL_DIR}/model.gguf" if m.format == "gguf" else f"{MODEL_DIR}/model"
     return None
+
+
+def draft_model_path(spec: LLMServiceSpec) -> str | None:
+    """Where pods find the draft model (--spec-draft-model): inside the model's claim, or None for the embedded one
+    (or none at all)."""
+    draft = draft_model(spec)
+    if draft is None or draft.path is None:
+        return None
+    return posixpath.join(MODEL_DIR, draft.path)
 
 
 def _container_security() -> dict[str, Any]:

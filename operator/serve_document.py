@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from cpuserve.operator import naming
-from cpuserve.operator.pods import API_KEYS_DIR, TLS_DIR, model_path
+from cpuserve.operator.pods import API_KEYS_DIR, TLS_DIR, draft_model_path, model_path
 from cpuserve.operator.spec import SERVE_FIELDS_FROM_SPEC, LLMServiceSpec
 from cpuserve.serving.names import (APP_NAME, ENGINE_APP_NAME, ENGINE_IMPORT_PATH, GRPC_SERVICER, INGRESS_DEPLOYMENT,
                                     INGRESS_IMPORT_PATH, SERVER_DEPLOYMENT)
@@ -51,6 +51,8 @@ SPEC_ELSEWHERE = {
     # ports.http is also the rank-0 pods' CPUSERVE_ENGINE_HTTP_PORT (pods.py)
     "placement": "pods.py (node selector, affinity)", "image": "pods.py",
     "drain_timeout_seconds": "pods.py (preStop `cpuserve drain --timeout-s`, terminationGracePeriodSeconds)",
+    "speculative.draft.path": "serve_fields: spec_draft_model, the pod's path of it (pods.py)",
+    "speculative.draft.num_parameters": "memory.py (the rank-0 pods')",
 }
 # What every head serves with, whatever the spec: all interfaces, the pod's Ray cluster, and each rank pod its own
 # Ray node offering one socket unit, so a group's bundles land on k pods
@@ -59,10 +61,10 @@ HEAD_FIELDS = {"host": "0.0.0.0", "ray_address": "auto", "socket_resource": nami
 
 
 def spec_value(spec: LLMServiceSpec, path: str) -> Any:
-    """The spec's field at `path` (dotted snake_case names)."""
+    """The spec's field at `path` (dotted snake_case names); None under an object that is not set."""
     value: Any = spec
     for name in path.split("."):
-        value = getattr(value, name)
+        value = None if value is None else getattr(value, name)
     return value
 
 
@@ -73,6 +75,8 @@ def serve_fields(spec: LLMServiceSpec) -> dict[str, Any]:
     fields.update(HEAD_FIELDS, replicas=max(spec.replicas, 1))
     if (path := model_path(spec)) is not None:
         fields["model"] = path
+    if (path := draft_model_path(spec)) is not None:
+        fields["spec_draft_model"] = path
     if spec.security.api_keys is not None:
         fields["api_key_file"] = f"{API_KEYS_DIR}/{spec.security.api_keys.key}"
     if spec.security.tls_secret_name:

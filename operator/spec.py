@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from cpuserve.engine.config import ACTIVATION_FORMATS, KV_CACHE_DTYPES, WEIGHT_FORMATS
+from cpuserve.engine.config import ACTIVATION_FORMATS, KV_CACHE_DTYPES, SPECULATIVE_METHODS, WEIGHT_FORMATS
 
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 SECRET_KEY = r"^[-._a-zA-Z0-9]+$"
@@ -33,6 +33,11 @@ SERVE_FIELDS_FROM_SPEC = {
     "max_num_seqs": "batching.max_num_seqs", "max_num_batched_tokens": "batching.max_num_batched_tokens",
     "max_queued_requests": "batching.max_queued_requests",
     "max_queued_tokens": "batching.max_queued_tokens",  # only when set: a service that never set it keeps its args
+    "arrival_window_ms": "batching.arrival_window_ms",  # only when set, as max_queued_tokens
+    # only with spec.speculative (and its draft) set: a service without them keeps its args
+    "speculative": "speculative.method", "spec_tokens": "speculative.tokens",
+    "spec_max_batch": "speculative.max_batch", "spec_draft_weights": "speculative.draft.weights",
+    "spec_draft_kv_cache_gb": "speculative.draft.kv_cache_gb",
     "grpc_port": "ports.grpc", "http_port": "ports.http", "metrics_port": "ports.metrics",
 }
 
@@ -115,6 +120,30 @@ class BatchingSpec(Spec):
     max_num_batched_tokens: int = Field(2048, ge=16, le=1_048_576)
     max_queued_requests: int = Field(256, ge=0, le=1_000_000)
     max_queued_tokens: int | None = Field(None, ge=1, le=1_000_000_000)
+    arrival_window_ms: float | None = Field(None, ge=0, le=1000)
+    """Omitted: `cpuserve serve`'s 20 ms. Each replica group's engine waits; requests are not held at the head."""
+
+
+class DraftModelSpec(Spec):
+    path: str | None = Field(None, min_length=1, max_length=1024, pattern=r"^[^/].*$")
+    """Path of the draft's GGUF file or safetensors folder inside spec.model.claimName (source pvc), relative; it must
+    have the model's tokenizer. Omitted: the image's embedded SmolLM2-135M-Instruct."""
+    num_parameters: int | None = Field(None, ge=1_000_000, le=2_000_000_000_000)
+    """The draft's parameter count; sizes its weights in the memory of the rank-0 pods. Required with path."""
+    weights: Literal[WEIGHT_FORMATS] | None = None  # type: ignore[valid-type]
+    """int4 uses spec.quantization.groupSize."""
+    kv_cache_gb: float = Field(0.25, gt=0, le=4096)
+    """Each rank-0 pod's memory counts all of it."""
+
+
+class SpeculativeSpec(Spec):
+    method: Literal[SPECULATIVE_METHODS]  # type: ignore[valid-type]
+    """draft: spec.speculative.draft runs in each replica group's engine, on its rank-0 pod."""
+    tokens: int = Field(4, ge=1, le=256)
+    """Below spec.batching.maxNumBatchedTokens."""
+    max_batch: int = Field(4, ge=1, le=4096)
+    draft: DraftModelSpec | None = None
+    """The draft model of method draft; omitted: the embedded SmolLM2-135M-Instruct at its defaults."""
 
 
 class PortsSpec(Spec):
@@ -166,6 +195,8 @@ class LLMServiceSpec(Spec):
     """CPUs and memory per rank and for the head."""
     batching: BatchingSpec = Field(default_factory=BatchingSpec)
     """Continuous batching limits."""
+    speculative: SpeculativeSpec | None = None
+    """Speculative decoding: n-gram drafts or a draft model; omitted: off."""
     ports: PortsSpec = Field(default_factory=PortsSpec)
     """Service ports."""
     placement: PlacementSpec = Field(default_factory=PlacementSpec)

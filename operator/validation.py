@@ -76,6 +76,31 @@ def _check_quantization(spec: LLMServiceSpec) -> list[Finding]:
     return []
 
 
+def _check_speculative(spec: LLMServiceSpec) -> list[Finding]:
+    """The engine's own refusals (engine/config.py EngineConfig._check_speculative), and a draft's place: the model's
+    claim, the only volume of the pods' /models that a path can name."""
+    s, out = spec.speculative, []
+    if s is None:
+        return out
+    if s.draft is not None and s.method != "draft":
+        out.append(Finding("spec.speculative.draft", s.draft.model_dump(by_alias=True, exclude_unset=True),
+                           f"a draft model is method draft's (it is {s.method}): set spec.speculative.method draft, "
+                           "or remove spec.speculative.draft"))
+    if s.draft is not None and s.draft.path is not None:
+        if spec.model.source != "pvc":
+            out.append(Finding("spec.speculative.draft.path", s.draft.path,
+                               f"a draft path is inside spec.model.claimName, so it needs spec.model.source pvc (it "
+                               f"is {spec.model.source}); omit the path to draft with the embedded "
+                               "SmolLM2-135M-Instruct"))
+        if s.draft.num_parameters is None:
+            out.append(Finding("spec.speculative.draft.numParameters", None,
+                               "required when spec.speculative.draft.path is set (it sizes the rank-0 pods' memory)"))
+    if s.tokens >= spec.batching.max_num_batched_tokens:
+        out.append(Finding("spec.speculative.tokens", s.tokens, f"must be below spec.batching.maxNumBatchedTokens "
+                           f"({spec.batching.max_num_batched_tokens}): a request's drafts run in one step"))
+    return out
+
+
 def _check_shape(spec: LLMServiceSpec, settings: OperatorSettings) -> list[Finding]:
     out, ranks = [], spec.ranks_per_replica
     if ranks > settings.max_ranks_per_replica:
@@ -106,5 +131,5 @@ def validate(body: dict[str, Any], settings: OperatorSettings) -> tuple[LLMServi
     spec, parse_findings = parse_spec(body)
     if spec is None:
         return None, findings + parse_findings
-    findings += _check_model(spec) + _check_quantization(spec) + _check_shape(spec, settings)
+    findings += _check_model(spec) + _check_quantization(spec) + _check_speculative(spec) + _check_shape(spec, settings)
     return spec, findings

@@ -22,7 +22,8 @@ from cpuserve.engine.settings import SERVE_PREFIX
 from cpuserve.serving.serve_options import SERVE_OPTION_HELP, described
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-PATH_FIELDS = ("model", "api_key_file", "tls_cert_file", "tls_key_file")  # files the serving host must have
+# files the serving host must have
+PATH_FIELDS = ("model", "spec_draft_model", "api_key_file", "tls_cert_file", "tls_key_file")
 # served, a replica's engine waits this long at most after an idle spell for requests sent together (the
 # engine's own default is 0: an offline batch arrives at once); docs/serving.md has the measurement
 ARRIVAL_WINDOW_MS = 20.0

@@ -10,7 +10,9 @@ from cpuserve.operator import naming
 from cpuserve.engine.settings import ENGINE_HTTP_PORT, ENGINE_METRICS_PORT
 from cpuserve.operator.children import build_children
 from cpuserve.operator.memory import GIB, MIB, bytes_per_parameter, plan_memory
-from cpuserve.operator.pods import RAY_STOP_SECONDS
+from cpuserve.operator.pods import MODEL_DIR, RAY_STOP_SECONDS
+from cpuserve.operator.serve_document import serve_fields
+from cpuserve.operator.spec import EMBEDDED_NUM_PARAMETERS
 from cpuserve.operator.settings import OperatorSettings
 from cpuserve.operator.validation import validate
 from llmservice_factory import K8S_VERSION, make_body
@@ -21,6 +23,8 @@ PVC_MODEL = {"source": "pvc", "claimName": "models", "path": "llama-7b/model.ggu
 URL_MODEL = {"source": "url", "url": "https://example.invalid/m.tar.gz", "format": "safetensors",
              "numParameters": 1_000_000_000, "sha256": "a" * 64}
 SECURITY = {"tlsSecretName": "tls", "apiKeys": {"name": "keys", "key": "keys.txt"}, "rayAuthTokenSecret": "raytok"}
+DRAFT = {"method": "draft", "draft": {"path": "llama-7b/draft.gguf", "numParameters": 1_100_000_000, "weights": "int8",
+                                      "kvCacheGb": 0.5}}
 
 
 def children(body, with_sm=True):
@@ -39,6 +43,7 @@ CASES = [  # (spec, rank pod names)
     ({"replicas": 2, "ranksPerReplica": 2}, ["chat-g0-r0", "chat-g0-r1", "chat-g1-r0", "chat-g1-r1"]),
     ({"replicas": 1, "ranksPerReplica": 4, "model": PVC_MODEL}, [f"chat-g0-r{r}" for r in range(4)]),
     ({"replicas": 3, "model": URL_MODEL, "security": SECURITY}, ["chat-g0-r0", "chat-g1-r0", "chat-g2-r0"]),
+    ({"ranksPerReplica": 2, "model": PVC_MODEL, "speculative": DRAFT}, ["chat-g0-r0", "chat-g0-r1"]),
 ]
 
 
@@ -98,6 +103,63 @@ def test_memory_arithmetic(weights, group, bpp):
     rank = by_kind(build_children(body, spec, SETTINGS, False), "Pod")[1]
     res = rank["spec"]["containers"][0]["resources"]
     assert res["requests"] == res["limits"] == {"cpu": "8", "memory": f"{expected}Mi"}  # Guaranteed QoS
+
+
+def rank_memory(pods):
+    """Each rank pod's memory request (= limit), by name."""
+    out = {}
+    for pod in pods[1:]:
+        res = pod["spec"]["containers"][0]["resources"]
+        assert res["requests"] == res["limits"]
+        out[pod["metadata"]["name"]] = res["requests"]["memory"]
+    return out
+
+
+@pytest.mark.parametrize("speculative,draft_params,draft_bpp,draft_kv_gb", [
+    (DRAFT, 1_100_000_000, 1.0, 0.5),  # its own weights (int8) and KV budget
+    ({"method": "draft"}, EMBEDDED_NUM_PARAMETERS, 0.75, 0.25),  # the embedded SmolLM2 at the model's int4/g32
+    ({"method": "draft", "draft": {"weights": "bf16", "kvCacheGb": 2}}, EMBEDDED_NUM_PARAMETERS, 2.0, 2.0),
+])
+def test_a_draft_model_adds_its_weights_and_kv_to_the_rank_0_pods(speculative, draft_params, draft_bpp, draft_kv_gb):
+    """A replica group's engine, and so its draft model (whole, not sharded), runs on the group's rank-0 pod."""
+    body = make_body(model=PVC_MODEL, replicas=2, ranksPerReplica=2, resources={"kvCacheGb": 3, "overheadGb": 1.5},
+                     speculative=speculative)
+    spec, _ = validate(body, SETTINGS)
+    base = -(-int(6_738_415_616 * 0.75) // 2) + 3 * GIB + int(1.5 * GIB)  # rank 0's shard (int4/g32), KV, overhead
+    draft = int(draft_params * draft_bpp) + int(draft_kv_gb * GIB)
+    plan = plan_memory(spec)
+    assert plan.draft_bytes == pytest.approx(draft, abs=1)
+    assert plan.quantity == f"{-(-(base + draft) // MIB)}Mi"
+    weights = f"+ draft {draft_params * draft_bpp / GIB:.3f} GiB ({draft_params} params x {draft_bpp:g} B"
+    assert weights in plan.arithmetic
+    assert f"+ draft KV {draft_kv_gb:.3f} GiB" in plan.arithmetic
+    assert plan_memory(spec, rank=1).draft_bytes == 0 and "draft" not in plan_memory(spec, rank=1).arithmetic
+    with_draft, without = f"{-(-(base + draft) // MIB)}Mi", f"{-(-base // MIB)}Mi"
+    assert rank_memory(by_kind(children(body), "Pod")) == {"chat-g0-r0": with_draft, "chat-g0-r1": without,
+                                                          "chat-g1-r0": with_draft, "chat-g1-r1": without}
+
+
+@pytest.mark.parametrize("speculative", [None, {"method": "ngram"}, {"method": "ngram", "tokens": 8}])
+def test_no_draft_model_no_memory(speculative):
+    body = make_body(model=PVC_MODEL, **({"speculative": speculative} if speculative else {}))
+    plan = plan_memory(validate(body, SETTINGS)[0])
+    assert plan.draft_bytes == 0 and "draft" not in plan.arithmetic
+    without = make_body(model=PVC_MODEL)
+    assert rank_memory(by_kind(children(body), "Pod")) == rank_memory(by_kind(children(without), "Pod"))
+
+
+def test_the_draft_model_is_read_from_the_models_claim_in_every_pod():
+    """The head builds the apps (and checks the path); rank-0 pods run the engine: both mount the claim at MODEL_DIR,
+    read-only, and the engine's args name the draft there."""
+    body = make_body(model=PVC_MODEL, ranksPerReplica=2, speculative=DRAFT)
+    spec, _ = validate(body, SETTINGS)
+    path = serve_fields(spec)["spec_draft_model"]
+    assert path == f"{MODEL_DIR}/llama-7b/draft.gguf"
+    for pod in by_kind(children(body), "Pod"):
+        (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "model"]
+        assert volume["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+        (mount,) = [m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == "model"]
+        assert mount["readOnly"] and path.startswith(mount["mountPath"] + "/")
 
 
 def test_rank_pod_placement_and_ray_worker():

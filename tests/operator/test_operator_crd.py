@@ -35,6 +35,18 @@ BAD_SPECS = [  # (spec, path of the offending field as jsonschema reports it)
     ({"model": {"source": "embedded"}, "batching": {"maxQueuedTokens": 0}}, "maxQueuedTokens"),
     ({"model": {"source": "embedded"}, "drainTimeoutSeconds": -1}, "drainTimeoutSeconds"),
     ({"model": {"source": "embedded"}, "gpus": 1}, "spec"),           # unknown field
+    ({"model": {"source": "embedded"}, "batching": {"arrivalWindowMs": 1001}}, "arrivalWindowMs"),
+    ({"model": {"source": "embedded"}, "batching": {"arrivalWindowMs": -1}}, "arrivalWindowMs"),
+    ({"model": {"source": "embedded"}, "speculative": {"tokens": 4}}, "method"),  # method is required
+    ({"model": {"source": "embedded"}, "speculative": {"method": "eagle"}}, "method"),
+    ({"model": {"source": "embedded"}, "speculative": {"method": "ngram", "tokens": 0}}, "tokens"),
+    ({"model": {"source": "embedded"}, "speculative": {"method": "ngram", "maxBatch": 0}}, "maxBatch"),
+    ({"model": {"source": "embedded"}, "speculative": {"method": "ngram", "ngramMax": 3}}, "speculative"),
+    ({"model": {"source": "embedded"}, "speculative": {"method": "draft", "draft": {"path": "/abs/d.gguf"}}}, "path"),
+    ({"model": {"source": "embedded"}, "speculative": {"method": "draft", "draft": {"weights": "int3"}}}, "weights"),
+    ({"model": {"source": "embedded"}, "speculative": {"method": "draft", "draft": {"kvCacheGb": 0}}}, "kvCacheGb"),
+    ({"model": {"source": "embedded"}, "speculative": {"method": "draft", "draft": {"numParameters": 10}}},
+     "numParameters"),
 ]
 
 
@@ -57,6 +69,11 @@ GOOD_SPECS = [
     {"model": {"source": "url", "url": "https://example.invalid/m.tar.gz", "format": "safetensors",
                "numParameters": 1_000_000_000}, "resources": {"kvCacheGb": 0.5, "memoryPerRankGb": 16},
      "security": {"tlsSecretName": "tls", "apiKeys": {"name": "keys"}, "rayAuthTokenSecret": "ray"}},
+    {"model": {"source": "embedded"}, "batching": {"arrivalWindowMs": 5.5}, "speculative": {"method": "ngram"}},
+    {"model": {"source": "pvc", "claimName": "models", "path": "llama/8b.gguf", "numParameters": 8_030_261_248},
+     "speculative": {"method": "draft", "tokens": 6, "maxBatch": 2,
+                     "draft": {"path": "llama/1b.gguf", "numParameters": 1_235_814_400, "weights": "int8",
+                               "kvCacheGb": 0.5}}},
 ]
 
 

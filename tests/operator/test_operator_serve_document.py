@@ -19,6 +19,8 @@ SETTINGS = OperatorSettings()
 URL_MODEL = {"source": "url", "url": "https://example.invalid/m.tar.gz", "format": "safetensors",
              "numParameters": 1_000_000_000, "sha256": "a" * 64}
 SECURITY = {"tlsSecretName": "tls", "apiKeys": {"name": "keys", "key": "keys.txt"}}
+PVC_MODEL = {"source": "pvc", "claimName": "models", "path": "llama/model.gguf", "numParameters": 8_000_000_000}
+DRAFT = {"path": "llama/draft.gguf", "numParameters": 1_000_000_000, "weights": "int8", "kvCacheGb": 0.5}
 
 
 def document(**spec):
@@ -85,6 +87,14 @@ EXTREMES = [
       for w in ("int4", "int8", "bf16", "fp32") for g in (32, 128) for kv in ("int8", "bf16", "fp32")),
     *({"quantization": {"weights": w, "activations": a}} for w in ("int4", "int8", "bf16", "fp32") for a in ("int8", "bf16")),
     {"quantization": {"weights": "int8", "activations": "int8-token", "groupSize": 128, "kvCache": "bf16"}},
+    {"batching": {"arrivalWindowMs": 0}}, {"batching": {"arrivalWindowMs": 1000}},
+    {"speculative": {"method": "ngram", "tokens": 15, "maxBatch": 1},
+     "batching": {"maxNumSeqs": 1, "maxNumBatchedTokens": 16}},
+    {"speculative": {"method": "ngram", "tokens": 1, "maxBatch": 1}},
+    {"speculative": {"method": "ngram", "tokens": 256, "maxBatch": 4096}},
+    {"speculative": {"method": "draft"}},
+    *({"model": PVC_MODEL, "speculative": {"method": "draft", "draft": {**DRAFT, "weights": w, "kvCacheGb": kv}}}
+      for w in ("int4", "int8", "bf16", "fp32") for kv in (0.001, 4096)),
 ]
 
 
@@ -112,6 +122,8 @@ def test_serving_accepts_the_fields_for_every_value_the_crd_allows(spec):
     ({"drainTimeoutSeconds": 120}, True),  # the pods' preStop only
     ({"quantization": {"weights": "int8", "activations": "int8-token"}}, False),  # the engine's scheme: new args
     ({"model": {"source": "pvc", "claimName": "models", "path": "b.gguf", "numParameters": 10**9}}, False),
+    ({"batching": {"arrivalWindowMs": 5}}, False),  # the engine's own option: new args
+    ({"speculative": {"method": "ngram"}}, False),
 ])
 def test_what_a_change_touches(change, lightweight):
     """No change ever touches the Ingress's application's args: Serve restarts an application's every deployment
@@ -129,6 +141,33 @@ def test_max_queued_tokens_reaches_the_args_only_when_set():
     assert "max_queued_tokens" not in document()[0]["applications"][1]["args"]  # the serving default applies
     args = document(batching={"maxQueuedTokens": 4096})[0]["applications"][1]["args"]
     assert args["max_queued_tokens"] == 4096 and ServeConfig.for_another_host(**args).queued_tokens_limit == 4096
+
+
+def test_the_arrival_window_reaches_the_engines_args_only_when_set():
+    assert "arrival_window_ms" not in document()[0]["applications"][1]["args"]  # `cpuserve serve`'s 20 ms applies
+    ingress, engine = document(batching={"arrivalWindowMs": 5})[0]["applications"]
+    assert engine["args"]["arrival_window_ms"] == 5 and "arrival_window_ms" not in ingress["args"]
+    assert ServeConfig.for_another_host(**engine["args"]).engine_options()["arrival_window_ms"] == 5
+
+
+@pytest.mark.parametrize("speculative,expected", [
+    (None, {}),  # off: none of the engine's spec_* options, so a service that never set it keeps its args
+    ({"method": "ngram"}, {"speculative": "ngram", "spec_tokens": 4, "spec_max_batch": 4}),
+    ({"method": "ngram", "tokens": 6, "maxBatch": 2}, {"speculative": "ngram", "spec_tokens": 6, "spec_max_batch": 2}),
+    ({"method": "draft"}, {"speculative": "draft", "spec_tokens": 4, "spec_max_batch": 4}),  # the embedded draft
+    ({"method": "draft", "draft": DRAFT}, {"speculative": "draft", "spec_tokens": 4, "spec_max_batch": 4,
+                                           "spec_draft_model": "/models/llama/draft.gguf", "spec_draft_weights": "int8",
+                                           "spec_draft_kv_cache_gb": 0.5}),  # the pod's path in the model's claim
+    ({"method": "draft", "draft": {"kvCacheGb": 1}}, {"speculative": "draft", "spec_tokens": 4, "spec_max_batch": 4,
+                                                      "spec_draft_kv_cache_gb": 1.0}),
+])
+def test_speculative_decoding_reaches_the_engines_args(speculative, expected):
+    doc, _ = document(model=PVC_MODEL, **({"speculative": speculative} if speculative else {}))
+    ingress, engine = doc["applications"]
+    assert {k: v for k, v in engine["args"].items() if k.startswith("spec")} == expected
+    assert not any(k.startswith("spec") for k in ingress["args"])
+    config = ServeConfig.for_another_host(**engine["args"]).engine_options()
+    assert {k: config[k] for k in expected} == expected
 
 
 def test_is_deployed_compares_what_the_head_reports():

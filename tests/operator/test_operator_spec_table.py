@@ -89,6 +89,26 @@ def test_the_table_reads_the_spec():
     assert spec_value(spec, SERVE_FIELDS_FROM_SPEC["http_port"]) == 8100
 
 
+def test_the_table_reads_nothing_under_an_object_not_set():
+    """spec.speculative and its draft are optional objects: a service without them passes none of their options,
+    so the head serves with `cpuserve serve`'s defaults and its args stay what they were."""
+    spec = LLMServiceSpec.model_validate({"model": {"source": "embedded"}, "speculative": {"method": "ngram"}})
+    assert spec_value(spec, SERVE_FIELDS_FROM_SPEC["speculative"]) == "ngram"
+    assert spec_value(spec, SERVE_FIELDS_FROM_SPEC["spec_draft_kv_cache_gb"]) is None
+    off = LLMServiceSpec.model_validate({"model": {"source": "embedded"}})
+    assert [spec_value(off, path) for path in SERVE_FIELDS_FROM_SPEC.values() if path.startswith("speculative.")] == \
+        [None] * 5
+
+
+@pytest.mark.parametrize("serve_name,path", [("spec_tokens", "speculative.tokens"),
+                                             ("spec_max_batch", "speculative.max_batch"),
+                                             ("spec_draft_kv_cache_gb", "speculative.draft.kv_cache_gb")])
+def test_speculative_defaults_are_the_engines(serve_name, path):
+    """An omitted spec.speculative.draft passes no option: the engine's defaults then apply, and memory.py sizes the
+    draft with the spec's, so they must be one."""
+    assert SPEC_FIELDS[path].default == ServeConfig.model_fields[serve_name].default
+
+
 def crd_description(path: str) -> str:
     node = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     for name in path.split("."):

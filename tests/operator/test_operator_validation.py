@@ -3,13 +3,33 @@ from __future__ import annotations
 
 import pytest
 
+from cpuserve.operator.conditions import Observed, build_status
 from cpuserve.operator.settings import OperatorSettings
 from cpuserve.operator.validation import validate
 from llmservice_factory import make_body
 
 SETTINGS = OperatorSettings(max_ranks_per_replica=4)
 BIG = {"source": "pvc", "claimName": "m", "path": "m.gguf", "numParameters": 7_000_000_000}
+DRAFT = {"path": "draft/d.gguf", "numParameters": 360_000_000}
 
+# what the engine refuses (engine/config.py _check_speculative) and where a draft may be: one row each
+SPECULATIVE_CASES = [  # (name, spec, field, words in the message)
+    ("chat", {"speculative": {"method": "ngram", "draft": {"weights": "int8"}}}, "spec.speculative.draft",
+     ["method draft's (it is ngram)", "set spec.speculative.method draft", "or remove spec.speculative.draft"]),
+    ("chat", {"speculative": {"method": "draft", "draft": DRAFT}}, "spec.speculative.draft.path",
+     ["'draft/d.gguf'", "needs spec.model.source pvc (it is embedded)", "omit the path", "embedded SmolLM2"]),
+    ("chat", {"model": {"source": "url", "url": "https://h/m.gguf", "numParameters": 10**9},
+              "speculative": {"method": "draft", "draft": DRAFT}}, "spec.speculative.draft.path", ["(it is url)"]),
+    ("chat", {"model": BIG, "speculative": {"method": "draft", "draft": {"path": "d.gguf"}}},
+     "spec.speculative.draft.numParameters", ["required when spec.speculative.draft.path is set", "rank-0 pods"]),
+    ("chat", {"batching": {"maxNumSeqs": 16, "maxNumBatchedTokens": 16},
+              "speculative": {"method": "ngram", "tokens": 16}},
+     "spec.speculative.tokens", ["=16", "below spec.batching.maxNumBatchedTokens (16)"]),
+    ("chat", {"model": BIG, "resources": {"kvCacheGb": 1, "memoryPerRankGb": 7.5},
+              "speculative": {"method": "draft", "draft": {**DRAFT, "kvCacheGb": 2}}},
+     "spec.resources.kvCacheGb", ["does not fit", "+ draft 0.251 GiB (360000000 params x 0.75 B int4/g32) + draft KV "
+                                  "2.000 GiB", "memoryPerRankGb=7.5"]),
+]
 CASES = [  # (name, spec, field, words in the message)
     ("chat", {"resources": {"kvCacheGb": 20, "memoryPerRankGb": 8}}, "spec.resources.kvCacheGb",
      ["does not fit", "memoryPerRankGb=8"]),
@@ -35,6 +55,7 @@ CASES = [  # (name, spec, field, words in the message)
     ("chat", {"quantization": {"weights": "bf16", "activations": "int8-token"}}, "spec.quantization.activations",
      ["(it is bf16)"]),
     ("9chat", {}, "metadata.name", ["DNS-1035"]),
+    *SPECULATIVE_CASES,
     ("c" * 41, {}, "metadata.name", ["at most 40"]),
 ]
 
@@ -55,9 +76,23 @@ def test_schema_errors_are_findings_too():
     assert spec is None and [f.field for f in findings] == ["spec.replicas"] and findings[0].value == "many"
 
 
+@pytest.mark.parametrize("name,spec,field,words", SPECULATIVE_CASES, ids=[c[2] for c in SPECULATIVE_CASES])
+def test_speculative_findings_are_the_validation_failed_condition(name, spec, field, words):
+    body = make_body(name=name, **spec)
+    _, findings = validate(body, SETTINGS)
+    status = build_status(body, None, None, Observed(), findings, "2025-01-01T00:00:00Z")
+    (cond,) = [c for c in status["conditions"] if c["type"] == "ValidationFailed"]
+    assert (cond["status"], cond["reason"]) == ("True", "InvalidSpec")
+    assert cond["message"].startswith(field + "=") and all(word in cond["message"] for word in words)
+
+
 @pytest.mark.parametrize("spec", [
     {},
     {"model": BIG, "ranksPerReplica": 4, "resources": {"kvCacheGb": 8, "memoryPerRankGb": 12}},
+    {"speculative": {"method": "ngram", "tokens": 8, "maxBatch": 16}, "batching": {"arrivalWindowMs": 0}},
+    {"speculative": {"method": "draft"}},  # the embedded SmolLM2 drafts, as the engine's default
+    {"model": BIG, "speculative": {"method": "draft", "draft": {"weights": "int8"}}},  # embedded draft, pvc model
+    {"model": BIG, "ranksPerReplica": 2, "speculative": {"method": "draft", "draft": {**DRAFT, "kvCacheGb": 1}}},
     {"ranksPerReplica": 2, "placement": {"mode": "pack", "socketsPerNode": 2}},
     {"quantization": {"weights": "int8", "activations": "int8-token"}},
 ])
