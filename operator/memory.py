@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from cpuserve.operator.checkpoints import stored_bytes
 from cpuserve.operator.spec import EMBEDDED_NUM_PARAMETERS, DraftModelSpec, LLMServiceSpec
 
 GIB = 1024**3
@@ -103,8 +104,7 @@ def plan_memory(spec: LLMServiceSpec, rank: int = 0) -> MemoryPlan | None:
 
 
 def download_size_limit(spec: LLMServiceSpec) -> str:
-    """emptyDir size for a downloaded checkpoint: params x stored bytes, +10% and 256 MiB slack."""
-    stored = {"F32": 4.0, "F16": 2.0, "BF16": 2.0, "Q8_0": 1.0625, "Q4_0": 0.5625, "Q4_1": 0.625}
-    per_param = stored[spec.model.checkpoint_type or "F32"]
-    params = num_parameters(spec) or 0
-    return f"{math.ceil(params * per_param * 1.1 / MIB) + 256}Mi"
+    """emptyDir size for a downloaded checkpoint: what its type stores at most (checkpoints.stored_bytes), +10% and
+    256 MiB slack (headers, tokenizer, norms, and the few tensors checkpoints.py leaves to it)."""
+    stored = stored_bytes(spec.model.checkpoint_type or "F32", num_parameters(spec) or 0)
+    return f"{math.ceil(stored * 1.1 / MIB) + 256}Mi"

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from cpuserve.engine.config import ACTIVATION_FORMATS, KV_CACHE_DTYPES, SPECULATIVE_METHODS, WEIGHT_FORMATS
+from cpuserve.operator.checkpoints import ALL_CHECKPOINT_TYPES
 
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 SECRET_KEY = r"^[-._a-zA-Z0-9]+$"
@@ -55,8 +56,11 @@ class ModelSpec(Spec):
     or an HTTP(S) URL downloaded by an init container."""
     format: Literal["gguf", "safetensors"] = "gguf"
     """Checkpoint format: one GGUF file, or a safetensors folder with config.json and tokenizer.json."""
-    checkpoint_type: Literal["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"] | None = None
-    """How the checkpoint stores its weights (GGUF: any; safetensors: F32, F16, BF16). Sizes the download."""
+    checkpoint_type: Literal[ALL_CHECKPOINT_TYPES] | None = None  # type: ignore[valid-type]
+    """How the checkpoint stores its weights. GGUF: llama.cpp's file type (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0,
+    Q5_1, Q2_K, Q2_K_S, Q3_K_S/M/L, Q4_K_S/M, Q5_K_S/M, Q6_K); safetensors: F32, F16, BF16, GPTQ-INT4, GPTQ-INT8,
+    AWQ-INT4, or compressed-tensors W4A16, W8A16, W8A8. Sizes the download (source url): an upper bound of what
+    the type stores; omitted: F32."""
     num_parameters: int | None = Field(None, ge=1_000_000, le=2_000_000_000_000)
     """Parameter count; sizes the weights shard in each rank's memory. Required unless source is embedded."""
     claim_name: str | None = Field(None, max_length=253, pattern=DNS_LABEL)

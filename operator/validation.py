@@ -7,12 +7,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from cpuserve.operator.checkpoints import CHECKPOINT_TYPES
 from cpuserve.operator.memory import MIB, plan_memory
 from cpuserve.operator.naming import MAX_NAME_LENGTH, RAY_GCS_PORT
 from cpuserve.operator.settings import OperatorSettings
 from cpuserve.operator.spec import LLMServiceSpec
 
-CHECKPOINT_TYPES = {"gguf": ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"), "safetensors": ("F32", "F16", "BF16")}
 _DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _ARCHIVES = (".tar", ".tar.gz", ".tgz")
 
