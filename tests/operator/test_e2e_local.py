@@ -33,6 +33,7 @@ from cpuserve.operator.validation import validate
 from cpuserve.operator.settings import OperatorSettings
 from cpuserve.operator.spec import PortsSpec
 from cpuserve.serving.config import DEFAULT_MODEL_NAME
+from cpuserve.serving.names import ENGINE_APP_NAME
 from cpuserve.v1 import inference_pb2 as pb
 from cpuserve.v1 import inference_pb2_grpc as pbg
 from fake_apiserver import CHART_CRDS
@@ -227,11 +228,15 @@ def test_a_weights_change_rolls_with_a_surge_and_serves_throughout(cluster):
     api = ServeApi(f"http://127.0.0.1:{kubelet.head_ports[8265]}",
                    read_token(server.kube, NS, NAME, validate(server.kube.get("LLMService", NS, NAME),
                                                               OperatorSettings())[0]))
-    # back to 1 replica, batching 8 streams at once: a scale-down with a new revision (the engine's args changed)
+    # back to 1 replica, batching 8 streams at once, n-gram drafts and a shorter arrival window: a scale-down with a
+    # new revision (the engine's args changed); the engine serves with what the spec asks
     before = set(rank_pods(server).values())
-    server.kube.merge_patch("LLMService", NS, NAME, {"spec": {"replicas": 1, "batching": {"maxNumSeqs": NUM_STREAMS}}})
+    server.kube.merge_patch("LLMService", NS, NAME, {"spec": {
+        "replicas": 1, "batching": {"maxNumSeqs": NUM_STREAMS, "arrivalWindowMs": 5}, "speculative": {"method": "ngram"}}})
     (old_pod,) = wait_for("one group of the new revision", lambda: len(pods := rank_pods(server)) == 1 and
                           not set(pods.values()) & before and running(api, 1) and pods, timeout=420, interval=1)
+    args = api.details()["applications"][ENGINE_APP_NAME]["deployed_app_config"]["args"]
+    assert (args["speculative"], args["spec_tokens"], args["arrival_window_ms"]) == ("ngram", 4, 5), args
     grpc_port = spec["ports"]["grpc"]
     change_under_load(api, grpc_port, lambda: server.kube.merge_patch(
         "LLMService", NS, NAME, {"spec": {"quantization": {"weights": "int8"}}}), NUM_STREAMS, NUM_TOKENS,

@@ -59,8 +59,11 @@ def test_metrics_match_traffic(grpc_stub, http_url, scrape):
               (http["usage"]["completion_tokens"], http["usage"]["prompt_tokens"])]
     assert stop.finish_reason == pb.FINISH_REASON_STOP and [u[0] for u in usages] == [1, 1, 9, 6]
     prompt_tokens = 2 * stop.usage.prompt_tokens + usages[2][1] + usages[3][1]
+    # the replica reports its steps and its pool together every 0.25 s; a report may come between the last step
+    # and the finished request's blocks going back (seen under load): wait for both
     after = wait_for(scrape, lambda m: value(m, "cpuserve_engine_step_seconds_count", M + ',rank="0"')
-                     - value(before, "cpuserve_engine_step_seconds_count", M + ',rank="0"') >= 1 + 1 + 9 + 6)
+                     - value(before, "cpuserve_engine_step_seconds_count", M + ',rank="0"') >= 1 + 1 + 9 + 6
+                     and pool_is_free(m))
 
     def delta(name: str, labels: str = M) -> float:
         return value(after, name, labels) - value(before, name, labels)
