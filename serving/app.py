@@ -13,6 +13,7 @@ graph as two applications (build_ingress_app, build_engine_app: serving/names.py
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -215,7 +216,11 @@ def stop_serving() -> None:
             serve.shutdown()
         finally:
             ray.shutdown()
-            psutil.wait_procs(started, timeout=5)  # workers stop shortly after their raylet
+            _, late = psutil.wait_procs(started, timeout=10)  # workers stop shortly after their raylet
+            for proc in late:  # the cluster is this process's: none of it outlives `cpuserve serve`
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
+            psutil.wait_procs(late, timeout=5)
             # and those Ray restarted or ended while serving: registered since this process started
             since = registrations_since(psutil.Process().create_time())
             remove_openmp_registrations({p.pid for p in started} | since)
