@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install protos kernels serve generate test fuzz soak bench bench-peers bench-serving clean tools
+.PHONY: install protos kernels serve generate test fuzz soak bench bench-peers bench-serving bench-report clean tools
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -72,6 +72,10 @@ bench-peers: install
 # Served speed of cpuserve (HTTP and gRPC) against every peer server at 1, 8 and 32 streams (about an hour).
 bench-serving: bench-peers
 	$(BIN)/python bench/serving.py
+
+# Every figure the performance docs quote, in one unattended run (about two hours): logs into bench-report/.
+bench-report: bench-peers
+	$(BIN)/python bench/report.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info $(STUBS) protos/cpuserve/v1/inference_pb2.pyi $(TOOLS)
