@@ -12,7 +12,9 @@ Intel's OpenMP preloaded. llama.cpp and OpenVINO GenAI load the GGUF itself; vLL
 gets a Hugging Face folder made from it, W8A8 by default (peer_vllm.py). vLLM and OpenVINO run with the python
 of their own venvs (peer_envs.py: $CPUSERVE_BENCH_PEERS_DIR, default ~/.cache/cpuserve-bench/peers), installed
 on first use if `make bench-peers` did not. Numbers are medians of --reps repetitions after a warm-up,
-repetitions interleaved across engines (same prompts for each). The machine is shared and noisy, so only
+repetitions interleaved across engines (same prompts for each). Besides one long prompt's prefill, cpuserve, vLLM and
+OpenVINO prefill a burst of short prompts added together (8 of 128 tokens, up to the last first token): what decides
+a served level's TTFT p99 (bench/serving.py). The machine is shared and noisy, so only
 ratios taken in one run mean much: ratio = cpuserve / peer, higher is better for speed, lower for memory; for
 speed, the median over repetitions of the ratio within each (the two engines ran back to back).
 A peer that cannot be installed or fails shows why in its rows.
@@ -57,10 +59,12 @@ TARGETS = {
 def sizes(quick: bool, reps: int | None, threads: int, batches: list[int] | None = None,
           prefill_len: int | None = None) -> dict:
     """The workload: --quick is a smoke run (a few tokens), not a measurement."""
+    # burst: [prompts, tokens each] prefilled together, as a served burst of short prompts reaches the engine (the
+    # TTFT p99 at 8 streams is the last first token of 8 prompts of 128 tokens: bench/serving.py)
     if quick:
-        s = dict(reps=2, prefill_len=128, prompt_len=16, gen_tokens=8, attn_lens=[256, 1024])
+        s = dict(reps=2, prefill_len=128, prompt_len=16, gen_tokens=8, attn_lens=[256, 1024], burst=[4, 32])
     else:
-        s = dict(reps=3, prefill_len=512, prompt_len=32, gen_tokens=32, attn_lens=[1024, 4096])
+        s = dict(reps=3, prefill_len=512, prompt_len=32, gen_tokens=32, attn_lens=[1024, 4096], burst=[8, 128])
     s.update(threads=threads, batches=batches or [1, 8, 32])
     if reps:
         s["reps"] = reps
@@ -104,7 +108,7 @@ def compare(engines: dict[str, tuple[str, dict]], measures: list[tuple], reps: i
     for op, args, names in measures:
         live = [n for n in names if n in workers and not workers[n].error]
         log(f"{op} {' '.join(map(str, args))}: {', '.join(live)} interleaved, {reps} reps")
-        seed = 1000 * (1 + (args[0] if args else 0))  # distinct prompts per measure
+        seed = 1000 * (1 + (args[0] if args else 0)) + (10 ** 6 if op == "burst" else 0)  # distinct prompts per measure
         for n in live:
             workers[n].call(op, *args, seed - 1)  # warm-up
         runs = {n: [] for n in live}
@@ -114,8 +118,8 @@ def compare(engines: dict[str, tuple[str, dict]], measures: list[tuple], reps: i
         for n in live:
             if None not in runs[n]:
                 entry = {"median": statistics.median(runs[n]), "runs": runs[n]}
-                if op == "prefill":
-                    results[n]["prefill"] = entry
+                if op in ("prefill", "burst"):
+                    results[n][op] = entry
                 else:
                     results[n]["decode"][str(args[0])] = entry
     for name, worker in workers.items():
@@ -140,6 +144,7 @@ LABELS = {"llama_cpp": "llama.cpp", "hf": "HF fp32", "vllm": "vLLM-CPU W8A8", "v
           "openvino": "OpenVINO GenAI", "cpuserve_amx_off": "cpuserve, AMX off",
           "cpuserve_prompt_int8": "cpuserve, CPUSERVE_PROMPT_GEMM=int8"}
 ROW_PEERS = ("llama_cpp", "hf", "vllm", "openvino")  # always in the table, "n/a (skipped)" when not selected
+BURST_SESSIONS = ("cpuserve", "vllm", "openvino")  # sessions with burst(count, length, seed)
 
 
 def peer_engines(peers: list[str], cfg: dict, suffix: str = "") -> dict[str, tuple[str, dict]]:
@@ -163,6 +168,8 @@ def collect(cfg: dict, model: str, peers: list[str], skip_1b: bool, save=lambda 
         save(raw)
         engines = peer_engines(peers, base)
         measures = [("prefill", (), list(engines))]
+        if cfg.get("burst"):  # the engines whose sessions take several prompts at once
+            measures.append(("burst", tuple(cfg["burst"]), [n for n, (s, _) in engines.items() if s in BURST_SESSIONS]))
         # padded batch generate in HF is slow: batch 1 and 8 only
         measures += [("decode", (b,), [n for n in engines if n != "hf" or b <= 8]) for b in cfg["batches"]]
         raw.update(compare(engines, measures, cfg["reps"]))
@@ -217,6 +224,10 @@ def _peer_rows(raw: dict, ours: dict, key: str, batches, prefix: str = "") -> li
     if prefix == "" or _entry(peer, "prefill"):
         rows.append(_row(f"{prefix}prefill vs {label}", _entry(ours, "prefill"), _entry(peer, "prefill"), peer,
                          f"tok/s, {raw['sizes']['prefill_len']}-token prompt"))
+    if _entry(peer, "burst"):  # only where both ran it: llama.cpp's and HF's sessions take one prompt at a time
+        count, length = raw["sizes"]["burst"]
+        rows.append(_row(f"{prefix}prefill {count}x{length} vs {label}", _entry(ours, "burst"), _entry(peer, "burst"),
+                         peer, f"tok/s, {count} prompts of {length} tokens together, to the last first token"))
     rows += [_row(f"{prefix}decode b{b} vs {label}", _entry(ours, "decode", str(b)),
                   _entry(peer, "decode", str(b)), peer, "tok/s, aggregate") for b in batches]
     rows.append(_row(f"{prefix}peak RSS vs {label}", ours.get("peak_rss_mb"), peer.get("peak_rss_mb"), peer,

@@ -95,7 +95,10 @@ class CpuserveSession:
         self.cfg, self.llm = cfg, load_cpuserve(cfg)
 
     def prefill(self, seed: int) -> float:
-        return cpuserve_prefill(self.llm, make_prompts(1, self.cfg["prefill_len"], seed)[0])
+        return self.burst(1, self.cfg["prefill_len"], seed)
+
+    def burst(self, count: int, length: int, seed: int) -> float:
+        return cpuserve_prefill(self.llm, *make_prompts(count, length, seed))
 
     def decode(self, batch: int, seed: int) -> float:
         return cpuserve_decode(self.llm, make_prompts(batch, self.cfg["prompt_len"], seed), self.cfg["gen_tokens"])

@@ -71,13 +71,16 @@ class OpenVINOSession:
         return counts
 
     def prefill(self, seed: int) -> float:
-        prompt = make_prompts(1, self.cfg["prefill_len"], seed)[0]
+        return self.burst(1, self.cfg["prefill_len"], seed)
+
+    def burst(self, count: int, length: int, seed: int) -> float:
+        """Prompt tokens/s of `count` prompts of `length` tokens added together, up to every first token."""
         start = time.perf_counter()
-        handles = self._add([prompt], 1)
+        handles = self._add(make_prompts(count, length, seed), 1)
         while self.pipe.has_non_finished_requests():
             self.pipe.step()
         self._new_tokens(handles)
-        return len(prompt) / (time.perf_counter() - start)
+        return count * length / (time.perf_counter() - start)
 
     def decode(self, batch: int, seed: int) -> float:
         """Aggregate decode tokens/s, counted once every sequence has its first token (as cpuserve_decode)."""

@@ -196,13 +196,17 @@ class VllmSession:
             self.next_id += 1
 
     def prefill(self, seed: int) -> float:
-        prompt = make_prompts(1, self.cfg["prefill_len"], seed)[0]
+        return self.burst(1, self.cfg["prefill_len"], seed)
+
+    def burst(self, count: int, length: int, seed: int) -> float:
+        """Prompt tokens/s of `count` prompts of `length` tokens added together, up to every first token."""
+        prompts = make_prompts(count, length, seed)
         engine = self.llm.llm_engine
         start = time.perf_counter()
-        self._add([prompt], 1)
+        self._add(prompts, 1)
         while engine.has_unfinished_requests():
             engine.step()
-        return len(prompt) / (time.perf_counter() - start)
+        return count * length / (time.perf_counter() - start)
 
     def decode(self, batch: int, seed: int) -> float:
         """Aggregate decode tokens/s, counted once every sequence has its first token (as cpuserve_decode)."""

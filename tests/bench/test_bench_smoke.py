@@ -16,7 +16,8 @@ pytestmark = pytest.mark.slow  # loads the real model (in a child process)
 
 BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
 # tiny sizes: every code path (prefill, decode at 1/8/32, attention, KV bytes), in seconds
-SIZES = dict(reps=1, prefill_len=32, prompt_len=8, gen_tokens=3, attn_lens=[128], threads=2, batches=[1, 8, 32])
+SIZES = dict(reps=1, prefill_len=32, prompt_len=8, gen_tokens=3, attn_lens=[128], threads=2, batches=[1, 8, 32],
+             burst=[3, 16])
 PEER_ROWS = ["prefill vs {}", "decode b1 vs {}", "decode b8 vs {}", "decode b32 vs {}", "peak RSS vs {}"]
 RATIO_ROWS = ([r.format("llama.cpp") for r in PEER_ROWS] + [r.format("HF fp32") for r in PEER_ROWS if "b32" not in r]
               + [r.format("vLLM-CPU W8A8") for r in PEER_ROWS] + [r.format("OpenVINO GenAI") for r in PEER_ROWS]
@@ -71,6 +72,7 @@ def test_cpuserve_side_fills_every_row(bench, model_path):
     assert rows["kv bytes/token int8 vs bf16"]["met"] == "met"
     assert rows["SlimAttention vs SDPA L=128"]["ratio"] > 0
     assert 50 < raw["cpuserve"]["peak_rss_mb"] < 8000
+    assert raw["cpuserve"]["burst"]["median"] > 0 and len(raw["cpuserve"]["burst"]["runs"]) == 1
     for name in int8_keys:
         assert rows[name]["ratio"] > 0
     table = bench.format_table(list(rows.values()), {})
@@ -130,6 +132,18 @@ def test_a_speed_ratio_pairs_the_repetitions_that_ran_back_to_back(bench):
     rows = bench.build_rows({"sizes": sizes, "attention": {}, "kv_bytes": {}, "hf": {"error": "skipped"},
                              "cpuserve": {"prefill": ours, "decode": {}}, "llama_cpp": {"prefill": unpaired}})
     assert rows[0]["ratio"] == 1.5
+
+
+def test_a_burst_row_stands_where_both_engines_ran_the_burst(bench):
+    """vLLM ran the burst: its row pairs the repetitions; llama.cpp's session takes one prompt at a time: no row."""
+    ours, peer = {"median": 4000, "runs": [4000, 3000, 5000]}, {"median": 4000, "runs": [5000, 3000, 4000]}
+    raw = {"sizes": dict(SIZES, batches=[1]), "attention": {}, "kv_bytes": {}, "hf": {"error": "skipped"},
+           "openvino": {"error": "skipped"}, "cpuserve": {"prefill": ours, "burst": ours, "decode": {}},
+           "llama_cpp": {"prefill": peer}, "vllm": {"prefill": peer, "burst": peer}}
+    rows = {r["measure"]: r for r in bench.build_rows(raw)}
+    assert rows["prefill 3x16 vs vLLM-CPU W8A8"]["ratio"] == 1.0  # 0.8, 1.0, 1.25
+    assert "3 prompts of 16 tokens" in rows["prefill 3x16 vs vLLM-CPU W8A8"]["unit"]
+    assert not [m for m in rows if m.startswith("prefill 3x16") and "vLLM" not in m]
 
 
 def test_real_size_rows_against_vllm_hold_the_amx_targets_and_nothing_else(bench):
@@ -215,9 +229,10 @@ def test_venv_peer_runs_in_its_own_python_and_measures(bench, model_path, peer):
     _require_peer(bench, peer)
     engines = bench.peer_engines([peer], dict(SIZES, model=model_path))
     name = bench.PEERS[peer][0]
-    answer = bench.compare({name: engines[name]}, llama_measures(name), reps=1)[name]
+    burst = [("burst", tuple(SIZES["burst"]), [name])]
+    answer = bench.compare({name: engines[name]}, llama_measures(name) + burst, reps=1)[name]
     assert "error" not in answer, answer
-    assert answer["prefill"]["median"] > 0
+    assert answer["prefill"]["median"] > 0 and answer["burst"]["median"] > 0
     assert sorted(answer["decode"], key=int) == ["1", "8", "32"]
     assert all(d["median"] > 0 for d in answer["decode"].values())
     assert answer["peak_rss_mb"] > 50
