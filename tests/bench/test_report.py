@@ -53,3 +53,29 @@ def test_a_failed_step_is_logged_and_the_next_runs(tmp_path, monkeypatch, capsys
 def test_main_exits_nonzero_only_when_a_step_failed(tmp_path, monkeypatch, rc):
     monkeypatch.setattr(report, "STEPS", {"only": lambda out: [sys.executable, "-c", f"raise SystemExit({rc})"]})
     assert report.main(["--out", str(tmp_path)]) == (1 if rc else 0)
+
+
+def test_the_cold_start_venv_is_made_and_filled_outside_the_checkout(tmp_path, monkeypatch):
+    """Each command of the cold-start step's set-up runs in its own folder: `python -m pip` run in the checkout puts
+    the checkout first on sys.path, and a fresh venv's python then imports the checkout's operator/ in place of the
+    standard library's operator module (pip fails before it starts)."""
+    calls = []
+
+    def run(args, **kwargs):
+        calls.append((args, kwargs))
+        if "wheel" in args:  # the wheel the install then takes
+            wheels = Path(args[args.index("-w") + 1])
+            wheels.mkdir(parents=True, exist_ok=True)
+            (wheels / "cpuserve-0.1.0-py3-none-linux_x86_64.whl").touch()
+        return subprocess.CompletedProcess(args, 0)
+
+    monkeypatch.setattr(report.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(report.subprocess, "run", run)
+    command = report.wheel_venv(tmp_path)
+    assert [args[1:3] for args, _ in calls] == [["-m", "pip"], ["-m", "venv"], ["-m", "pip"], ["-m", "pip"]]
+    root = report.ROOT.resolve()
+    for args, kwargs in calls:
+        cwd = Path(kwargs["cwd"]).resolve()
+        assert kwargs["check"] and root not in (cwd, *cwd.parents), (args, kwargs)
+    assert any(str(report.CONSTRAINTS) in args for args, _ in calls)
+    assert command[command.index("--cpuserve") + 1].startswith(str(tmp_path))
