@@ -3,7 +3,9 @@ terminal and in a log of its own (about two hours on 2 cores; a step that fails 
 
     engine        bench/engine.py against vLLM-CPU (W8A8, bf16) and OpenVINO GenAI, medians of 3 interleaved runs;
                   where the CPU has AMX, cpuserve with the tiles off and with every row on the int8 path beside them
-    real-3b       the same at real size: a synthetic Llama 3.2 3B Q4_K_M against vLLM-CPU on a folder of its shapes
+    real-3b       the same at real size: a synthetic Llama 3.2 3B Q4_K_M against vLLM-CPU W8A8 on a folder of its
+                  shapes; real-3b-bf16 against vLLM-CPU bf16 (a run of its own: the three engines of a 3B model
+                  loaded side by side, about 22 GB, do not fit a 24 GiB machine)
     profile       bench/engine.py --profile: where a decode step and a prompt step spend their time
     products      bench/attention.py --products: which product kernel SlimAttention takes on this CPU
     serving       bench/serving.py: cpuserve's HTTP and gRPC against every peer server at 1, 8 and 32 streams
@@ -62,8 +64,10 @@ def wheel_venv(out: Path) -> list[str]:
 STEPS = {
     "engine": lambda out: [PY, str(BENCH / "engine.py"), "--skip-1b", "--skip-hf",
                            "--peers", "vllm,vllm-bf16,openvino", "--reps", "3"],
-    "real-3b": lambda out: [PY, str(BENCH / "engine.py"), "--skip-hf", "--peers", "vllm,vllm-bf16",
+    "real-3b": lambda out: [PY, str(BENCH / "engine.py"), "--skip-hf", "--peers", "vllm",
                             "--real-sizes", "3b", "--only-real", "--batches", "1,32", "--reps", "3"],
+    "real-3b-bf16": lambda out: [PY, str(BENCH / "engine.py"), "--skip-hf", "--peers", "vllm-bf16",
+                                 "--real-sizes", "3b", "--only-real", "--batches", "1,32", "--reps", "3"],
     "profile": lambda out: [PY, str(BENCH / "engine.py"), "--profile", "--skip-1b", "--skip-hf"],
     "products": lambda out: [PY, str(BENCH / "attention.py"), "--products"],
     "serving": lambda out: [PY, str(BENCH / "serving.py")],
